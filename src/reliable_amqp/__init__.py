@@ -1,0 +1,66 @@
+"""reliable_amqp: lossless, fast publishing to AMQP 0-9-1 brokers (RabbitMQ, LavinMQ).
+
+Every message handed to a publisher resolves exactly once: confirmed by the broker, or failed with
+a :class:`PublishError` subclass that says why. See ``docs/`` for the delivery contract.
+"""
+
+from reliable_amqp._core.errors import (
+    AccessRefused,
+    AmqpConnectionError,
+    AuthenticationFailed,
+    BrokerError,
+    ConfigurationError,
+    ConnectionForced,
+    DeliveryTimeout,
+    InvalidMessage,
+    MessageNacked,
+    MessageRejected,
+    MessageReturned,
+    NotAllowed,
+    NotFound,
+    PreconditionFailed,
+    PublisherClosed,
+    PublishError,
+    PublishTimeout,
+    RecoveryFailed,
+    ReliableAmqpError,
+    broker_error,
+)
+from reliable_amqp._core.message import Confirmation, MessageProperties, OutgoingMessage
+from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._core.state import State
+from reliable_amqp._sync.publisher import Publisher
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccessRefused",
+    "AmqpConnectionError",
+    "AuthenticationFailed",
+    "BrokerError",
+    "ConfigurationError",
+    "Confirmation",
+    "ConnectionForced",
+    "DeliveryTimeout",
+    "InvalidMessage",
+    "MessageNacked",
+    "MessageProperties",
+    "MessageRejected",
+    "MessageReturned",
+    "NotAllowed",
+    "NotFound",
+    "OutgoingMessage",
+    "PreconditionFailed",
+    "PublishError",
+    "PublishTimeout",
+    "Publisher",
+    "PublisherClosed",
+    "PublisherOptions",
+    "RecoveryFailed",
+    "ReliableAmqpError",
+    "RetryPolicy",
+    "State",
+    "__version__",
+    "broker_error",
+]

@@ -1,0 +1,308 @@
+"""PublishEngine: the I/O-free heart of both publishers.
+
+It owns every accepted message until the message is resolved, and decides what each broker frame
+means for it: confirmed, retried after a nack (with backoff), failed, republished after a channel
+loss, or expired. Adapters feed it frames and the clock, write what it says to write, and turn the
+:class:`Resolution` objects it returns into resolved futures: one place settles every message.
+
+Not thread-safe: an adapter calls it from one thread (the I/O thread, or the event loop).
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import re
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from reliable_amqp._core.errors import (
+    REPLY_CODE_ERRORS,
+    DeliveryTimeout,
+    MessageNacked,
+    MessageRejected,
+    MessageReturned,
+    PublisherClosed,
+    PublishError,
+)
+from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._core.tracker import (
+    ATTEMPT_HEADER,
+    ConfirmTracker,
+    Entry,
+    Outcome,
+    Settled,
+    attempt_tag,
+)
+
+H = TypeVar("H")
+
+WAITING, WIRE, BACKOFF, DONE = "waiting", "wire", "backoff", "done"
+
+# Codes with which a broker closes a channel because of one publish. A message that keeps
+# causing them must fail; anything else (320 forced, 541 internal, a lost socket) is the
+# connection's fault and the messages are republished.
+_EXCHANGE_IN_TEXT = re.compile(r"exchange '((?:[^']|'')*)'")
+_SIZE_IN_TEXT = re.compile(r"message size (\d+)")
+
+
+def is_permanent_channel_close(reply_code: int | None, reply_text: str) -> bool:
+    """Whether a channel close with this code blames a message (not the connection)."""
+    if reply_code is None:
+        return False
+    if reply_code == 406 and "disk" in reply_text.lower():
+        # LavinMQ closes channels with 406 when its disk is low: a resource problem, retriable.
+        return False
+    cls = REPLY_CODE_ERRORS.get(reply_code)
+    return cls is not None and not cls.retriable and reply_code != 320
+
+
+@dataclass(frozen=True, slots=True)
+class Resolution(Generic[H]):
+    """A message's final outcome: a :class:`Confirmation` or the :class:`PublishError`."""
+
+    entry: Entry[H]
+    result: Confirmation | PublishError
+
+    @property
+    def ok(self) -> bool:
+        """True when the message was confirmed."""
+        return isinstance(self.result, Confirmation)
+
+
+class PublishEngine(Generic[H]):
+    """Every accepted, unresolved message, and the rules that resolve it exactly once."""
+
+    def __init__(
+        self,
+        *,
+        delivery_timeout: float,
+        nack_policy: RetryPolicy,
+        dedup_header: str | None = None,
+        max_suspect: int = 3,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self.tracker: ConfirmTracker[H] = ConfirmTracker()
+        self.delivery_timeout = delivery_timeout
+        self.nack_policy = nack_policy
+        self.dedup_header = dedup_header
+        self.max_suspect = max_suspect
+        self._rng = rng
+        self._sendq: deque[Entry[H]] = deque()
+        # accept order == deadline order (one delivery_timeout for all); resolved entries are
+        # dropped lazily from the left, and compacted when they pile up behind a slow one
+        self._fifo: deque[Entry[H]] = deque()
+        self._retry: list[tuple[float, int, Entry[H]]] = []
+        self._retry_seq = 0
+        self._live = 0
+
+    # --- accepting and sending --------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """How many accepted messages are not resolved yet."""
+        return self._live
+
+    def accept(self, message: OutgoingMessage, handle: H, now: float) -> Entry[H]:
+        """Take a message; it is queued to be written."""
+        entry = Entry(
+            message=message,
+            handle=handle,
+            deadline=now + self.delivery_timeout,
+            size=len(message.body),
+            accepted=now,
+        )
+        self._sendq.append(entry)
+        self._fifo.append(entry)
+        self._live += 1
+        return entry
+
+    def has_sendable(self) -> bool:
+        """Whether :meth:`next_to_send` has something (possibly an already-resolved entry)."""
+        return bool(self._sendq)
+
+    def next_to_send(self) -> Entry[H] | None:
+        """The next message to write, in order; None when nothing waits."""
+        sendq = self._sendq
+        while sendq:
+            entry = sendq.popleft()
+            if entry.state == WAITING:
+                return entry
+        return None
+
+    def unsend(self, entry: Entry[H]) -> None:
+        """Put back an entry taken by :meth:`next_to_send` that could not be written."""
+        if entry.state == WAITING:
+            self._sendq.appendleft(entry)
+
+    def mark_sent(self, entry: Entry[H]) -> Mapping[str, Any] | None:
+        """Record that ``entry`` is being written now (the next publish on the channel).
+
+        Returns the headers to write: the message's own, plus the attempt header on mandatory
+        messages (to correlate a ``basic.return``) and the dedup header when configured; None
+        when the message's headers go out unchanged.
+        """
+        self.tracker.track(entry)
+        entry.state = WIRE
+        message = entry.message
+        if not message.mandatory and self.dedup_header is None:
+            return None
+        headers = dict(message.properties.headers or {})
+        if message.mandatory:
+            headers[ATTEMPT_HEADER] = attempt_tag(entry.key)
+        if self.dedup_header is not None:
+            headers[self.dedup_header] = message.message_id
+        return headers
+
+    # --- frames from the broker ---------------------------------------------------------------
+
+    def on_ack(self, generation: int, tag: int, multiple: bool, now: float) -> list[Resolution[H]]:
+        """``basic.ack`` on the channel of ``generation``."""
+        return self._resolve_settled(self.tracker.on_ack(generation, tag, multiple), now)
+
+    def on_nack(
+        self, generation: int, tag: int, multiple: bool, now: float
+    ) -> list[Resolution[H]]:
+        """``basic.nack``: retried under the nack policy (with backoff), or failed."""
+        return self._resolve_settled(self.tracker.on_nack(generation, tag, multiple), now)
+
+    def on_return(self, attempt: object, reply_code: int, reply_text: str) -> None:
+        """``basic.return``; ``attempt`` is the returned message's attempt header value."""
+        self.tracker.on_return(attempt, reply_code, reply_text)
+
+    def on_channel_lost(
+        self, reply_code: int | None, reply_text: str, now: float
+    ) -> list[Resolution[H]]:
+        """The channel (or its connection) is gone; its unconfirmed messages go out again.
+
+        With a code that blames a message (404 missing exchange, 406 oversize, ...), the message
+        named by the reply text fails with :class:`MessageRejected`; when the text names none,
+        every message that was in flight becomes a suspect, and one that has been in flight for
+        ``max_suspect`` such closes fails. The rest are queued first, in their original order.
+        """
+        unconfirmed = self.tracker.new_generation()
+        resolutions: list[Resolution[H]] = []
+        if is_permanent_channel_close(reply_code, reply_text):
+            assert reply_code is not None
+            culprit = _find_culprit(unconfirmed, reply_code, reply_text)
+            blamed = [culprit] if culprit is not None else []
+            if culprit is None:
+                for entry in unconfirmed:
+                    entry.suspect += 1
+                blamed = [e for e in unconfirmed if e.suspect >= self.max_suspect]
+            for entry in blamed:
+                resolutions.append(
+                    self._finish(
+                        entry,
+                        MessageRejected(entry.message, entry.attempts, reply_code, reply_text),
+                    )
+                )
+        again = [e for e in unconfirmed if e.state == WIRE]
+        for entry in again:
+            entry.state = WAITING
+        self._sendq.extendleft(reversed(again))
+        return resolutions
+
+    # --- time ---------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Resolution[H]]:
+        """Move due nack retries back to the send queue and expire messages past deadline."""
+        retry = self._retry
+        while retry and retry[0][0] <= now:
+            _, _, entry = heapq.heappop(retry)
+            if entry.state == BACKOFF:
+                entry.state = WAITING
+                self._sendq.append(entry)
+        resolutions: list[Resolution[H]] = []
+        fifo = self._fifo
+        while fifo and (fifo[0].state == DONE or fifo[0].deadline <= now):
+            entry = fifo.popleft()
+            if entry.state != DONE:
+                self.tracker.discard(entry)
+                resolutions.append(
+                    self._finish(
+                        entry, DeliveryTimeout(entry.message, entry.attempts, self.delivery_timeout)
+                    )
+                )
+        if len(fifo) > 1024 and len(fifo) > 4 * self._live:
+            self._fifo = deque(e for e in fifo if e.state != DONE)
+        return resolutions
+
+    def next_wakeup(self) -> float | None:
+        """The earliest time :meth:`tick` has something to do (None: nothing pending)."""
+        times = [self._retry[0][0]] if self._retry else []
+        for entry in self._fifo:
+            if entry.state != DONE:
+                times.append(entry.deadline)
+                break
+        return min(times) if times else None
+
+    def close_all(self, reason: str = "") -> list[Resolution[H]]:
+        """Fail every unresolved message with :class:`PublisherClosed`."""
+        pending = [e for e in self._fifo if e.state != DONE]
+        for entry in pending:
+            self.tracker.discard(entry)
+        resolutions = [
+            self._finish(e, PublisherClosed(e.message, e.attempts, reason)) for e in pending
+        ]
+        self._fifo.clear()
+        self._sendq.clear()
+        self._retry.clear()
+        return resolutions
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _resolve_settled(self, settled: list[Settled[H]], now: float) -> list[Resolution[H]]:
+        resolutions: list[Resolution[H]] = []
+        for item in settled:
+            entry = item.entry
+            if entry.state != WIRE:  # expired or closed meanwhile; already resolved
+                continue
+            if item.outcome is Outcome.ACKED:
+                resolutions.append(
+                    self._finish(entry, Confirmation(entry.message.message_id, entry.attempts))
+                )
+            elif item.outcome is Outcome.RETURNED:
+                code, text = entry.returned or (312, "NO_ROUTE")
+                resolutions.append(
+                    self._finish(entry, MessageReturned(entry.message, entry.attempts, code, text))
+                )
+            else:
+                entry.nacks += 1
+                delay = self.nack_policy.delay(entry.nacks, self._rng)
+                if (
+                    self.nack_policy.allows(entry.nacks, now - entry.accepted)
+                    and now + delay < entry.deadline
+                ):
+                    entry.state = BACKOFF
+                    self._retry_seq += 1
+                    heapq.heappush(self._retry, (now + delay, self._retry_seq, entry))
+                else:
+                    resolutions.append(
+                        self._finish(entry, MessageNacked(entry.message, entry.attempts))
+                    )
+        return resolutions
+
+    def _finish(self, entry: Entry[H], result: Confirmation | PublishError) -> Resolution[H]:
+        entry.state = DONE
+        self._live -= 1
+        return Resolution(entry, result)
+
+
+def _find_culprit(
+    unconfirmed: list[Entry[H]], reply_code: int, reply_text: str
+) -> Entry[H] | None:
+    """The first in-flight message the broker's reply text points at, if it names one."""
+    match = _EXCHANGE_IN_TEXT.search(reply_text)
+    if match and reply_code in (403, 404):
+        name = match.group(1).replace("''", "'")
+        if name == "amq.default":
+            name = ""
+        return next((e for e in unconfirmed if e.message.exchange == name), None)
+    match = _SIZE_IN_TEXT.search(reply_text)
+    if match and reply_code == 406:
+        size = int(match.group(1))
+        return next((e for e in unconfirmed if e.size == size), None)
+    return None

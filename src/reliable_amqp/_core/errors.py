@@ -1,0 +1,293 @@
+"""The exception hierarchy: one root, a ``retriable`` flag per class, AMQP reply codes by table.
+
+Per-message failures derive from :class:`PublishError` and carry the message they are about, so a
+caller holding only the exception can republish, log or dead-letter it. Everything a broker says
+with a reply code is turned into a :class:`BrokerError` subclass through :data:`REPLY_CODE_ERRORS`
+(the pamqp way: one table, not a chain of ``if`` statements).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from reliable_amqp._core.message import OutgoingMessage
+
+
+class ReliableAmqpError(Exception):
+    """Root of every exception this library raises."""
+
+    #: True when doing the same thing again later may succeed; retry logic reads this flag.
+    retriable: ClassVar[bool] = False
+
+
+# --- configuration and input -------------------------------------------------------------------
+
+
+class ConfigurationError(ReliableAmqpError, ValueError):
+    """An option, URL or retry policy is invalid (raised before anything is sent)."""
+
+
+class InvalidMessage(ReliableAmqpError, ValueError):
+    """A message given to ``publish()`` cannot be sent as it is; nothing was sent.
+
+    ``field`` names what was wrong (``"body"``, ``"routing_key"``, ``"headers['x']"``, ...).
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"invalid {field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class PublishTimeout(ReliableAmqpError, TimeoutError):
+    """``publish()`` waited longer than ``publish_timeout`` for room in the in-flight window."""
+
+    retriable = True
+
+
+# --- broker replies -------------------------------------------------------------------------------
+
+
+class BrokerError(ReliableAmqpError):
+    """The broker closed a channel or connection with an AMQP reply code."""
+
+    reply_code: ClassVar[int] = 0
+
+    def __init__(self, reply_code: int, reply_text: str) -> None:
+        super().__init__(f"{reply_code} {reply_text}")
+        self.code = reply_code
+        self.text = reply_text
+
+
+class ConnectionForced(BrokerError):
+    """320: the broker closed the connection (shutdown, ``rabbitmqctl close_connection``)."""
+
+    reply_code = 320
+    retriable = True
+
+
+class ContentTooLarge(BrokerError):
+    """311: the message body is too large."""
+
+    reply_code = 311
+
+
+class NoRoute(BrokerError):
+    """312: a mandatory message could not be routed to any queue."""
+
+    reply_code = 312
+
+
+class NoConsumers(BrokerError):
+    """313: an immediate message had no consumer."""
+
+    reply_code = 313
+
+
+class AccessRefused(BrokerError):
+    """403: the user may not do this (wrong permissions, reserved ``amq.`` names)."""
+
+    reply_code = 403
+
+
+class NotFound(BrokerError):
+    """404: the exchange or queue does not exist."""
+
+    reply_code = 404
+
+
+class ResourceLocked(BrokerError):
+    """405: an exclusive queue belongs to another connection."""
+
+    reply_code = 405
+    retriable = True
+
+
+class PreconditionFailed(BrokerError):
+    """406: a precondition failed (oversize message, mismatched declare, LavinMQ low disk)."""
+
+    reply_code = 406
+
+
+class FrameError(BrokerError):
+    """501: a malformed frame."""
+
+    reply_code = 501
+
+
+class SyntaxError_(BrokerError):
+    """502: a frame with illegal values."""
+
+    reply_code = 502
+
+
+class CommandInvalid(BrokerError):
+    """503: a command not allowed in the current state."""
+
+    reply_code = 503
+
+
+class ChannelError(BrokerError):
+    """504: a command on a channel that is not open."""
+
+    reply_code = 504
+
+
+class UnexpectedFrame(BrokerError):
+    """505: a frame the broker did not expect."""
+
+    reply_code = 505
+
+
+class ResourceError(BrokerError):
+    """506: the broker lacks a resource (memory, file handles)."""
+
+    reply_code = 506
+    retriable = True
+
+
+class NotAllowed(BrokerError):
+    """530: not allowed (a virtual host that does not exist or was deleted)."""
+
+    reply_code = 530
+
+
+class NotImplemented_(BrokerError):
+    """540: the broker does not implement this."""
+
+    reply_code = 540
+
+
+class InternalError(BrokerError):
+    """541: the broker hit an internal error."""
+
+    reply_code = 541
+    retriable = True
+
+
+#: AMQP 0-9-1 reply code -> exception class.
+REPLY_CODE_ERRORS: dict[int, type[BrokerError]] = {
+    cls.reply_code: cls
+    for cls in (
+        ContentTooLarge,
+        NoRoute,
+        NoConsumers,
+        ConnectionForced,
+        AccessRefused,
+        NotFound,
+        ResourceLocked,
+        PreconditionFailed,
+        FrameError,
+        SyntaxError_,
+        CommandInvalid,
+        ChannelError,
+        UnexpectedFrame,
+        ResourceError,
+        NotAllowed,
+        NotImplemented_,
+        InternalError,
+    )
+}
+
+
+def broker_error(reply_code: int, reply_text: str) -> BrokerError:
+    """Return the exception for an AMQP reply code (a plain :class:`BrokerError` if unknown)."""
+    cls = REPLY_CODE_ERRORS.get(reply_code, BrokerError)
+    return cls(reply_code, reply_text)
+
+
+# --- connections ------------------------------------------------------------------------------
+
+
+class AmqpConnectionError(ReliableAmqpError):
+    """The connection to the broker failed or was lost."""
+
+    retriable = True
+
+
+class AuthenticationFailed(AmqpConnectionError):
+    """The broker refused the credentials (never retried: retrying cannot fix a password)."""
+
+    retriable = False
+
+
+class RecoveryFailed(AmqpConnectionError):
+    """The publisher gave up reconnecting (connect retry policy spent, or a permanent error)."""
+
+    retriable = False
+
+
+# --- per-message outcomes -------------------------------------------------------------------------
+
+
+class PublishError(ReliableAmqpError):
+    """A message was not confirmed. ``message`` is the message; ``attempts`` how often it was sent."""
+
+    def __init__(self, message: OutgoingMessage, attempts: int, detail: str) -> None:
+        super().__init__(f"message {message.message_id!r} {detail}")
+        self.message = message
+        self.attempts = attempts
+
+
+class MessageNacked(PublishError):
+    """The broker answered ``basic.nack`` and the nack retry policy is spent."""
+
+    retriable = True
+
+    def __init__(self, message: OutgoingMessage, attempts: int) -> None:
+        super().__init__(message, attempts, f"was nacked by the broker ({attempts} attempts)")
+
+
+class MessageReturned(PublishError):
+    """A ``mandatory`` message could not be routed: the broker returned it (``basic.return``)."""
+
+    def __init__(
+        self, message: OutgoingMessage, attempts: int, reply_code: int, reply_text: str
+    ) -> None:
+        super().__init__(
+            message,
+            attempts,
+            f"was returned as unroutable ({reply_code} {reply_text}) "
+            f"by exchange {message.exchange!r} with routing key {message.routing_key!r}",
+        )
+        self.reply_code = reply_code
+        self.reply_text = reply_text
+
+
+class DeliveryTimeout(PublishError, TimeoutError):
+    """The message's whole deadline (``delivery_timeout``, reconnects included) passed."""
+
+    retriable = True
+
+    def __init__(self, message: OutgoingMessage, attempts: int, timeout: float) -> None:
+        super().__init__(
+            message, attempts, f"was not confirmed within its {timeout:g} s delivery timeout"
+        )
+        self.timeout = timeout
+
+
+class MessageRejected(PublishError):
+    """The channel was closed by this very message (404 missing exchange, 406 oversize, ...)."""
+
+    def __init__(
+        self, message: OutgoingMessage, attempts: int, reply_code: int, reply_text: str
+    ) -> None:
+        super().__init__(
+            message, attempts, f"was rejected: the broker closed the channel with "
+            f"{reply_code} {reply_text}"
+        )
+        self.reply_code = reply_code
+        self.reply_text = reply_text
+        self.cause = broker_error(reply_code, reply_text)
+
+
+class PublisherClosed(PublishError):
+    """The publisher was closed (or failed for good) before the message could be confirmed."""
+
+    retriable = True
+
+    def __init__(self, message: OutgoingMessage, attempts: int, reason: str = "") -> None:
+        detail = "was not confirmed before the publisher closed"
+        super().__init__(message, attempts, f"{detail}: {reason}" if reason else detail)
+        self.reason = reason

@@ -1,0 +1,580 @@
+"""A disposable RabbitMQ node that fault-injection tests may kill -9 and restart.
+
+The node runs beside the shared broker with its own name, ports, data, logs and Erlang cookie, so
+nothing a test does to it can disturb the shared node (127.0.0.1:5672) or other test runs.
+
+Lifecycle and leak protection:
+
+- ``start()`` spawns the packaged ``rabbitmq-server`` script in the foreground, in its own session,
+  as user ``rabbitmq`` when the caller is root (as the caller otherwise).
+- ``kill()`` sends SIGKILL to the beam process named in the pid file; data stays for ``restart()``.
+- ``stop()`` stops the node (SIGTERM, then SIGKILL) and removes its directory.
+- A node whose owner process dies anyway is caught three ways: an ``atexit`` hook, a parent-death
+  signal on the node's launcher (when started from the main thread), and a sweep of the node base
+  directory that stops nodes whose owner is gone, run whenever a new ``DisposableBroker`` starts.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import itertools
+import os
+import pwd
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import TracebackType
+
+__all__ = [
+    "DEFAULT_MEMORY_HIGH_WATERMARK",
+    "BrokerCommandError",
+    "BrokerStartError",
+    "DisposableBroker",
+]
+
+# The relative memory watermark the node is configured with; the fixtures restore it after a test
+# raised an alarm with `set_vm_memory_high_watermark`.
+DEFAULT_MEMORY_HIGH_WATERMARK = "0.4"
+# `set_disk_free_limit` counterpart. A tiny limit: a nearly full disk on a developer machine must
+# not block publishers in tests that did not ask for a disk alarm.
+DEFAULT_DISK_FREE_LIMIT = "1MB"
+# ctl commands that change node-wide limits until the next restart; see `reset_limits()`.
+_LIMIT_COMMANDS = frozenset({"set_vm_memory_high_watermark", "set_disk_free_limit"})
+
+_DEBIAN_SCRIPTS = Path("/usr/lib/rabbitmq/bin")
+_NODE_USER = "rabbitmq"
+_OWNER_FILE = "owner"
+_PR_SET_PDEATHSIG = 1
+
+_counter = itertools.count(1)
+_live: weakref.WeakSet[DisposableBroker] = weakref.WeakSet()
+_ports_in_use: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+class BrokerStartError(RuntimeError):
+    """The node did not come up; the message carries the tail of its logs."""
+
+
+class BrokerCommandError(RuntimeError):
+    """A rabbitmqctl command against the node failed."""
+
+    def __init__(self, args: tuple[str, ...], returncode: int, stdout: str, stderr: str) -> None:
+        super().__init__(
+            f"rabbitmqctl {' '.join(args)} exited {returncode}:\n{stdout}{stderr}".rstrip()
+        )
+        self.returncode = returncode
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+class DisposableBroker:
+    """A private RabbitMQ node on free loopback ports, with its data in a temporary directory.
+
+    Usable as a context manager (``start()`` on enter, ``stop()`` on exit). All lifecycle methods
+    are serialised by a lock, so a helper thread may ``kill()`` the node while the test publishes.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_dir: str | Path | None = None,
+        scripts_dir: str | Path | None = None,
+        extra_config: Mapping[str, str] | None = None,
+    ) -> None:
+        """Prepare (but do not start) a node.
+
+        Args:
+            base_dir: parent of the node's directory; default ``<tmp>/reliable-amqp-nodes-<uid>``.
+                It must be traversable by user ``rabbitmq`` when running as root.
+            scripts_dir: where ``rabbitmq-server`` and ``rabbitmqctl`` live; default the Debian
+                package's ``/usr/lib/rabbitmq/bin``, else the scripts found on ``PATH``.
+            extra_config: additional ``rabbitmq.conf`` keys, e.g. ``{"heartbeat": "5"}``.
+        """
+        self._base_dir = Path(base_dir) if base_dir else _default_base_dir()
+        self._scripts_dir = Path(scripts_dir) if scripts_dir else _find_scripts_dir()
+        self._extra_config = dict(extra_config or {})
+        short = f"ra-test-{os.getpid()}-{next(_counter)}-{secrets.token_hex(2)}"
+        self.nodename = f"{short}@localhost"
+        self.dir = self._base_dir / short
+        self._user = _node_user()
+        self._port = 0
+        self._dist_port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.RLock()
+        self._created = False
+        self._limits_changed = False
+        self.last_start_seconds: float | None = None
+
+    # -- public surface -------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        """The AMQP port (stable across ``kill()``/``restart()``); 0 before the first start."""
+        return self._port
+
+    @property
+    def dist_port(self) -> int:
+        """The Erlang distribution port of the node."""
+        return self._dist_port
+
+    @property
+    def url(self) -> str:
+        """``amqp://guest:guest@127.0.0.1:PORT/%2F`` for this node."""
+        return f"amqp://guest:guest@127.0.0.1:{self._port}/%2F"
+
+    @property
+    def pid(self) -> int | None:
+        """The beam process id while the node runs, else None."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                return None
+            return _read_pid(self.dir / "rabbit.pid")
+
+    @property
+    def log_file(self) -> Path:
+        """The node's main log file: read it when a test fails for an unclear reason."""
+        return self.dir / "log" / f"{self.nodename}.log"
+
+    def is_running(self) -> bool:
+        """Whether the node process is alive (it may still be booting)."""
+        with self._lock:
+            return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the node and return once it accepts AMQP connections and ``await_startup`` passes.
+
+        Starting a running node does nothing. After ``kill()`` this reuses the data directory, so
+        durable queues and persistent messages come back.
+        """
+        with self._lock:
+            if self.is_running():
+                return
+            began = time.monotonic()
+            if not self._created:
+                _reap_stale_nodes(self._base_dir)
+                self._create_layout()
+            self._reap()
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / "rabbit.pid").unlink()
+            self._spawn()
+            try:
+                self._await_startup(began + timeout)
+            except BaseException:
+                self._kill_process()
+                raise
+            self._limits_changed = False
+            self.last_start_seconds = time.monotonic() - began
+
+    def kill(self, timeout: float = 30.0) -> None:
+        """SIGKILL the beam process (from the pid file) and wait until its AMQP port is closed.
+
+        The data directory stays, so ``restart()`` recovers what the node had written to disk.
+        """
+        with self._lock:
+            if not self.is_running():
+                return
+            self._kill_process(timeout)
+            _wait_until(lambda: not _port_open(self._port), timeout, "AMQP port to close")
+
+    def restart(self, timeout: float = 60.0) -> None:
+        """Start the node again on the same ports and data (stopping it cleanly first if needed)."""
+        with self._lock:
+            if self.is_running():
+                self._terminate(timeout)
+            self.start(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the node (SIGTERM, SIGKILL after ``timeout``) and delete its directory.
+
+        Idempotent; safe to call on a node that never started or was killed.
+        """
+        with self._lock:
+            try:
+                if self.is_running():
+                    self._terminate(timeout)
+                self._reap()
+            finally:
+                shutil.rmtree(self.dir, ignore_errors=True)
+                self._created = False
+                _live.discard(self)
+                with _ports_lock:
+                    _ports_in_use.difference_update({self._port, self._dist_port})
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+        """Run ``rabbitmqctl -n NODE *args`` with the node's cookie and return its stdout.
+
+        Raises BrokerCommandError on a non-zero exit. Example:
+        ``broker.ctl("set_vm_memory_high_watermark", "0.0000001")`` raises a memory alarm.
+        """
+        if args and args[0] in _LIMIT_COMMANDS:
+            # Remembered so that `reset_limits()` can undo it without a CLI call per test.
+            self._limits_changed = True
+        cmd = [str(self._scripts_dir / "rabbitmqctl"), "-n", self.nodename, *args]
+        user, group, extra_groups = self._identity()
+        result = subprocess.run(
+            cmd,
+            env=self._env(),
+            cwd=self.dir,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            user=user,
+            group=group,
+            extra_groups=extra_groups,
+        )
+        if result.returncode != 0:
+            raise BrokerCommandError(args, result.returncode, result.stdout, result.stderr)
+        return result.stdout
+
+    def reset_limits(self) -> None:
+        """Restore the memory watermark and disk limit if a ``ctl`` call changed them.
+
+        Raised alarms clear with it. A restart also restores them, as ctl changes are not persisted.
+        """
+        if not self._limits_changed or not self.is_running():
+            return
+        self.ctl("set_vm_memory_high_watermark", DEFAULT_MEMORY_HIGH_WATERMARK)
+        self.ctl("set_disk_free_limit", DEFAULT_DISK_FREE_LIMIT)
+        self._limits_changed = False
+
+    def __enter__(self) -> DisposableBroker:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_running() else "stopped"
+        return f"<DisposableBroker {self.nodename} port={self._port} {state}>"
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _create_layout(self) -> None:
+        self._base_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        self._port, self._dist_port = _pick_ports(2)
+        home = self.dir / "home"
+        for sub in (home, self.dir / "mnesia", self.dir / "log"):
+            sub.mkdir(parents=True)
+        (self.dir / _OWNER_FILE).write_text(f"{os.getpid()} {_process_start_time(os.getpid())}\n")
+        (self.dir / "enabled_plugins").write_text("[].\n")
+        # An env file of our own: the packaged /etc/rabbitmq/rabbitmq-env.conf names the shared node.
+        (self.dir / "rabbitmq-env.conf").write_text("")
+        config = {
+            "listeners.tcp.default": f"127.0.0.1:{self._port}",
+            "vm_memory_high_watermark.relative": DEFAULT_MEMORY_HIGH_WATERMARK,
+            "disk_free_limit.absolute": DEFAULT_DISK_FREE_LIMIT,
+            "log.console": "false",
+            "log.file.level": "info",
+            # guest may log in from loopback only (the default); every client here is on 127.0.0.1.
+            "loopback_users.guest": "true",
+            **self._extra_config,
+        }
+        (self.dir / "rabbitmq.conf").write_text("".join(f"{k} = {v}\n" for k, v in config.items()))
+        # Without lookup=file the VM resolves "localhost" through the inet_gethost port program.
+        (self.dir / "erl_inetrc").write_text("{lookup, [file, native]}.\n")
+        # Our own cookie, so the node and our rabbitmqctl calls agree without touching the shared
+        # node's cookie; the CLI and the node both read $HOME/.erlang.cookie.
+        cookie = home / ".erlang.cookie"
+        cookie.write_text(secrets.token_hex(20).upper())
+        if self._user is not None:
+            uid, gid = self._user
+            for path in (self.dir, *self.dir.rglob("*")):
+                os.chown(path, uid, gid)
+        cookie.chmod(0o400)
+        self.dir.chmod(0o700)
+        self._created = True
+        _live.add(self)
+
+    def _env(self) -> dict[str, str]:
+        # A clean environment: inherited RABBITMQ_*/ERL_* variables could point at the shared node.
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"),
+            "HOME": str(self.dir / "home"),
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "ERL_INETRC": str(self.dir / "erl_inetrc"),
+            "ERL_CRASH_DUMP": str(self.dir / "log" / "erl_crash.dump"),
+            "RABBITMQ_NODENAME": self.nodename,
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self._port),
+            "RABBITMQ_DIST_PORT": str(self._dist_port),
+            "RABBITMQ_MNESIA_BASE": str(self.dir / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.dir / "log"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.dir / "enabled_plugins"),
+            "RABBITMQ_PID_FILE": str(self.dir / "rabbit.pid"),
+            "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq.conf"),
+            "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.dir / "advanced.config"),
+            "RABBITMQ_CONF_ENV_FILE": str(self.dir / "rabbitmq-env.conf"),
+            # Distribution only on loopback, like the shared node.
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+        }
+        return env
+
+    def _identity(self) -> tuple[int | None, int | None, list[int] | None]:
+        # (user, group, extra_groups) for subprocess: None keeps the caller's identity.
+        if self._user is None:
+            return None, None, None
+        uid, gid = self._user
+        return uid, gid, []
+
+    def _spawn(self) -> None:
+        preexec: Callable[[], None] | None = None
+        if threading.current_thread() is threading.main_thread():
+            # The parent-death signal fires when the spawning *thread* exits, so it is safe only
+            # from the main thread. SIGTERM makes the launcher script stop the node cleanly.
+            preexec = _set_parent_death_signal
+        user, group, extra_groups = self._identity()
+        with open(self.dir / "startup.log", "ab") as out:
+            self._proc = subprocess.Popen(
+                [str(self._scripts_dir / "rabbitmq-server")],
+                env=self._env(),
+                cwd=self.dir,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                # Its own session: a Ctrl-C meant for pytest must not reach the node before the
+                # fixtures' teardown does.
+                start_new_session=True,
+                preexec_fn=preexec,
+                user=user,
+                group=group,
+                extra_groups=extra_groups,
+            )
+
+    def _await_startup(self, deadline: float) -> None:
+        proc = self._proc
+        assert proc is not None
+        while not _port_open(self._port):
+            if proc.poll() is not None:
+                raise BrokerStartError(
+                    f"{self.nodename} exited with {proc.returncode} while starting\n{self._tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise BrokerStartError(f"{self.nodename} did not open its port\n{self._tail()}")
+            time.sleep(0.1)
+        remaining = max(1.0, deadline - time.monotonic())
+        try:
+            self.ctl("await_startup", "--timeout", str(int(remaining)), timeout=remaining + 10)
+        except (BrokerCommandError, subprocess.TimeoutExpired) as exc:
+            raise BrokerStartError(f"{self.nodename}: await_startup failed: {exc}") from exc
+
+    def _tail(self, lines: int = 30) -> str:
+        parts = []
+        for path in (self.dir / "startup.log", self.log_file):
+            with contextlib.suppress(OSError):
+                text = path.read_text(errors="replace").splitlines()[-lines:]
+                parts.append(f"--- {path} ---\n" + "\n".join(text))
+        return "\n".join(parts)
+
+    def _kill_process(self, timeout: float = 30.0) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        beam = _read_pid(self.dir / "rabbit.pid")
+        if beam is not None and _is_child_of(beam, proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(beam, signal.SIGKILL)
+        else:
+            # Killed while booting, before the pid file was written: take the whole group down.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout)
+
+    def _terminate(self, timeout: float) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        # The launcher script traps SIGTERM and forwards it to the VM, which stops rabbit cleanly.
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._kill_process(timeout)
+        _wait_until(lambda: not _port_open(self._port), timeout, "AMQP port to close")
+
+    def _reap(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            self._proc = None
+
+
+# -- module helpers ---------------------------------------------------------------------------
+
+
+def _find_scripts_dir() -> Path:
+    # Debian's /usr/sbin wrappers re-exec through `su` and send output to /var/log/rabbitmq, so
+    # the real scripts behind them are preferred.
+    if (_DEBIAN_SCRIPTS / "rabbitmq-server").exists():
+        return _DEBIAN_SCRIPTS
+    found = shutil.which("rabbitmq-server")
+    if found is None:
+        raise BrokerStartError("rabbitmq-server is not installed (apt-get install rabbitmq-server)")
+    return Path(found).resolve().parent
+
+
+def _default_base_dir() -> Path:
+    tmp = Path(tempfile.gettempdir())
+    # The node user must be able to traverse the parent; a private TMPDIR of root's would not do.
+    if tmp.stat().st_mode & 0o001 == 0:
+        tmp = Path("/tmp")
+    return tmp / f"reliable-amqp-nodes-{os.geteuid()}"
+
+
+def _node_user() -> tuple[int, int] | None:
+    if os.geteuid() != 0:
+        return None
+    try:
+        entry = pwd.getpwnam(_NODE_USER)
+    except KeyError:
+        return None
+    return entry.pw_uid, entry.pw_gid
+
+
+def _set_parent_death_signal() -> None:
+    # Runs in the child after setuid (which would clear the setting), just before exec.
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _pick_ports(count: int) -> list[int]:
+    """Free ports below the kernel's ephemeral range.
+
+    A port from the ephemeral range could be taken, while the node is down between kill() and
+    restart(), as the local port of some outgoing connection (the proxy makes plenty of them).
+    """
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    upper = min(low, 32768) - 1
+    lower = 20000 if upper > 21000 else 1024
+    # Well-known RabbitMQ ports, and the range rabbitmqctl itself listens on.
+    reserved = {4369, 5671, 5672, 15672, 25672, 61613, *range(35672, 35683)}
+    chosen: list[int] = []
+    with _ports_lock:
+        for _ in range(10_000):
+            port = random.randint(lower, upper)
+            if port in reserved or port in _ports_in_use or port in chosen:
+                continue
+            if _bindable(port):
+                chosen.append(port)
+                if len(chosen) == count:
+                    _ports_in_use.update(chosen)
+                    return chosen
+    raise BrokerStartError("no free port found")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces; everything after its closing paren is regular.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def _is_child_of(pid: int, parent: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is not None and fields[1] == str(parent)
+
+
+def _process_start_time(pid: int) -> str:
+    fields = _stat_fields(pid)
+    # Field 22 of /proc/PID/stat; paired with the pid it identifies a process despite pid reuse.
+    return fields[19] if fields else "?"
+
+
+def _process_env_has(pid: int, needle: str) -> bool:
+    try:
+        return needle.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def _reap_stale_nodes(base_dir: Path) -> None:
+    """Stop and delete nodes left behind by test processes that died without cleaning up."""
+    if not base_dir.is_dir():
+        return
+    for node_dir in base_dir.iterdir():
+        try:
+            owner_pid, owner_start = (node_dir / _OWNER_FILE).read_text().split()
+        except (OSError, ValueError):
+            continue
+        if _process_start_time(int(owner_pid)) == owner_start:
+            continue  # its owner is alive: not ours to touch
+        beam = _read_pid(node_dir / "rabbit.pid")
+        if beam is not None and _stat_fields(beam) is not None:
+            # Only a process whose environment names this node: the pid may have been reused.
+            if not _process_env_has(beam, f"RABBITMQ_NODENAME={node_dir.name}@localhost"):
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(beam, signal.SIGKILL)
+        shutil.rmtree(node_dir, ignore_errors=True)
+
+
+@atexit.register
+def _stop_all_live() -> None:
+    for broker in list(_live):
+        with contextlib.suppress(Exception):
+            broker.stop(timeout=10.0)
