@@ -46,6 +46,12 @@ class PublishTimeout(ReliableAmqpError, TimeoutError):
     retriable = True
 
 
+class OperationTimeout(ReliableAmqpError, TimeoutError):
+    """A declaration or other broker round trip did not finish in time."""
+
+    retriable = True
+
+
 # --- broker replies -------------------------------------------------------------------------------
 
 

@@ -31,6 +31,7 @@ from reliable_amqp._core.errors import (
     AmqpConnectionError,
     AuthenticationFailed,
     ConfigurationError,
+    OperationTimeout,
     PublisherClosed,
     PublishTimeout,
     RecoveryFailed,
@@ -40,7 +41,9 @@ from reliable_amqp._core.errors import (
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, build_message
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
+from reliable_amqp._core.topology import Topology, TopologyOp, bind_op, exchange_op, queue_op
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
+from reliable_amqp._sync.topology import Request, apply_topology
 
 log = logging.getLogger("reliable_amqp")
 
@@ -104,6 +107,7 @@ class Publisher:
         self._outbox: deque[tuple[OutgoingMessage, _Handle]] = deque()
         self._wake_pending = False
         self._accepting = True
+        self._topology_requests: deque[Request] = deque()
         self._fatal: ReliableAmqpError | None = None
         # I/O-thread state below
         self._engine: PublishEngine[_Handle] = PublishEngine(
@@ -118,6 +122,7 @@ class Publisher:
         self._loss: ReliableAmqpError | None = None
         self._round_opened = False
         self._channel_failures = 0
+        self._topology = Topology()
         self._stopping = threading.Event()
         self._opened = threading.Event()
         self._thread: threading.Thread | None = None
@@ -191,6 +196,81 @@ class Publisher:
             ]
         )
         return left
+
+    # --- topology ----------------------------------------------------------------------------
+
+    def declare_exchange(
+        self,
+        exchange: str,
+        exchange_type: str = "direct",
+        *,
+        durable: bool = True,
+        auto_delete: bool = False,
+        internal: bool = False,
+        arguments: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Declare an exchange now, and again after every reconnect.
+
+        Raises the broker's error (e.g. :class:`PreconditionFailed` for an exchange that exists
+        with other settings) without disturbing messages in flight.
+        """
+        op = exchange_op(
+            exchange,
+            exchange_type,
+            durable=durable,
+            auto_delete=auto_delete,
+            internal=internal,
+            arguments=arguments,
+        )
+        self._declare(op, timeout)
+
+    def declare_queue(
+        self,
+        queue: str,
+        *,
+        durable: bool = True,
+        exclusive: bool = False,
+        auto_delete: bool = False,
+        arguments: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Declare a queue now, and again after every reconnect; returns its name."""
+        op = queue_op(
+            queue, durable=durable, exclusive=exclusive, auto_delete=auto_delete,
+            arguments=arguments,
+        )
+        self._declare(op, timeout)
+        return queue
+
+    def bind_queue(
+        self,
+        queue: str,
+        exchange: str,
+        routing_key: str = "",
+        *,
+        arguments: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Bind a queue to an exchange now, and again after every reconnect."""
+        self._declare(bind_op(queue, exchange, routing_key, arguments=arguments), timeout)
+
+    def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
+        if not self._opened.is_set():
+            self.connect()
+        future: Future[Any] = Future()
+        with self._room:
+            if self._fatal is not None:
+                raise self._fatal
+            if not self._accepting:
+                raise ReliableAmqpError("publisher is closed")
+            self._topology_requests.append((op, future))
+        self._wake(force=True)
+        wait = self.options.connect_timeout if timeout is None else timeout
+        try:
+            return future.result(wait)
+        except TimeoutError:
+            raise OperationTimeout(f"declaring {op.describe()} took over {wait:g} s") from None
 
     # --- publishing --------------------------------------------------------------------------
 
@@ -443,6 +523,12 @@ class Publisher:
             self._room.notify_all()
 
     def _shutdown(self) -> None:
+        with self._room:
+            requests = list(self._topology_requests)
+            self._topology_requests.clear()
+        for op, future in requests:
+            if future is not None and not future.done():
+                future.set_exception(ReliableAmqpError(f"publisher closed before {op.describe()}"))
         self._accept_outbox(time.monotonic())
         reason = str(self._fatal) if self._fatal is not None else "publisher closed"
         self._resolve(self._engine.close_all(reason))
@@ -468,7 +554,14 @@ class Publisher:
             return
         connection.add_on_connection_blocked_callback(self._on_blocked)
         connection.add_on_connection_unblocked_callback(self._on_unblocked)
-        self._open_channel(connection)
+        # Declare again what the user declared (a restarted broker lost non-durable topology)
+        # before any message is written.
+        apply_topology(
+            connection,
+            [(op, None) for op in self._topology],
+            on_applied=lambda op: None,
+            then=lambda: self._open_channel(connection),
+        )
 
     def _open_channel(self, connection: SelectConnection) -> None:
         generation = self._engine.tracker.generation
@@ -595,6 +688,7 @@ class Publisher:
             if self._state.state is not State.CLOSING:
                 self._begin_close()
             return
+        self._apply_requested_topology()
         channel = self._channel
         if channel is None or not self._state.writable:
             return
@@ -629,6 +723,15 @@ class Publisher:
                 ioloop.call_later(0, self._drain)  # let confirms in between batches
         finally:
             connection.emit_gathered()
+
+    def _apply_requested_topology(self) -> None:
+        connection = self._connection
+        if not self._topology_requests or connection is None or not connection.is_open:
+            return
+        with self._room:
+            requests = list(self._topology_requests)
+            self._topology_requests.clear()
+        apply_topology(connection, requests, on_applied=self._topology.record, then=lambda: None)
 
     def _abandon_channel(self, channel: Channel) -> None:
         self._channel = None

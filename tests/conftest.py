@@ -1,0 +1,120 @@
+"""Shared fixtures: the real broker, unique names, and a small admin client for assertions.
+
+Broker tests never skip: when no broker answers, the session fails (scripts/dev.sh starts the
+local RabbitMQ before pytest runs, so CI always has one).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pika
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # `import harness` from any test module
+
+from harness.fixtures import *  # noqa: E402,F403  (fault-injection fixtures)
+
+AMQP_HOST = os.environ.get("AMQP_TEST_HOST", "127.0.0.1")
+AMQP_PORT = int(os.environ.get("AMQP_TEST_PORT", "5672"))
+AMQP_URL = os.environ.get(
+    "AMQP_TEST_URL", f"amqp://guest:guest@{AMQP_HOST}:{AMQP_PORT}/%2F"
+)
+
+
+def _broker_answers() -> bool:
+    try:
+        socket.create_connection((AMQP_HOST, AMQP_PORT), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    """URL of the shared test broker; fails (never skips) when it does not answer."""
+    if not _broker_answers():
+        pytest.fail(
+            f"no AMQP broker answers at {AMQP_HOST}:{AMQP_PORT}: run the tests through "
+            "`scripts/dev.sh test`, which starts the local RabbitMQ"
+        )
+    return AMQP_URL
+
+
+class BrokerAdmin:
+    """A blocking pika connection for declaring, counting and reading in tests."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._conn = pika.BlockingConnection(pika.URLParameters(url))
+        self.channel = self._conn.channel()
+        self._queues: list[str] = []
+        self._exchanges: list[str] = []
+
+    def _ch(self) -> pika.adapters.blocking_connection.BlockingChannel:
+        if self.channel.is_closed:  # a failed passive declare closes the channel
+            self.channel = self._conn.channel()
+        return self.channel
+
+    def queue(self, name: str | None = None, *, durable: bool = True, **arguments: object) -> str:
+        """Declare a queue (deleted at teardown); ``arguments`` become x-arguments."""
+        name = name or unique("q")
+        self._ch().queue_declare(name, durable=durable, arguments=arguments or None)
+        self._queues.append(name)
+        return name
+
+    def exchange(self, name: str | None = None, kind: str = "direct") -> str:
+        """Declare an exchange (deleted at teardown)."""
+        name = name or unique("x")
+        self._ch().exchange_declare(name, exchange_type=kind, durable=True)
+        self._exchanges.append(name)
+        return name
+
+    def bind(self, queue: str, exchange: str, routing_key: str) -> None:
+        self._ch().queue_bind(queue, exchange, routing_key)
+
+    def count(self, queue: str) -> int:
+        """Messages ready in ``queue``."""
+        return int(self._ch().queue_declare(queue, passive=True).method.message_count)
+
+    def drain(self, queue: str) -> list[tuple[pika.spec.BasicProperties, bytes]]:
+        """Take every message from ``queue`` (properties, body), in queue order."""
+        out = []
+        ch = self._ch()
+        while True:
+            method, props, body = ch.basic_get(queue, auto_ack=True)
+            if method is None:
+                return out
+            out.append((props, body))
+
+    def purge(self, queue: str) -> None:
+        self._ch().queue_purge(queue)
+
+    def close(self) -> None:
+        try:
+            ch = self._ch()
+            for q in self._queues:
+                ch.queue_delete(q)
+            for x in self._exchanges:
+                ch.exchange_delete(x)
+            self._conn.close()
+        except pika.exceptions.AMQPError:
+            pass
+
+
+@pytest.fixture
+def broker(amqp_url: str) -> Iterator[BrokerAdmin]:
+    """Admin access to the shared broker; queues and exchanges it declared are deleted after."""
+    admin = BrokerAdmin(amqp_url)
+    yield admin
+    admin.close()
+
+
+def unique(prefix: str) -> str:
+    """A name no other test run uses (several runs may share the broker)."""
+    return f"ra-test-{prefix}-{uuid.uuid4().hex[:12]}"
