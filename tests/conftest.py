@@ -22,9 +22,7 @@ from harness.fixtures import *  # noqa: E402,F403  (fault-injection fixtures)
 
 AMQP_HOST = os.environ.get("AMQP_TEST_HOST", "127.0.0.1")
 AMQP_PORT = int(os.environ.get("AMQP_TEST_PORT", "5672"))
-AMQP_URL = os.environ.get(
-    "AMQP_TEST_URL", f"amqp://guest:guest@{AMQP_HOST}:{AMQP_PORT}/%2F"
-)
+AMQP_URL = os.environ.get("AMQP_TEST_URL", f"amqp://guest:guest@{AMQP_HOST}:{AMQP_PORT}/%2F")
 
 
 def _broker_answers() -> bool:

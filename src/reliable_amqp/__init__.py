@@ -63,4 +63,5 @@ __all__ = [
     "State",
     "__version__",
     "broker_error",
+    "redact_url",
 ]

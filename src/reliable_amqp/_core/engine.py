@@ -162,9 +162,7 @@ class PublishEngine(Generic[H]):
         """``basic.ack`` on the channel of ``generation``."""
         return self._resolve_settled(self.tracker.on_ack(generation, tag, multiple), now)
 
-    def on_nack(
-        self, generation: int, tag: int, multiple: bool, now: float
-    ) -> list[Resolution[H]]:
+    def on_nack(self, generation: int, tag: int, multiple: bool, now: float) -> list[Resolution[H]]:
         """``basic.nack``: retried under the nack policy (with backoff), or failed."""
         return self._resolve_settled(self.tracker.on_nack(generation, tag, multiple), now)
 
@@ -291,9 +289,7 @@ class PublishEngine(Generic[H]):
         return Resolution(entry, result)
 
 
-def _find_culprit(
-    unconfirmed: list[Entry[H]], reply_code: int, reply_text: str
-) -> Entry[H] | None:
+def _find_culprit(unconfirmed: list[Entry[H]], reply_code: int, reply_text: str) -> Entry[H] | None:
     """The first in-flight message the broker's reply text points at, if it names one."""
     match = _EXCHANGE_IN_TEXT.search(reply_text)
     if match and reply_code in (403, 404):

@@ -228,7 +228,7 @@ class RecoveryFailed(AmqpConnectionError):
 
 
 class PublishError(ReliableAmqpError):
-    """A message was not confirmed. ``message`` is the message; ``attempts`` how often it was sent."""
+    """A message was not confirmed; ``message`` is it, ``attempts`` how often it went out."""
 
     def __init__(self, message: OutgoingMessage, attempts: int, detail: str) -> None:
         super().__init__(f"message {message.message_id!r} {detail}")
@@ -280,8 +280,9 @@ class MessageRejected(PublishError):
         self, message: OutgoingMessage, attempts: int, reply_code: int, reply_text: str
     ) -> None:
         super().__init__(
-            message, attempts, f"was rejected: the broker closed the channel with "
-            f"{reply_code} {reply_text}"
+            message,
+            attempts,
+            f"was rejected: the broker closed the channel with {reply_code} {reply_text}",
         )
         self.reply_code = reply_code
         self.reply_text = reply_text

@@ -113,7 +113,7 @@ _id_counter = itertools.count(1)
 
 
 def _reseed_ids() -> None:
-    global _id_prefix, _id_counter
+    global _id_prefix, _id_counter  # noqa: PLW0603  (a forked child must not repeat ids)
     _id_prefix = os.urandom(8).hex()
     _id_counter = itertools.count(1)
 
@@ -148,8 +148,9 @@ def build_message(
         data = bytes(body)
     else:
         raise InvalidMessage(
-            "body", f"must be bytes, bytearray or memoryview, not {type(body).__name__}"
-            + (" (encode str bodies first, e.g. body.encode())" if isinstance(body, str) else "")
+            "body",
+            f"must be bytes, bytearray or memoryview, not {type(body).__name__}"
+            + (" (encode str bodies first, e.g. body.encode())" if isinstance(body, str) else ""),
         )
     if not isinstance(mandatory, bool):
         raise InvalidMessage("mandatory", f"must be a bool, not {type(mandatory).__name__}")
@@ -163,26 +164,30 @@ def _build_properties(given: Mapping[str, Any]) -> MessageProperties:
     unknown = sorted(set(given) - PROPERTY_NAMES)
     if unknown:
         raise InvalidMessage(
-            unknown[0], f"is not an AMQP basic property (known: {', '.join(sorted(PROPERTY_NAMES))})"
+            unknown[0],
+            f"is not an AMQP basic property (known: {', '.join(sorted(PROPERTY_NAMES))})",
         )
     values = {k: v for k, v in given.items() if v is not None}
     for name in _SHORTSTR_PROPERTIES:
         if name in values:
-            if name == "expiration" and isinstance(values[name], int) and not isinstance(
-                values[name], bool
+            if (
+                name == "expiration"
+                and isinstance(values[name], int)
+                and not isinstance(values[name], bool)
             ):
                 values[name] = str(values[name])
             _check_shortstr(name, values[name])
     if "expiration" in values and not values["expiration"].isdigit():
         raise InvalidMessage(
-            "expiration", f"must be a non-negative whole number of milliseconds, "
-            f"got {values['expiration']!r}"
+            "expiration",
+            f"must be a non-negative whole number of milliseconds, got {values['expiration']!r}",
         )
     if "message_id" in values and not values["message_id"]:
         raise InvalidMessage("message_id", "must not be empty")
     if "delivery_mode" in values and values["delivery_mode"] not in (TRANSIENT, PERSISTENT):
         raise InvalidMessage(
-            "delivery_mode", f"must be 1 (transient) or 2 (persistent), got {values['delivery_mode']!r}"
+            "delivery_mode",
+            f"must be 1 (transient) or 2 (persistent), got {values['delivery_mode']!r}",
         )
     if "priority" in values:
         p = values["priority"]

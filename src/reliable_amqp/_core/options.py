@@ -114,10 +114,14 @@ class PublisherOptions:
             _positive_float(name, getattr(self, name))
         if self.blocked_timeout is not None:
             _positive_float("blocked_timeout", self.blocked_timeout)
-        if not isinstance(self.heartbeat, int) or isinstance(self.heartbeat, bool) or not (
-            0 <= self.heartbeat <= 65535
+        if (
+            not isinstance(self.heartbeat, int)
+            or isinstance(self.heartbeat, bool)
+            or not (0 <= self.heartbeat <= 65535)
         ):
-            raise ConfigurationError(f"heartbeat must be an int from 0 to 65535, got {self.heartbeat!r}")
+            raise ConfigurationError(
+                f"heartbeat must be an int from 0 to 65535, got {self.heartbeat!r}"
+            )
         for name in ("connect_policy", "nack_policy"):
             if not isinstance(getattr(self, name), RetryPolicy):
                 raise ConfigurationError(f"{name} must be a RetryPolicy")
@@ -151,14 +155,18 @@ class PublisherOptions:
             name, _, sub = key.partition(".")
             if name in ("connect_policy", "nack_policy"):
                 if not sub:
-                    raise ConfigurationError(f"set {name} as {name}.<field>, e.g. {name}.max_attempts")
+                    raise ConfigurationError(
+                        f"set {name} as {name}.<field>, e.g. {name}.max_attempts"
+                    )
                 policies.setdefault(name, {})[sub] = raw
             elif name in _INT_OPTIONS:
                 typed[name] = _parse_int(name, raw)
             elif name in _FLOAT_OPTIONS:
                 typed[name] = _parse_float(name, raw)
             elif name == "blocked_timeout":
-                typed[name] = None if raw.strip().lower() in ("", "none") else _parse_float(name, raw)
+                typed[name] = (
+                    None if raw.strip().lower() in ("", "none") else _parse_float(name, raw)
+                )
             elif name in ("dedup_header", "connection_name"):
                 typed[name] = raw or None
             else:

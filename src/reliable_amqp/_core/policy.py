@@ -67,7 +67,7 @@ class RetryPolicy:
         return self.base_delay(failures) + self.jitter * rng()
 
     def allows(self, failures: int, elapsed: float = 0.0) -> bool:
-        """Whether another attempt may follow ``failures`` failures, ``elapsed`` s after the first."""
+        """Whether another attempt may follow ``failures`` failures, ``elapsed`` s in."""
         if self.max_attempts is not None and failures >= self.max_attempts:
             return False
         return self.deadline is None or elapsed + self.base_delay(failures) <= self.deadline
@@ -75,7 +75,7 @@ class RetryPolicy:
     # --- tenacity -----------------------------------------------------------------------------
 
     def retrying(self, **overrides: Any) -> tenacity.Retrying:
-        """A ``tenacity.Retrying`` that follows this policy and retries only ``retriable`` errors."""
+        """A ``tenacity.Retrying`` following this policy; it retries ``retriable`` errors only."""
         stops: list[tenacity.stop.stop_base] = []
         if self.max_attempts is not None:
             stops.append(tenacity.stop_after_attempt(self.max_attempts))

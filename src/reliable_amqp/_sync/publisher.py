@@ -103,7 +103,7 @@ class Publisher:
         self._count = 0
         self._bytes = 0
         self._issued = 0
-        self._unresolved: SortedList = SortedList()
+        self._unresolved: SortedList[int] = SortedList()
         self._outbox: deque[tuple[OutgoingMessage, _Handle]] = deque()
         self._wake_pending = False
         self._accepting = True
@@ -237,7 +237,10 @@ class Publisher:
     ) -> str:
         """Declare a queue now, and again after every reconnect; returns its name."""
         op = queue_op(
-            queue, durable=durable, exclusive=exclusive, auto_delete=auto_delete,
+            queue,
+            durable=durable,
+            exclusive=exclusive,
+            auto_delete=auto_delete,
             arguments=arguments,
         )
         self._declare(op, timeout)
@@ -327,9 +330,7 @@ class Publisher:
         **properties: Any,
     ) -> Confirmation:
         """Publish one message and wait for its outcome (slow: prefer ``publish`` + ``flush``)."""
-        return self.publish(
-            exchange, routing_key, body, mandatory=mandatory, **properties
-        ).result()
+        return self.publish(exchange, routing_key, body, mandatory=mandatory, **properties).result()
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every message published so far is resolved; return how many are not.
@@ -483,14 +484,14 @@ class Publisher:
             failures += 1
             self._state.transition(State.RECOVERING)
             policy = self.options.connect_policy
-            if not loss.retriable or not policy.allows(
-                failures, time.monotonic() - first_failure
-            ):
+            if not loss.retriable or not policy.allows(failures, time.monotonic() - first_failure):
                 self._fail(loss, failures)
                 return
-            delay = policy.delay(failures) if len(self._params) == 1 or (
-                failures % len(self._params) == 0
-            ) else 0.0
+            delay = (
+                policy.delay(failures)
+                if len(self._params) == 1 or (failures % len(self._params) == 0)
+                else 0.0
+            )
             log.warning(
                 "reliable-amqp: connection to %s lost (%s); retry %d in %.2f s",
                 redact_url(self.options.urls[(attempt - 1) % len(self._params)]),
@@ -512,8 +513,10 @@ class Publisher:
             self._stopping.wait(min(_TICK, end - now))
 
     def _fail(self, error: ReliableAmqpError, failures: int) -> None:
-        fatal = error if not error.retriable else RecoveryFailed(
-            f"gave up connecting after {failures} attempts: {error}"
+        fatal = (
+            error
+            if not error.retriable
+            else RecoveryFailed(f"gave up connecting after {failures} attempts: {error}")
         )
         if fatal is not error:
             fatal.__cause__ = error
@@ -585,9 +588,8 @@ class Publisher:
         self._drain()
 
     def _on_channel_closed(self, generation: int, channel: Channel, reason: Exception) -> None:
-        if generation != self._engine.tracker.generation or self._channel is not channel and (
-            self._channel is not None
-        ):
+        stale = generation != self._engine.tracker.generation
+        if stale or (self._channel is not None and self._channel is not channel):
             return
         self._channel = None
         connection = self._connection
@@ -608,8 +610,9 @@ class Publisher:
         connection.ioloop.call_later(delay, lambda: self._reopen_channel(connection))
 
     def _reopen_channel(self, connection: SelectConnection) -> None:
-        if connection is self._connection and connection.is_open and self._channel is None:
-            self._open_channel(connection)
+        current = self._connection
+        if current is connection and current.is_open and self._channel is None:
+            self._open_channel(current)
 
     def _on_connection_open_error(self, connection: SelectConnection, error: Any) -> None:
         self._loss = _translate_connection_error(error)
