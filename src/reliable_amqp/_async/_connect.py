@@ -1,0 +1,107 @@
+"""Where the async publisher's AMQP connection comes from: its own, or one the caller lends it.
+
+An owned connection is a plain ``aio_pika.Connection`` (not a ``RobustConnection``): the
+publisher reconnects itself, under its ``connect_policy`` and across its failover URLs, because
+it must know when a connection is gone to republish what was unconfirmed on it. A borrowed
+connection belongs to the caller; with a ``RobustConnection`` aio-pika reconnects it and the
+publisher waits for that, with a plain one a loss is final.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aio_pika
+import aio_pika.abc
+import aiormq.abc
+from yarl import URL
+
+from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed
+from reliable_amqp._core.options import PublisherOptions, redact_url
+
+log = logging.getLogger("reliable_amqp")
+
+_BORROWED_POLL = 0.05  # how often to look whether a borrowed robust connection is back
+
+
+class ConnectionSource:
+    """Hands the supervisor a live aiormq connection per attempt, and closes what it owns."""
+
+    def __init__(
+        self, options: PublisherOptions, borrowed: aio_pika.abc.AbstractConnection | None
+    ) -> None:
+        self.options = options
+        self._borrowed = borrowed
+        self._owned: aio_pika.abc.AbstractConnection | None = None
+        self._seen_open = False
+
+    @property
+    def borrowed(self) -> bool:
+        """True when the connection is the caller's."""
+        return self._borrowed is not None
+
+    def describe(self, attempt: int) -> str:
+        """The URL of ``attempt``, password redacted (for logs)."""
+        urls = self.options.urls
+        return redact_url(urls[attempt % len(urls)])
+
+    async def obtain(
+        self, attempt: int, stop: asyncio.Future[None]
+    ) -> aiormq.abc.AbstractConnection:
+        """A connected aiormq connection; raises what connecting raised."""
+        if self._borrowed is not None:
+            return await self._wait_for_borrowed(self._borrowed, stop)
+        await self.release()
+        options = self.options
+        url = URL(options.urls[attempt % len(options.urls)])
+        if "heartbeat" not in url.query:
+            url = url.update_query(heartbeat=str(options.heartbeat))
+        connection = await aio_pika.connect(
+            url,
+            timeout=options.connect_timeout,
+            client_properties={
+                "connection_name": options.connection_name or "reliable-amqp",
+                "product": "reliable-amqp",
+            },
+        )
+        self._owned = connection
+        transport = connection.transport
+        if transport is None:  # connect() returned without a transport: treat as a failure
+            raise AmqpConnectionError("aio-pika returned a connection without a transport")
+        return transport.connection
+
+    async def _wait_for_borrowed(
+        self, connection: aio_pika.abc.AbstractConnection, stop: asyncio.Future[None]
+    ) -> aiormq.abc.AbstractConnection:
+        robust = isinstance(connection, aio_pika.abc.AbstractRobustConnection)
+        while True:
+            transport = connection.transport
+            if (
+                transport is not None
+                and not transport.connection.is_closed
+                and connection.connected.is_set()
+            ):
+                self._seen_open = True
+                return transport.connection
+            if connection.is_closed or connection.close_called:
+                raise RecoveryFailed("the aio-pika connection lent to the publisher was closed")
+            if not robust:
+                raise RecoveryFailed(
+                    "the aio-pika connection lent to the publisher "
+                    + ("was lost" if self._seen_open else "is not connected")
+                    + "; a plain aio_pika.Connection does not reconnect (use connect_robust)"
+                )
+            if stop.done():
+                raise AmqpConnectionError("publisher closed")
+            # RobustConnection has no awaitable "reconnected and usable" signal that also covers
+            # the window where its old transport is dead but not yet replaced: poll.
+            await asyncio.wait({stop}, timeout=_BORROWED_POLL)
+
+    async def release(self) -> None:
+        """Close the connection this source opened, if any (a borrowed one is left alone)."""
+        owned, self._owned = self._owned, None
+        if owned is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(owned.close(), self.options.connect_timeout)

@@ -1,0 +1,144 @@
+"""AMQP 0-9-1 frames for ``basic.publish``, marshalled straight to bytes.
+
+pamqp builds a ``Basic.Publish`` object, a ``ContentHeader`` with a ``Basic.Properties`` object and
+a ``ContentBody`` per message and walks each one's attributes to encode it: about 8 us a message,
+the largest single cost on the publish path. Here one function packs the three frames with
+``struct`` (about 1.5 us); only a ``headers`` table is handed to pamqp's encoder, so tables are
+encoded exactly as aio-pika would encode them. ``tests/async/test_frames.py`` checks the output
+byte for byte against pamqp.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+from pamqp import encode
+
+from reliable_amqp._core.message import MessageProperties, OutgoingMessage
+
+FRAME_METHOD = 1
+FRAME_HEADER = 2
+FRAME_BODY = 3
+FRAME_END = b"\xce"
+#: frame type, channel, payload size; plus the end octet: the bytes a frame adds to its payload
+FRAME_OVERHEAD = 8
+
+_BASIC_CLASS = 60
+_PUBLISH_METHOD = 40
+
+_frame_head = struct.Struct(">BHI").pack
+_publish_head = struct.Struct(">HHH").pack(_BASIC_CLASS, _PUBLISH_METHOD, 0)  # 0: reserved ticket
+_content_head = struct.Struct(">HHQH").pack  # class, weight, body size, property flags
+_u64 = struct.Struct(">Q").pack
+
+# Property flag bits, in the order the properties are encoded (AMQP 0-9-1, basic class).
+_CONTENT_TYPE = 1 << 15
+_CONTENT_ENCODING = 1 << 14
+_HEADERS = 1 << 13
+_DELIVERY_MODE = 1 << 12
+_PRIORITY = 1 << 11
+_CORRELATION_ID = 1 << 10
+_REPLY_TO = 1 << 9
+_EXPIRATION = 1 << 8
+_MESSAGE_ID = 1 << 7
+_TIMESTAMP = 1 << 6
+_TYPE = 1 << 5
+_USER_ID = 1 << 4
+_APP_ID = 1 << 3
+
+
+def _shortstr(value: str) -> bytes:
+    data = value.encode("utf-8")
+    return bytes((len(data),)) + data
+
+
+def _properties(props: MessageProperties, headers: Mapping[str, Any] | None) -> tuple[int, bytes]:
+    """Property flags and the encoded property list."""
+    flags = 0
+    parts: list[bytes] = []
+    if props.content_type is not None:
+        flags |= _CONTENT_TYPE
+        parts.append(_shortstr(props.content_type))
+    if props.content_encoding is not None:
+        flags |= _CONTENT_ENCODING
+        parts.append(_shortstr(props.content_encoding))
+    if headers:
+        flags |= _HEADERS
+        parts.append(encode.field_table(dict(headers)))
+    # delivery_mode is always set: OutgoingMessage defaults it to persistent
+    flags |= _DELIVERY_MODE
+    parts.append(bytes((props.delivery_mode,)))
+    if props.priority is not None:
+        flags |= _PRIORITY
+        parts.append(bytes((props.priority,)))
+    if props.correlation_id is not None:
+        flags |= _CORRELATION_ID
+        parts.append(_shortstr(props.correlation_id))
+    if props.reply_to is not None:
+        flags |= _REPLY_TO
+        parts.append(_shortstr(props.reply_to))
+    if props.expiration is not None:
+        flags |= _EXPIRATION
+        parts.append(_shortstr(props.expiration))
+    if props.message_id is not None:
+        flags |= _MESSAGE_ID
+        parts.append(_shortstr(props.message_id))
+    if props.timestamp is not None:
+        flags |= _TIMESTAMP
+        parts.append(_u64(props.timestamp))
+    if props.type is not None:
+        flags |= _TYPE
+        parts.append(_shortstr(props.type))
+    if props.user_id is not None:
+        flags |= _USER_ID
+        parts.append(_shortstr(props.user_id))
+    if props.app_id is not None:
+        flags |= _APP_ID
+        parts.append(_shortstr(props.app_id))
+    return flags, b"".join(parts)
+
+
+def publish_frames(
+    channel: int,
+    message: OutgoingMessage,
+    headers: Mapping[str, Any] | None,
+    frame_max: int,
+    out: list[bytes | memoryview],
+) -> None:
+    """Append the frames of one ``basic.publish`` of ``message`` on ``channel`` to ``out``.
+
+    ``headers`` replaces the message's own headers when not None (the engine adds its attempt
+    and dedup headers there). Bodies are split into frames of at most ``frame_max`` bytes, the
+    size negotiated in ``connection.tune``.
+    """
+    method = (
+        _publish_head
+        + _shortstr(message.exchange)
+        + _shortstr(message.routing_key)
+        + (b"\x01" if message.mandatory else b"\x00")  # bit 0 mandatory, bit 1 immediate (unset)
+    )
+    out.append(_frame_head(FRAME_METHOD, channel, len(method)))
+    out.append(method)
+    out.append(FRAME_END)
+    props = message.properties
+    flags, encoded = _properties(props, props.headers if headers is None else headers)
+    body = message.body
+    header = _content_head(_BASIC_CLASS, 0, len(body), flags) + encoded
+    out.append(_frame_head(FRAME_HEADER, channel, len(header)))
+    out.append(header)
+    out.append(FRAME_END)
+    limit = frame_max - FRAME_OVERHEAD if frame_max > 0 else len(body) or 1
+    if len(body) <= limit:
+        if body:
+            out.append(_frame_head(FRAME_BODY, channel, len(body)))
+            out.append(body)
+            out.append(FRAME_END)
+        return
+    view = memoryview(body)
+    for start in range(0, len(body), limit):
+        chunk = view[start : start + limit]
+        out.append(_frame_head(FRAME_BODY, channel, len(chunk)))
+        out.append(chunk)  # b"".join takes views: the body is copied once, not twice
+        out.append(FRAME_END)
