@@ -1,0 +1,277 @@
+"""``reliable-amqp bench``: the comparison that motivates streaming publisher confirms.
+
+Four ways to publish the same persistent messages to the same durable queue, on the user's own
+broker: a transaction per message, one confirm wait per message (pika's
+``BlockingChannel.confirm_delivery``), streaming confirms (this library's :class:`Publisher`) and
+no confirms at all. Each is timed from the first publish until the broker has every message (the
+confirm, the commit, or for "no confirms" a synchronous round trip after the last publish, which
+the broker answers only once it has routed everything before it). The queue is emptied between
+modes and deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pika
+import pika.exceptions
+
+from reliable_amqp._core.errors import ReliableAmqpError
+from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._sync.publisher import Publisher
+from reliable_amqp.cli._parse import (
+    EXIT_CONNECTION,
+    EXIT_NOT_CONFIRMED,
+    EXIT_OK,
+    UsageError,
+    add_connection_arguments,
+    check_options,
+    publisher_kwargs,
+)
+
+#: mode -> what it does, in the order they run (slowest first).
+MODES: dict[str, str] = {
+    "transactions": "a transaction per message (tx.select, publish, tx.commit)",
+    "confirm-each": "one confirm wait per message (pika confirm_delivery)",
+    "streaming": "streaming confirms (reliable_amqp.Publisher)",
+    "no-confirms": "no confirms: fast, but nothing says what arrived",
+}
+#: the modes that wait for the broker once per message
+SLOW_MODES = frozenset({"transactions", "confirm-each"})
+
+
+@dataclass(frozen=True)
+class Result:
+    """One mode's measurement."""
+
+    mode: str
+    description: str
+    messages: int
+    seconds: float
+    rate: float  # messages per second
+    ratio: float  # rate / rate of the fastest mode
+    queued: int  # messages in the queue afterwards (should equal ``messages``)
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``reliable-amqp bench``."""
+    parser.add_argument(
+        "--count", type=_positive, default=10_000, help="messages per mode (default 10000)"
+    )
+    parser.add_argument(
+        "--slow-count",
+        type=_positive,
+        default=1_000,
+        help="messages for the two modes that wait once per message, at most --count "
+        "(default 1000: they run 10 to 100 times slower; rates stay comparable)",
+    )
+    parser.add_argument(
+        "--body-size", type=_non_negative, default=256, help="body size in bytes (default 256)"
+    )
+    parser.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma-separated modes to run (default: all of {', '.join(MODES)})",
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    add_connection_arguments(parser)
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``reliable-amqp bench``; returns the exit code."""
+    options = check_options(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise UsageError(
+            f"unknown mode {unknown[0] if unknown else '(none)'!r} in --modes "
+            f"(known: {', '.join(MODES)})"
+        )
+    url = options.urls[0]
+    shown = redact_url(url)
+    queue = f"reliable-amqp-bench-{uuid.uuid4().hex[:12]}"
+    body = b"x" * args.body_size
+    try:
+        connection = pika.BlockingConnection(_parameters(url, options))
+    except (pika.exceptions.AMQPError, OSError) as exc:
+        print(
+            f"reliable-amqp: cannot connect to {shown}: {type(exc).__name__} {exc}", file=sys.stderr
+        )
+        return EXIT_CONNECTION
+    measured: list[tuple[str, int, float, int]] = []
+    try:
+        admin = connection.channel()
+        admin.queue_declare(queue, durable=True)
+        for mode in MODES:
+            if mode not in modes:
+                continue
+            count = min(args.count, args.slow_count) if mode in SLOW_MODES else args.count
+            if not args.json:
+                print(f"  {mode}: {count:,} messages ...", file=sys.stderr, flush=True)
+            seconds = RUNNERS[mode](connection, options, queue, body, count)
+            queued = int(admin.queue_declare(queue, passive=True).method.message_count)
+            measured.append((mode, count, seconds, queued))
+            admin.queue_purge(queue)
+    except (pika.exceptions.AMQPError, ReliableAmqpError, OSError) as exc:
+        print(
+            f"reliable-amqp: benchmark against {shown} failed: {type(exc).__name__} {exc}",
+            file=sys.stderr,
+        )
+        return EXIT_CONNECTION
+    finally:
+        _delete_queue(connection, queue)
+    results = _results(measured)
+    if args.json:
+        report = {
+            "broker": shown,
+            "body_size": args.body_size,
+            "persistent": True,
+            "results": [asdict(r) for r in results],
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        _table(results, shown, args.body_size)
+    short = [r for r in results if r.queued != r.messages and r.mode != "no-confirms"]
+    for r in short:
+        print(
+            f"reliable-amqp: {r.mode}: {r.queued} of {r.messages} messages reached the queue",
+            file=sys.stderr,
+        )
+    return EXIT_NOT_CONFIRMED if short else EXIT_OK
+
+
+def _parameters(url: str, options: PublisherOptions) -> pika.URLParameters:
+    params = pika.URLParameters(url)
+    params.socket_timeout = options.connect_timeout
+    params.blocked_connection_timeout = options.delivery_timeout
+    return params
+
+
+def _delete_queue(connection: Any, queue: str) -> None:
+    try:
+        if connection.is_open:
+            connection.channel().queue_delete(queue)
+            connection.close()
+    except (pika.exceptions.AMQPError, OSError):
+        print(f"reliable-amqp: could not delete benchmark queue {queue!r}", file=sys.stderr)
+
+
+def _results(measured: list[tuple[str, int, float, int]]) -> list[Result]:
+    rates = [count / max(seconds, 1e-9) for _, count, seconds, _ in measured]
+    fastest = max(rates, default=1.0)
+    return [
+        Result(
+            mode,
+            MODES[mode],
+            count,
+            round(seconds, 4),
+            round(rate, 1),
+            round(rate / fastest, 4),
+            queued,
+        )
+        for (mode, count, seconds, queued), rate in zip(measured, rates, strict=True)
+    ]
+
+
+def _table(results: list[Result], broker: str, body_size: int) -> None:
+    print(f"broker {broker}: persistent messages of {body_size} bytes to a durable queue")
+    header = f"{'mode':<14}{'messages':>10}{'seconds':>10}{'msgs/s':>11}{'vs fastest':>12}  how"
+    print(header)
+    for r in results:
+        print(
+            f"{r.mode:<14}{r.messages:>10,}{r.seconds:>10.2f}{r.rate:>11,.0f}"
+            f"{r.ratio:>11.3f}x  {r.description}"
+        )
+
+
+# --- the four ways to publish -----------------------------------------------------------------
+
+_PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+def _transactions(
+    connection: Any, options: PublisherOptions, queue: str, body: bytes, count: int
+) -> float:
+    channel = connection.channel()
+    channel.tx_select()
+    started = time.perf_counter()
+    for _ in range(count):
+        channel.basic_publish("", queue, body, _PERSISTENT)
+        channel.tx_commit()
+    elapsed = time.perf_counter() - started
+    channel.close()
+    return elapsed
+
+
+def _confirm_each(
+    connection: Any, options: PublisherOptions, queue: str, body: bytes, count: int
+) -> float:
+    channel = connection.channel()
+    channel.confirm_delivery()  # basic_publish now waits for each message's confirm
+    started = time.perf_counter()
+    for _ in range(count):
+        channel.basic_publish("", queue, body, _PERSISTENT)
+    elapsed = time.perf_counter() - started
+    channel.close()
+    return elapsed
+
+
+def _streaming(
+    connection: Any, options: PublisherOptions, queue: str, body: bytes, count: int
+) -> float:
+    with Publisher(list(options.urls), **publisher_kwargs(options)) as publisher:
+        publish = publisher.publish
+        started = time.perf_counter()
+        futures = [publish("", queue, body) for _ in range(count)]
+        publisher.flush()
+        elapsed = time.perf_counter() - started
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        raise ReliableAmqpError(f"{len(failed)} messages not confirmed, e.g. {failed[0]}")
+    return elapsed
+
+
+def _no_confirms(
+    connection: Any, options: PublisherOptions, queue: str, body: bytes, count: int
+) -> float:
+    channel = connection.channel()
+    started = time.perf_counter()
+    for _ in range(count):
+        channel.basic_publish("", queue, body, _PERSISTENT)
+    # A synchronous method is answered after everything sent before it on this channel.
+    channel.queue_declare(queue, passive=True)
+    elapsed = time.perf_counter() - started
+    channel.close()
+    return elapsed
+
+
+RUNNERS: dict[str, Callable[[Any, PublisherOptions, str, bytes, int], float]] = {
+    "transactions": _transactions,
+    "confirm-each": _confirm_each,
+    "streaming": _streaming,
+    "no-confirms": _no_confirms,
+}

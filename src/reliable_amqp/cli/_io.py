@@ -1,0 +1,287 @@
+"""Input and output of ``reliable-amqp publish``: messages in, failed messages out, progress.
+
+The whole input is parsed and every message validated (with the same checks ``publish()`` makes)
+before anything is sent, so a bad line N is reported as such and nothing is half-published.
+Failed messages are written as JSON lines in the very format :func:`read_messages` accepts, with
+their message ids, so a replay is recognisable as a duplicate by consumers that deduplicate.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+import json
+import shutil
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+from reliable_amqp._core.errors import InvalidMessage, PublishError
+from reliable_amqp._core.message import PROPERTY_NAMES, OutgoingMessage, build_message
+
+#: Fields of a JSON line besides the AMQP properties.
+MESSAGE_FIELDS = frozenset({"body", "body_encoding", "exchange", "routing_key", "mandatory"})
+#: Written by ``--failed`` next to each message; ignored on input so a failed file replays as is.
+ERROR_FIELD = "error"
+KNOWN_FIELDS = MESSAGE_FIELDS | PROPERTY_NAMES | {ERROR_FIELD}
+BODY_ENCODINGS = ("utf-8", "base64")
+MAX_REPORTED_ERRORS = 10
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """What applies to every message unless its JSON line says otherwise."""
+
+    exchange: str = ""
+    routing_key: str | None = None
+    mandatory: bool = False
+    properties: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One validated message and the input line it came from."""
+
+    line: int
+    message: OutgoingMessage
+
+
+class InputError(Exception):
+    """The input is not valid; ``problems`` are ``(line, text)`` pairs, in input order."""
+
+    def __init__(self, source: str, problems: list[tuple[int, str]], total: int) -> None:
+        self.source = source
+        self.problems = problems
+        self.total = total
+        shown = [f"{source}: line {line}: {text}" for line, text in problems]
+        if total > len(problems):
+            shown.append(f"... and {total - len(problems)} more bad lines")
+        super().__init__("\n".join(shown))
+
+
+def read_messages(stream: IO[bytes], source: str, fmt: str, defaults: Defaults) -> list[Item]:
+    """Every message of ``stream``, validated; raises :class:`InputError` naming bad lines.
+
+    ``fmt`` is ``"lines"`` (each line is a body) or ``"jsonl"`` (each line a JSON object). Empty
+    lines are skipped in both formats.
+    """
+    items: list[Item] = []
+    problems: list[tuple[int, str]] = []
+    bad = 0
+    for number, raw in enumerate(stream, start=1):
+        line = raw.rstrip(b"\r\n") if raw.endswith(b"\n") else raw
+        empty = not line.strip() if fmt == "jsonl" else not line
+        if empty:
+            continue
+        try:
+            if fmt == "jsonl":
+                message = _from_json_line(line, defaults)
+            else:
+                message = _build(
+                    defaults.exchange,
+                    defaults.routing_key,
+                    line,
+                    defaults.mandatory,
+                    dict(defaults.properties),
+                )
+        except _LineError as exc:
+            bad += 1
+            if len(problems) < MAX_REPORTED_ERRORS:
+                problems.append((number, str(exc)))
+            continue
+        items.append(Item(number, message))
+    if bad:
+        raise InputError(source, problems, bad)
+    return items
+
+
+class _LineError(Exception):
+    """What is wrong with one line (the caller adds the line number)."""
+
+
+def _from_json_line(line: bytes, defaults: Defaults) -> OutgoingMessage:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _LineError(f"not UTF-8 text (byte {exc.start + 1})") from None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _LineError(f"malformed JSON: {exc.msg} (column {exc.colno})") from None
+    if not isinstance(record, dict):
+        raise _LineError(f"expected a JSON object, got {_json_type(record)}")
+    unknown = sorted(set(record) - KNOWN_FIELDS)
+    if unknown:
+        raise _LineError(f"unknown field {unknown[0]!r} (known: {', '.join(sorted(KNOWN_FIELDS))})")
+    if "body" not in record:
+        raise _LineError("missing field 'body'")
+    body = _decode_body(record["body"], record.get("body_encoding", "utf-8"))
+    properties = dict(defaults.properties)
+    for name in PROPERTY_NAMES & set(record):
+        properties[name] = record[name]
+    default_headers = defaults.properties.get("headers")
+    if isinstance(default_headers, Mapping) and isinstance(record.get("headers"), dict):
+        properties["headers"] = {**default_headers, **record["headers"]}
+    if "timestamp" in properties:
+        properties["timestamp"] = _timestamp(properties["timestamp"])
+    mandatory = record.get("mandatory", defaults.mandatory)
+    if not isinstance(mandatory, bool):
+        raise _LineError(f"invalid mandatory: must be true or false, not {_json_type(mandatory)}")
+    return _build(
+        record.get("exchange", defaults.exchange),
+        record.get("routing_key", defaults.routing_key),
+        body,
+        mandatory,
+        properties,
+    )
+
+
+def _build(
+    exchange: object,
+    routing_key: object,
+    body: bytes,
+    mandatory: bool,
+    properties: dict[str, Any],
+) -> OutgoingMessage:
+    if routing_key is None:
+        raise _LineError(
+            "no routing key: give the line a routing_key, or pass --routing-key "
+            "(or --declare-queue to publish to that queue)"
+        )
+    try:
+        return build_message(
+            exchange, routing_key, body, mandatory=mandatory, properties=properties
+        )
+    except InvalidMessage as exc:
+        raise _LineError(str(exc)) from None
+
+
+def _decode_body(body: object, encoding: object) -> bytes:
+    if not isinstance(body, str):
+        raise _LineError(
+            f"invalid body: must be a JSON string, not {_json_type(body)} "
+            '(use body_encoding "base64" for binary bodies)'
+        )
+    if encoding == "utf-8":
+        return body.encode("utf-8", "surrogatepass")
+    if encoding == "base64":
+        try:
+            return base64.b64decode(body, validate=True)
+        except (binascii.Error, ValueError):
+            raise _LineError("invalid body: not valid base64") from None
+    raise _LineError(f"invalid body_encoding {encoding!r} (use {' or '.join(BODY_ENCODINGS)})")
+
+
+def _timestamp(value: object) -> object:
+    # JSON has no dates: POSIX seconds, or an ISO 8601 string (UTC unless it says otherwise).
+    if isinstance(value, str):
+        try:
+            return dt.datetime.fromisoformat(value)
+        except ValueError:
+            raise _LineError(
+                f"invalid timestamp: {value!r} is neither POSIX seconds nor an ISO 8601 date"
+            ) from None
+    return value
+
+
+def _json_type(value: object) -> str:
+    names = {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }
+    return names.get(type(value), type(value).__name__)
+
+
+# --- failed messages ----------------------------------------------------------------------------
+
+
+def failure_record(item: Item, error: BaseException | str) -> dict[str, Any]:
+    """The JSON line for a message that was not confirmed (``publish --format jsonl`` input)."""
+    message = item.message
+    record: dict[str, Any] = {}
+    try:
+        record["body"] = message.body.decode("utf-8")
+    except UnicodeDecodeError:
+        record["body"] = base64.b64encode(message.body).decode("ascii")
+        record["body_encoding"] = "base64"
+    record["exchange"] = message.exchange
+    record["routing_key"] = message.routing_key
+    if message.mandatory:
+        record["mandatory"] = True
+    for name, value in asdict(message.properties).items():
+        if value is not None:
+            record[name] = value
+    if isinstance(error, PublishError):
+        detail = {"type": type(error).__name__, "reason": str(error), "attempts": error.attempts}
+    else:
+        detail = {"type": "NotPublished", "reason": str(error), "attempts": 0}
+    record[ERROR_FIELD] = {**detail, "line": item.line}
+    return record
+
+
+def write_failures(stream: IO[str], failures: Iterable[tuple[Item, BaseException | str]]) -> int:
+    """Write one JSON line per failed message; returns how many were written."""
+    written = 0
+    for item, error in failures:
+        stream.write(json.dumps(failure_record(item, error), default=_json_default))
+        stream.write("\n")
+        written += 1
+    stream.flush()
+    return written
+
+
+def _json_default(value: object) -> object:
+    # Headers that came from JSON are JSON again; anything else (bytes, Decimal, datetime from a
+    # future input path) is kept readable rather than lost.
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    return str(value)
+
+
+# --- progress -----------------------------------------------------------------------------------
+
+
+class Progress:
+    """A one-line progress bar with the confirmed rate, drawn only on a terminal."""
+
+    def __init__(self, total: int, stream: IO[str], enabled: bool) -> None:
+        self.total = total
+        self.stream = stream
+        self.enabled = enabled and total > 0
+        self.started = time.monotonic()
+        self._drawn = 0.0
+
+    def update(self, confirmed: int, failed: int, *, force: bool = False) -> None:
+        """Redraw (at most ten times a second unless ``force``)."""
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._drawn < 0.1:
+            return
+        self._drawn = now
+        elapsed = max(now - self.started, 1e-6)
+        done = confirmed + failed
+        width = max(10, min(40, shutil.get_terminal_size((80, 20)).columns - 60))
+        filled = int(width * done / self.total)
+        bar = "#" * filled + "-" * (width - filled)
+        text = f"\r[{bar}] {confirmed:,}/{self.total:,} confirmed  {confirmed / elapsed:,.0f} msg/s"
+        if failed:
+            text += f"  {failed:,} failed"
+        self.stream.write(text + "\033[K")
+        self.stream.flush()
+
+    def finish(self, confirmed: int, failed: int) -> None:
+        """Draw the final state and end the line."""
+        if self.enabled:
+            self.update(confirmed, failed, force=True)
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,292 @@
+"""The argument parser of ``reliable-amqp`` and the translation of flags into publisher options.
+
+Every publisher option can come from a flag or, when the flag is absent, from an environment
+variable (``AMQP_URL`` for the broker, ``RELIABLE_AMQP_<FLAG>`` for the rest), and anything else
+:class:`~reliable_amqp.PublisherOptions` knows can be set with ``-o key=value``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp._core.options import (
+    DEFAULT_CONNECT_POLICY,
+    DEFAULT_NACK_POLICY,
+    PublisherOptions,
+    default_url,
+)
+from reliable_amqp._core.policy import RetryPolicy
+
+#: Exit codes (documented in ``docs/cli.md``).
+EXIT_OK = 0
+EXIT_NOT_CONFIRMED = 1
+EXIT_USAGE = 2
+EXIT_CONNECTION = 3
+EXIT_INTERRUPTED = 130
+
+DEFAULT_URL = default_url()
+ENV_PREFIX = "RELIABLE_AMQP_"
+# as shown in --help: no password, and "%" escaped for argparse
+_SHOWN_DEFAULT_URL = DEFAULT_URL.replace("guest:guest", "guest:***").replace("%", "%%")
+
+EPILOG = """\
+exit codes:
+  0    every message was confirmed by the broker
+  1    some messages were not confirmed (nacked, returned, rejected, timed out)
+  2    bad arguments or bad input: nothing was published
+  3    the broker could not be reached, or the connection was lost for good
+  130  interrupted (Ctrl-C)
+With --failed PATH, every message that was not confirmed is written to PATH (JSON lines that
+`reliable-amqp publish --format jsonl PATH` publishes again with the same message ids).
+"""
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
+def _positive_count(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value
+
+
+@dataclass(frozen=True)
+class _Tuning:
+    """A flag that sets one publisher option (or one field of a retry policy)."""
+
+    flag: str
+    dest: str
+    parse: Callable[[str], int | float]
+    option: str  # key for PublisherOptions.from_strings
+    help: str
+    offset: int = 0  # added to the value (retries -> attempts)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.dest.upper()
+
+
+TUNING: tuple[_Tuning, ...] = (
+    _Tuning(
+        "--nack-retries",
+        "nack_retries",
+        _count,
+        "nack_policy.max_attempts",
+        "how often a nacked message is sent again before it fails "
+        f"(default {(DEFAULT_NACK_POLICY.max_attempts or 1) - 1})",
+        offset=1,
+    ),
+    _Tuning(
+        "--retry-initial-delay",
+        "retry_initial_delay",
+        _seconds,
+        "nack_policy.initial_delay",
+        f"seconds before the first retry of a nacked message "
+        f"(default {DEFAULT_NACK_POLICY.initial_delay:g}); the wait doubles each time",
+    ),
+    _Tuning(
+        "--retry-max-delay",
+        "retry_max_delay",
+        _seconds,
+        "nack_policy.max_delay",
+        f"longest wait between retries of a nacked message "
+        f"(default {DEFAULT_NACK_POLICY.max_delay:g})",
+    ),
+    _Tuning(
+        "--delivery-timeout",
+        "delivery_timeout",
+        _seconds,
+        "delivery_timeout",
+        "a message's whole deadline in seconds, retries and reconnects included (default "
+        f"{PublisherOptions.__dataclass_fields__['delivery_timeout'].default:g})",
+    ),
+    _Tuning(
+        "--connect-retries",
+        "connect_retries",
+        _count,
+        "connect_policy.max_attempts",
+        "how often to try connecting again after a failed attempt or a lost connection "
+        f"(default {(DEFAULT_CONNECT_POLICY.max_attempts or 1) - 1}, "
+        f"within {DEFAULT_CONNECT_POLICY.deadline or 0:g} s)",
+        offset=1,
+    ),
+    _Tuning(
+        "--connect-timeout",
+        "connect_timeout",
+        _seconds,
+        "connect_timeout",
+        "seconds one connection attempt may take (default "
+        f"{PublisherOptions.__dataclass_fields__['connect_timeout'].default:g})",
+    ),
+    _Tuning(
+        "--max-in-flight",
+        "max_in_flight",
+        _positive_count,
+        "max_in_flight",
+        "at most this many messages unconfirmed at once (default "
+        f"{PublisherOptions.__dataclass_fields__['max_in_flight'].default})",
+    ),
+)
+
+
+def _env_default(tuning: _Tuning) -> str | None:
+    return os.environ.get(tuning.env) or None
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--url`` (repeatable, for failover), the tuning flags and ``-o key=value``."""
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="show the library's log: reconnects and channel closes (-vv: debug)",
+    )
+    group = parser.add_argument_group("broker and publisher options")
+    group.add_argument(
+        "--url",
+        action="append",
+        metavar="URL",
+        help="broker URL, repeat for failover (default: $AMQP_URL, else "
+        f"{_SHOWN_DEFAULT_URL}); prefer $AMQP_URL for real "
+        "passwords, which other users can see on a command line",
+    )
+    for tuning in TUNING:
+        group.add_argument(
+            tuning.flag,
+            dest=tuning.dest,
+            type=tuning.parse,
+            default=_env_default(tuning),
+            metavar="N" if tuning.parse is not _seconds else "SECONDS",
+            help=f"{tuning.help} [env {tuning.env}]",
+        )
+    group.add_argument(
+        "-o",
+        "--option",
+        dest="options",
+        action="append",
+        type=_key_value,
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other publisher option, e.g. -o publish_timeout=30, "
+        "-o nack_policy.jitter=0, -o dedup_header=x-deduplication-header",
+    )
+
+
+def urls_from_args(args: argparse.Namespace) -> list[str]:
+    """The broker URLs: ``--url`` flags, else ``$AMQP_URL``, else the local default."""
+    given: list[str] | None = args.url
+    if given:
+        return given
+    return [os.environ.get("AMQP_URL") or DEFAULT_URL]
+
+
+def publisher_options(args: argparse.Namespace) -> PublisherOptions:
+    """Validated publisher options from the parsed flags; raises ConfigurationError."""
+    strings: dict[str, str] = {}
+    for key, value in args.options:
+        strings[key] = value
+    for tuning in TUNING:
+        value = getattr(args, tuning.dest)
+        if value is not None:
+            strings[tuning.option] = str(value + tuning.offset)
+    for name, default in (
+        ("nack_policy", DEFAULT_NACK_POLICY),
+        ("connect_policy", DEFAULT_CONNECT_POLICY),
+    ):
+        _complete_policy(strings, name, default)
+    return PublisherOptions.from_strings(urls_from_args(args), strings)
+
+
+def _complete_policy(strings: dict[str, str], name: str, default: RetryPolicy) -> None:
+    """Fill the fields of a partly given policy from the library's default for it.
+
+    ``RetryPolicy.from_dict`` starts from ``RetryPolicy()``; a flag that changes one field of the
+    nack policy must not silently change the others. kombu-style keys are left alone.
+    """
+    given = {key.partition(".")[2] for key in strings if key.startswith(name + ".")}
+    if not given or given & {"max_retries", "interval_start", "interval_step", "interval_max"}:
+        return
+    for field, value in default.to_dict().items():
+        strings.setdefault(f"{name}.{field}", "none" if value is None else str(value))
+
+
+def publisher_kwargs(options: PublisherOptions) -> dict[str, object]:
+    """``Publisher(urls, **kwargs)`` arguments equal to ``options``."""
+    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "urls"}
+
+
+def check_options(args: argparse.Namespace) -> PublisherOptions:
+    """Like :func:`publisher_options`, but a bad value is reported as a usage error."""
+    try:
+        return publisher_options(args)
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from None
+
+
+class UsageError(Exception):
+    """Bad arguments or bad input: reported on stderr, exit code 2, nothing published."""
+
+
+def build_parser(
+    add_publish: Callable[[argparse.ArgumentParser], None],
+    add_bench: Callable[[argparse.ArgumentParser], None],
+) -> argparse.ArgumentParser:
+    """The top-level parser with its ``publish`` and ``bench`` sub-commands."""
+    from reliable_amqp import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="reliable-amqp",
+        description="Publish to RabbitMQ/LavinMQ with publisher confirms, losing nothing.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    publish = sub.add_parser(
+        "publish",
+        help="publish messages from a file or stdin, each confirmed by the broker",
+        description="Publish one message per input line (or per JSON line with --format jsonl).\n"
+        "The whole input is read and checked before anything is sent.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_publish(publish)
+    bench = sub.add_parser(
+        "bench",
+        help="compare transactions, per-message confirms, streaming confirms and no confirms",
+        description="Measure, on your own broker, how fast each way of publishing is.\n"
+        "Declares a durable queue of its own and deletes it afterwards.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_bench(bench)
+    return parser

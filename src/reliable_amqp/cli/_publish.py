@@ -1,0 +1,345 @@
+"""``reliable-amqp publish``: publish a file of messages, each confirmed, and account for all.
+
+Order of events: parse and validate the whole input (exit 2 on any bad line, nothing sent);
+connect; declare the queue if asked; publish every message without waiting on each; wait for
+every confirm; write the ones that were not confirmed to ``--failed``; print a summary per outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import fields
+from typing import IO, Any
+
+from reliable_amqp._core.errors import (
+    AmqpConnectionError,
+    BrokerError,
+    DeliveryTimeout,
+    MessageNacked,
+    MessageRejected,
+    MessageReturned,
+    PublisherClosed,
+    PublishError,
+    PublishTimeout,
+    ReliableAmqpError,
+)
+from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._sync.publisher import Publisher
+from reliable_amqp.cli._io import Defaults, InputError, Item, Progress, read_messages
+from reliable_amqp.cli._io import write_failures as _write_failures
+from reliable_amqp.cli._parse import (
+    EXIT_CONNECTION,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_CONFIRMED,
+    EXIT_OK,
+    EXIT_USAGE,
+    UsageError,
+    add_connection_arguments,
+    check_options,
+    publisher_kwargs,
+)
+
+#: Summary lines, in order: label, the outcome it counts, and what to do about it.
+OUTCOMES: tuple[tuple[str, type[BaseException] | None, str], ...] = (
+    ("nacked", MessageNacked, "the broker refused them (a full queue?) and nack retries ran out"),
+    ("returned", MessageReturned, "unroutable: no queue is bound for their routing key"),
+    ("rejected", MessageRejected, "the broker closed the channel over them (missing exchange?)"),
+    ("timed out", DeliveryTimeout, "no confirm within --delivery-timeout"),
+    ("not confirmed", PublisherClosed, "the connection was lost for good, or interrupted"),
+    ("not published", None, "never sent: the run stopped first"),
+)
+
+
+def add_publish_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``reliable-amqp publish``."""
+    parser.add_argument(
+        "input", nargs="?", default="-", metavar="FILE", help="messages to publish (default: stdin)"
+    )
+    parser.add_argument(
+        "--format",
+        choices=("lines", "jsonl"),
+        default="lines",
+        help="lines: each line is a message body; jsonl: each line is a JSON object with body, "
+        "routing_key, exchange, headers, properties (default: lines)",
+    )
+    parser.add_argument("--exchange", default="", help="exchange (default: the default exchange)")
+    parser.add_argument("--routing-key", help="routing key of every message without one of its own")
+    parser.add_argument(
+        "--declare-queue",
+        metavar="NAME",
+        help="declare this durable queue first; publishing to the default exchange, the routing "
+        "key defaults to it",
+    )
+    parser.add_argument(
+        "--mandatory",
+        action="store_true",
+        help="unroutable messages fail as returned instead of being dropped by the broker",
+    )
+    parser.add_argument("--content-type", help="content type of every message without its own")
+    parser.add_argument(
+        "--header",
+        dest="headers",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a header on every message (repeatable; a message's own headers win)",
+    )
+    parser.add_argument(
+        "--failed",
+        metavar="PATH",
+        help="write every message that was not confirmed, with the reason, to PATH as JSON lines "
+        "(replay with --format jsonl PATH); written, possibly empty, on every run",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar and no summary (errors only)"
+    )
+    add_connection_arguments(parser)
+
+
+def _defaults(args: argparse.Namespace) -> Defaults:
+    routing_key: str | None = args.routing_key
+    if routing_key is None and args.exchange:
+        routing_key = ""  # fanout and headers exchanges ignore it
+    if routing_key is None and args.declare_queue:
+        routing_key = args.declare_queue
+    if routing_key is None and args.format == "lines":
+        raise UsageError(
+            "no routing key: pass --routing-key KEY (or --declare-queue NAME to publish to that "
+            "queue, or --exchange NAME)"
+        )
+    properties: dict[str, Any] = {}
+    if args.content_type:
+        properties["content_type"] = args.content_type
+    if args.headers:
+        properties["headers"] = dict(h.partition("=")[::2] for h in args.headers)
+        if any("=" not in h for h in args.headers):
+            raise UsageError("--header expects KEY=VALUE")
+    return Defaults(args.exchange, routing_key, args.mandatory, properties)
+
+
+def _read(args: argparse.Namespace, defaults: Defaults) -> list[Item]:
+    if args.input == "-":
+        return read_messages(sys.stdin.buffer, "<stdin>", args.format, defaults)
+    try:
+        with open(args.input, "rb") as stream:
+            return read_messages(stream, args.input, args.format, defaults)
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.input}: {exc.strerror or exc}") from None
+
+
+class _Tally:
+    """Outcomes as futures resolve (future callbacks run on the publisher's I/O thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.confirmed = 0
+        self.failures: list[tuple[Item, BaseException | str]] = []
+        #: from the first publish until every outcome was in (for the rate in the summary)
+        self.publishing = 0.0
+
+    def watch(self, item: Item) -> Callable[[Future[Confirmation]], None]:
+        def done(future: Future[Confirmation]) -> None:
+            error = None if future.cancelled() else future.exception()
+            with self._lock:
+                if error is None:
+                    self.confirmed += 1
+                else:
+                    self.failures.append((item, error))
+
+        return done
+
+    def add(self, items: list[Item], reason: str) -> None:
+        with self._lock:
+            self.failures.extend((item, reason) for item in items)
+
+    @property
+    def failed(self) -> int:
+        return len(self.failures)
+
+
+def run_publish(args: argparse.Namespace) -> int:
+    """Run ``reliable-amqp publish``; returns the exit code."""
+    options = check_options(args)
+    try:
+        items = _read(args, _defaults(args))
+    except InputError as exc:
+        print(f"reliable-amqp: bad input, nothing was published:\n{exc}", file=sys.stderr)
+        return EXIT_USAGE
+    tally = _Tally()
+    progress = Progress(
+        len(items), sys.stderr, sys.stderr.isatty() and not (args.quiet or args.no_progress)
+    )
+    started = time.monotonic()
+    code = _publish_all(args, options, items, tally, progress)
+    progress.finish(tally.confirmed, tally.failed)
+    failures = sorted(tally.failures, key=lambda pair: pair[0].line)
+    if args.failed:
+        try:
+            with open(args.failed, "w", encoding="utf-8") as stream:
+                _write_failures(stream, failures)
+        except OSError as exc:
+            print(f"reliable-amqp: cannot write {args.failed}: {exc}", file=sys.stderr)
+            _list_failures(failures, sys.stderr, limit=None)
+            return max(code, EXIT_NOT_CONFIRMED)
+    elif failures:
+        _list_failures(failures, sys.stderr, limit=20)
+    if not args.quiet:
+        _summary(
+            args,
+            options,
+            total=len(items),
+            confirmed=tally.confirmed,
+            failures=failures,
+            elapsed=time.monotonic() - started,
+            publishing=tally.publishing,
+        )
+    if code == EXIT_OK and failures:
+        code = EXIT_NOT_CONFIRMED
+    return code
+
+
+def _publish_all(
+    args: argparse.Namespace,
+    options: PublisherOptions,
+    items: list[Item],
+    tally: _Tally,
+    progress: Progress,
+) -> int:
+    """Publish every item, wait for every outcome; returns the exit code so far."""
+    if not items:
+        return EXIT_OK
+    publisher = Publisher(list(options.urls), **publisher_kwargs(options))
+    published = 0
+    code = EXIT_OK
+    try:
+        publisher.connect()
+        if args.declare_queue:
+            publisher.declare_queue(args.declare_queue, durable=True)
+        publish = publisher.publish
+        started = time.monotonic()
+        for item in items:
+            message = item.message
+            future = publish(
+                message.exchange,
+                message.routing_key,
+                message.body,
+                mandatory=message.mandatory,
+                **_properties(message),
+            )
+            published += 1
+            future.add_done_callback(tally.watch(item))
+            if not published & 255:
+                progress.update(tally.confirmed, tally.failed)
+        while publisher.flush(0.1):
+            progress.update(tally.confirmed, tally.failed)
+        tally.publishing = time.monotonic() - started
+    except KeyboardInterrupt:
+        print("\nreliable-amqp: interrupted; settling what was sent", file=sys.stderr)
+        code = EXIT_INTERRUPTED
+        tally.add(items[published:], "not sent: interrupted")
+        published = len(items)
+        publisher.close(timeout=5)
+    except BrokerError as exc:  # the declaration was refused
+        print(f"reliable-amqp: cannot declare queue {args.declare_queue!r}: {exc}", file=sys.stderr)
+        code = EXIT_USAGE
+    except (PublishError, ReliableAmqpError) as exc:
+        # Connecting failed, or the connection was given up (publish() raises PublisherClosed),
+        # or the window stayed full for publish_timeout: what was sent settles; the rest stays.
+        problem = _connection_problem(options, exc)
+        print(f"reliable-amqp: {problem}", file=sys.stderr)
+        code = EXIT_CONNECTION
+        tally.add(items[published:], f"not sent: {problem}")
+        published = len(items)
+    finally:
+        if published < len(items):
+            tally.add(items[published:], "not sent: the run stopped first")
+        try:
+            publisher.close()
+        except KeyboardInterrupt:
+            publisher.close(timeout=0)
+    if code == EXIT_OK and any(isinstance(e, PublisherClosed) for _, e in tally.failures):
+        code = EXIT_CONNECTION
+    return code
+
+
+def _connection_problem(options: PublisherOptions, exc: BaseException) -> str:
+    urls = ", ".join(redact_url(u) for u in options.urls)
+    if isinstance(exc, PublisherClosed):
+        return f"the connection to {urls} was given up: {exc.reason or exc}"
+    if isinstance(exc, AmqpConnectionError):
+        return f"cannot connect to {urls}: {exc}"
+    if isinstance(exc, PublishTimeout):
+        return f"the broker at {urls} stopped confirming: {exc}"
+    return f"publishing to {urls} failed: {exc}"
+
+
+def _properties(message: OutgoingMessage) -> dict[str, Any]:
+    props = message.properties
+    return {f.name: value for f in fields(props) if (value := getattr(props, f.name)) is not None}
+
+
+def _label(error: BaseException | str) -> str:
+    for label, cls, _ in OUTCOMES:
+        if cls is not None and isinstance(error, cls):
+            return label
+    return "not published" if isinstance(error, str) else "failed"
+
+
+def _list_failures(
+    failures: list[tuple[Item, BaseException | str]], stream: IO[str], limit: int | None
+) -> None:
+    """Print failures, one line each; messages never sent are grouped by reason."""
+    unsent: dict[str, list[int]] = {}
+    shown = 0
+    for item, error in failures:
+        if isinstance(error, str):
+            unsent.setdefault(error, []).append(item.line)
+        elif limit is None or shown < limit:
+            print(f"line {item.line}: {_label(error)}: {error}", file=stream)
+            shown += 1
+    hidden = len(failures) - shown - sum(len(lines) for lines in unsent.values())
+    if hidden:
+        print(f"... and {hidden:,} more; use --failed PATH to keep every one", file=stream)
+    for reason, lines in unsent.items():
+        where = f"line {lines[0]}" if len(lines) == 1 else f"lines {lines[0]} to {lines[-1]}"
+        print(f"{_messages(len(lines))} ({where}) {reason}", file=stream)
+
+
+def _summary(
+    args: argparse.Namespace,
+    options: PublisherOptions,
+    *,
+    total: int,
+    confirmed: int,
+    failures: list[tuple[Item, BaseException | str]],
+    elapsed: float,
+    publishing: float,
+) -> None:
+    urls = ", ".join(redact_url(u) for u in options.urls)
+    source = "stdin" if args.input == "-" else args.input
+    rate = f" ({confirmed / publishing:,.0f} confirmed/s)" if publishing >= 0.5 else ""
+    print(f"{_messages(total)} from {source} to {urls} in {elapsed:.2f} s{rate}")
+    counts: dict[str, int] = {}
+    for _, error in failures:
+        label = _label(error)
+        counts[label] = counts.get(label, 0) + 1
+    print(f"  {'confirmed':<14}{confirmed:>10,}")
+    for label, _, meaning in (*OUTCOMES, ("failed", None, "")):
+        if counts.get(label):
+            print(f"  {label:<14}{counts[label]:>10,}   {meaning}".rstrip())
+    if failures and args.failed:
+        print(
+            f"{_messages(len(failures))} not confirmed written to {args.failed}; "
+            f"publish them again with: reliable-amqp publish --format jsonl {args.failed}"
+        )
+
+
+def _messages(count: int) -> str:
+    return f"{count:,} message" if count == 1 else f"{count:,} messages"
