@@ -80,6 +80,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(MODES),
         help=f"comma-separated modes to run (default: all of {', '.join(MODES)})",
     )
+    parser.add_argument(
+        "--queue",
+        metavar="NAME",
+        help="name of the queue to create (default: reliable-amqp-bench-<random>); it must not "
+        "exist yet, since it is deleted at the end",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_connection_arguments(parser)
 
@@ -113,7 +119,7 @@ def run_bench(args: argparse.Namespace) -> int:
         )
     url = options.urls[0]
     shown = redact_url(url)
-    queue = f"reliable-amqp-bench-{uuid.uuid4().hex[:12]}"
+    queue = args.queue or f"reliable-amqp-bench-{uuid.uuid4().hex[:12]}"
     body = b"x" * args.body_size
     try:
         connection = pika.BlockingConnection(_parameters(url, options))
@@ -122,6 +128,9 @@ def run_bench(args: argparse.Namespace) -> int:
             f"reliable-amqp: cannot connect to {shown}: {type(exc).__name__} {exc}", file=sys.stderr
         )
         return EXIT_CONNECTION
+    if _queue_exists(connection, queue):
+        connection.close()
+        raise UsageError(f"queue {queue!r} exists already; bench deletes its queue at the end")
     measured: list[tuple[str, int, float, int]] = []
     try:
         admin = connection.channel()
@@ -148,6 +157,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         report = {
             "broker": shown,
+            "queue": queue,
             "body_size": args.body_size,
             "persistent": True,
             "results": [asdict(r) for r in results],
@@ -169,6 +179,18 @@ def _parameters(url: str, options: PublisherOptions) -> pika.URLParameters:
     params.socket_timeout = options.connect_timeout
     params.blocked_connection_timeout = options.delivery_timeout
     return params
+
+
+def _queue_exists(connection: Any, queue: str) -> bool:
+    try:
+        channel = connection.channel()
+        channel.queue_declare(queue, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            return False
+        raise
+    channel.close()
+    return True
 
 
 def _delete_queue(connection: Any, queue: str) -> None:
