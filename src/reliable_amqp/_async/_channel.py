@@ -142,14 +142,15 @@ def translate_connection_error(error: BaseException) -> ReliableAmqpError:
     elif isinstance(error, aiormq.exceptions.ConnectionNotAllowed) or (
         # aiormq reports a connection.close in answer to connection.open (a missing vhost, no
         # permission on it) as an unexpected frame rather than as the close it is.
-        isinstance(error, aiormq.exceptions.InvalidFrameError)
-        and "Connection.OpenOk" in str(error)
+        isinstance(error, aiormq.exceptions.InvalidFrameError) and "Connection.OpenOk" in str(error)
     ):
         result = AuthenticationFailed(
             "the broker refused access to the virtual host (missing vhost or no permission)"
         )
-    elif isinstance(error, aiormq.exceptions.ConnectionClosed) and len(error.args) == 2 and (
-        error.args[0] in (403, 530)
+    elif (
+        isinstance(error, aiormq.exceptions.ConnectionClosed)
+        and len(error.args) == 2
+        and (error.args[0] in (403, 530))
     ):
         broker = broker_error(int(error.args[0]), str(error.args[1]))
         result = AuthenticationFailed(f"the broker refused the connection: {broker}")
