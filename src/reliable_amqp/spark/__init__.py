@@ -1,0 +1,62 @@
+"""PySpark integration: write DataFrames through the confirming publisher, at least once.
+
+Installed with the ``spark`` extra (``pip install 'reliable-amqp[spark]'``). Three entry points
+share one partition-publishing function:
+
+- :class:`AmqpSink`: ``df.foreachPartition(sink)``, ``sink.write(df)`` (Arrow batches, returns
+  totals) and ``writeStream.foreachBatch(sink.for_batch)``;
+- :class:`AmqpDataSource`, format ``"amqp"`` (``register(spark)`` first):
+  ``df.write.format("amqp").mode("append").option("url", ...).save()`` and
+  ``df.writeStream.format("amqp")``.
+
+A task whose rows are not all confirmed raises :class:`RowsNotConfirmed` (Spark retries it, and the
+retry republishes the same message ids). See ``docs/spark.md``.
+"""
+
+from __future__ import annotations
+
+try:
+    import pyarrow  # noqa: F401
+    import pyspark  # noqa: F401
+    from pyspark.sql.datasource import DataSource  # noqa: F401  (PySpark >= 4)
+except ImportError as exc:  # pragma: no cover - exercised without the extra installed
+    raise ImportError(
+        "reliable_amqp.spark needs PySpark 4 and PyArrow; install them with "
+        "pip install 'reliable-amqp[spark]'"
+    ) from exc
+
+from reliable_amqp.spark._datasource import (
+    AmqpBatchWriter,
+    AmqpCommitMessage,
+    AmqpDataSource,
+    AmqpStreamWriter,
+    CommitTotals,
+    register,
+)
+from reliable_amqp.spark._mapping import KNOWN_COLUMNS, ColumnPlan
+from reliable_amqp.spark._publish import (
+    PartitionResult,
+    RowsNotConfirmed,
+    SinkConfig,
+    close_cached_publishers,
+    publish_partition,
+)
+from reliable_amqp.spark._sink import AmqpSink, WriteSummary
+
+__all__ = [
+    "KNOWN_COLUMNS",
+    "AmqpBatchWriter",
+    "AmqpCommitMessage",
+    "AmqpDataSource",
+    "AmqpSink",
+    "AmqpStreamWriter",
+    "ColumnPlan",
+    "CommitTotals",
+    "PartitionResult",
+    "RowsNotConfirmed",
+    "SinkConfig",
+    "WriteSummary",
+    "close_cached_publishers",
+    "publish_partition",
+    "register",
+]

@@ -1,0 +1,383 @@
+"""The one partition-publishing function, its configuration, and the per-process publisher cache.
+
+Every entry point (``df.foreachPartition(sink)``, ``sink.write(df)``, ``sink.for_batch`` and the
+``"amqp"`` data source, batch and streaming) ends in :func:`publish_partition`: publish every row
+with streaming confirms, wait for every confirm (bounded), and raise :class:`RowsNotConfirmed`
+if any row failed, so that Spark retries the task. Retries republish the same message ids.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, fields
+from typing import Any
+
+from reliable_amqp._core.errors import (
+    AmqpConnectionError,
+    ConfigurationError,
+    DeliveryTimeout,
+    InvalidMessage,
+    MessageNacked,
+    MessageRejected,
+    MessageReturned,
+    PublisherClosed,
+    PublishError,
+    PublishTimeout,
+    ReliableAmqpError,
+)
+from reliable_amqp._core.message import Confirmation
+from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.state import State
+from reliable_amqp._sync.publisher import Publisher
+from reliable_amqp.spark._mapping import Chunk, ColumnPlan, plan_for_row, plan_for_schema
+
+log = logging.getLogger("reliable_amqp.spark")
+
+#: Options of the sink itself; every other option is a publisher option.
+SINK_OPTIONS: tuple[str, ...] = (
+    "url",
+    "exchange",
+    "routing_key",
+    "routing_key_column",
+    "body_column",
+    "mandatory",
+    "id_prefix",
+    "flush_timeout",
+)
+#: Options Spark passes to a data source that are not ours to interpret.
+SPARK_OPTIONS: frozenset[str] = frozenset({"path", "checkpointlocation"})
+#: Rows per chunk on the Row path (the Arrow path uses Spark's Arrow batches).
+ROW_CHUNK = 1000
+_FLUSH_SLACK = 30.0
+_SAMPLE_IDS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class SinkConfig:
+    """Where and how rows are published; built (and validated) on the driver, pickled to tasks."""
+
+    publisher: PublisherOptions
+    exchange: str = ""
+    routing_key: str | None = None
+    routing_key_column: str = "routing_key"
+    body_column: str = "body"
+    mandatory: bool = True
+    id_prefix: str | None = None
+    flush_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("exchange", "routing_key_column", "body_column"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigurationError(f"{name} must be a str, got {getattr(self, name)!r}")
+        if self.routing_key is not None and not isinstance(self.routing_key, str):
+            raise ConfigurationError(f"routing_key must be a str, got {self.routing_key!r}")
+        if not isinstance(self.mandatory, bool):
+            raise ConfigurationError(f"mandatory must be a bool, got {self.mandatory!r}")
+        if self.id_prefix is not None and (
+            not isinstance(self.id_prefix, str) or not self.id_prefix
+        ):
+            raise ConfigurationError(f"id_prefix must be a non-empty str, got {self.id_prefix!r}")
+        if self.flush_timeout is not None and not (
+            isinstance(self.flush_timeout, (int, float))
+            and math.isfinite(self.flush_timeout)
+            and self.flush_timeout > 0
+        ):
+            raise ConfigurationError(
+                f"flush_timeout must be a number of seconds > 0, got {self.flush_timeout!r}"
+            )
+
+    @property
+    def flush_deadline(self) -> float:
+        """How long a task waits for its confirms: ``flush_timeout``, by default the delivery
+        timeout plus 30 s (every message is settled by its own deadline before that)."""
+        if self.flush_timeout is not None:
+            return float(self.flush_timeout)
+        return self.publisher.delivery_timeout + _FLUSH_SLACK
+
+    def plan(self, schema: Any) -> ColumnPlan:
+        """Check a DataFrame schema against this configuration (raises before anything is sent)."""
+        return plan_for_schema(
+            schema,
+            self.body_column,
+            self.routing_key_column,
+            has_routing_key=self.routing_key is not None,
+        )
+
+    def plan_for_row(self, row: Any) -> ColumnPlan:
+        """Plan from a partition's first Row (no schema on the ``foreachPartition`` path)."""
+        return plan_for_row(
+            row,
+            self.body_column,
+            self.routing_key_column,
+            has_routing_key=self.routing_key is not None,
+        )
+
+    @classmethod
+    def from_strings(cls, options: Mapping[str, str]) -> SinkConfig:
+        """Build from string options (a data source's, lower-cased by Spark).
+
+        ``url`` is required (several, comma-separated, to fail over); ``exchange``,
+        ``routing_key``, ``routing_key_column``, ``body_column``, ``mandatory`` (true/false),
+        ``id_prefix`` and ``flush_timeout`` configure the sink; everything else goes to
+        :meth:`PublisherOptions.from_strings` (``delivery_timeout``, ``nack_policy.max_attempts``).
+        """
+        given = {k.lower(): v for k, v in options.items() if k.lower() not in SPARK_OPTIONS}
+        url = given.pop("url", None)
+        if not url:
+            raise ConfigurationError(
+                'the amqp data source needs .option("url", "amqp://user:pass@host:5672/vhost")'
+            )
+        sink: dict[str, Any] = {}
+        for name in ("exchange", "routing_key", "routing_key_column", "body_column", "id_prefix"):
+            if name in given:
+                sink[name] = given.pop(name)
+        if "mandatory" in given:
+            raw = given.pop("mandatory").strip().lower()
+            if raw not in ("true", "false"):
+                raise ConfigurationError(f"mandatory must be true or false, got {raw!r}")
+            sink["mandatory"] = raw == "true"
+        if "flush_timeout" in given:
+            raw = given.pop("flush_timeout")
+            try:
+                sink["flush_timeout"] = float(raw)
+            except ValueError:
+                raise ConfigurationError(f"flush_timeout must be a number, got {raw!r}") from None
+        urls = [u.strip() for u in url.split(",") if u.strip()]
+        try:
+            publisher = PublisherOptions.from_strings(urls, given)
+        except ConfigurationError as exc:
+            if "unknown publisher option" not in str(exc):
+                raise
+            raise ConfigurationError(f"{exc}; sink options: {', '.join(SINK_OPTIONS)}") from None
+        return cls(publisher=publisher, **sink)
+
+
+def publisher_kwargs(options: PublisherOptions) -> dict[str, Any]:
+    """``Publisher(url, **kwargs)`` arguments that rebuild ``options``."""
+    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "urls"}
+
+
+# --- per-process publisher cache (like Spark's Kafka producer cache) ---------------------------
+
+_cache: dict[PublisherOptions, Publisher] = {}
+_cache_lock = threading.Lock()
+_cache_owner = [os.getpid()]  # the pid the cache belongs to
+
+
+def cached_publisher(options: PublisherOptions) -> Publisher:
+    """The process's publisher for ``options``: reused across tasks, rebuilt if it closed."""
+    with _cache_lock:
+        if _cache_owner[0] != os.getpid():  # a forked child: the parent's I/O threads are gone
+            _cache.clear()
+            _cache_owner[0] = os.getpid()
+        publisher = _cache.get(options)
+        if publisher is not None and publisher.state in (State.CLOSING, State.CLOSED):
+            del _cache[options]
+            publisher = None
+        if publisher is None:
+            publisher = Publisher(list(options.urls), **publisher_kwargs(options))
+            _cache[options] = publisher
+        return publisher
+
+
+def retire_publisher(options: PublisherOptions, publisher: Publisher, timeout: float = 0) -> None:
+    """Drop ``publisher`` from the cache and close it (what it still holds fails as closed)."""
+    with _cache_lock:
+        if _cache.get(options) is publisher:
+            del _cache[options]
+    try:
+        publisher.close(timeout)
+    except Exception:  # closing a broken publisher must not hide why it was retired
+        log.debug("reliable-amqp: closing a retired publisher failed", exc_info=True)
+
+
+def close_cached_publishers(timeout: float = 5.0) -> None:
+    """Close every cached publisher of this process (at exit; also handy in tests)."""
+    with _cache_lock:
+        publishers = list(_cache.items())
+        _cache.clear()
+    for _options, publisher in publishers:
+        try:
+            publisher.close(timeout)
+        except Exception:
+            log.debug("reliable-amqp: closing a cached publisher failed", exc_info=True)
+
+
+atexit.register(close_cached_publishers)
+
+
+# --- results and failures -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionResult:
+    """What one task published: every row counted here was confirmed by the broker."""
+
+    partition: int
+    rows: int
+    seconds: float
+
+
+class RowsNotConfirmed(ReliableAmqpError):
+    """Some rows of a partition were not confirmed; raised in the task so Spark retries it.
+
+    ``reasons`` maps a reason (error class and reply text) to how many rows failed so.
+    """
+
+    retriable = True
+
+    def __init__(
+        self, partition: int, rows: int, reasons: Mapping[str, int], sample_ids: Sequence[str]
+    ) -> None:
+        failed = sum(reasons.values())
+        why = "; ".join(f"{n} x {reason}" for reason, n in sorted(reasons.items(), key=_by_count))
+        super().__init__(
+            f"{failed} of {rows} rows of partition {partition} were not confirmed by the broker: "
+            f"{why} (message ids such as {', '.join(sample_ids)}). Spark retries the task; the "
+            "retry republishes the partition with the same message ids."
+        )
+        self.partition = partition
+        self.rows = rows
+        self.failed = failed
+        self.reasons = dict(reasons)
+        self.sample_ids = list(sample_ids)
+
+
+def _by_count(item: tuple[str, int]) -> tuple[int, str]:
+    return (-item[1], item[0])
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A row failure as a grouping key: the error class and what the broker said."""
+    name = type(exc).__name__
+    if isinstance(exc, (MessageReturned, MessageRejected)):
+        return f"{name} ({exc.reply_code} {exc.reply_text})"
+    if isinstance(exc, MessageNacked):
+        return (
+            f"{name} (nacked by the broker, e.g. a full queue with x-overflow=reject-publish; "
+            "nack_policy spent)"
+        )
+    if isinstance(exc, DeliveryTimeout):
+        return f"{name} (not confirmed within the {exc.timeout:g} s delivery_timeout)"
+    if isinstance(exc, PublisherClosed):
+        return f"{name} ({exc.reason or 'publisher closed'})"
+    if isinstance(exc, InvalidMessage):
+        return f"{name} (invalid {exc.field}: {exc.problem})"
+    return f"{name} ({exc})"
+
+
+class _Outcome:
+    """Failures of one partition, grouped; fed from the publisher's I/O thread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.reasons: dict[str, int] = {}
+        self.sample_ids: list[str] = []
+
+    def on_done(self, future: Future[Confirmation]) -> None:
+        exc = future.exception()
+        if exc is not None:
+            message = getattr(exc, "message", None)
+            self.add(exc, getattr(message, "message_id", "?"))
+
+    def add(self, exc: BaseException, message_id: str) -> None:
+        reason = failure_reason(exc)
+        with self.lock:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+            if len(self.sample_ids) < _SAMPLE_IDS:
+                self.sample_ids.append(message_id)
+
+
+# --- the partition-publishing function ------------------------------------------------------------
+
+
+def publish_partition(
+    config: SinkConfig, chunks: Iterable[Chunk], id_base: str, partition: int
+) -> PartitionResult:
+    """Publish every row of one partition and wait for every confirm; raise if any failed.
+
+    Rows without a ``message_id`` get ``f"{id_base}:{position}"``: the same on every attempt of
+    the task. If reading the rows fails (an upstream error), what was already handed to the
+    publisher is flushed first, so the cached publisher starts the next task clean.
+    """
+    started = time.perf_counter()
+    publisher = cached_publisher(config.publisher)
+    outcome = _Outcome()
+    on_done = outcome.on_done
+    publish = publisher.publish
+    default_exchange = config.exchange
+    default_key = config.routing_key or ""
+    mandatory = config.mandatory
+    position = 0
+    try:
+        for chunk in chunks:
+            bodies = chunk.bodies
+            exchanges = chunk.exchanges
+            keys = chunk.routing_keys
+            ids = chunk.message_ids
+            properties = chunk.properties
+            for i in range(chunk.size):
+                message_id = (ids[i] if ids is not None else None) or f"{id_base}:{position + i}"
+                body = bodies[i]
+                if body is None:
+                    outcome.add(InvalidMessage("body", "is null"), message_id)
+                    continue
+                extra = {name: values[i] for name, values in properties if values[i] is not None}
+                try:
+                    future = publish(
+                        (exchanges[i] if exchanges is not None else None) or default_exchange,
+                        (keys[i] if keys is not None else None) or default_key,
+                        body,
+                        mandatory=mandatory,
+                        message_id=message_id,
+                        **extra,
+                    )
+                except InvalidMessage as exc:
+                    outcome.add(exc, message_id)
+                    continue
+                future.add_done_callback(on_done)
+            position += chunk.size
+    except BaseException as exc:
+        _settle_after_error(config, publisher, exc)
+        raise
+    left = publisher.flush(config.flush_deadline)
+    if left:
+        # Whatever is still open fails as PublisherClosed (and is counted) when it closes.
+        log.warning(
+            "reliable-amqp: %d confirms still missing after %g s", left, config.flush_deadline
+        )
+        retire_publisher(config.publisher, publisher)
+    if outcome.reasons:
+        raise RowsNotConfirmed(partition, position, outcome.reasons, outcome.sample_ids)
+    return PartitionResult(partition, position, time.perf_counter() - started)
+
+
+def _settle_after_error(config: SinkConfig, publisher: Publisher, exc: BaseException) -> None:
+    broken = isinstance(exc, (AmqpConnectionError, PublishError, PublishTimeout))
+    if broken or publisher.state in (State.CLOSING, State.CLOSED):
+        # The publisher itself failed (closed, gave up reconnecting): rebuild it next time.
+        retire_publisher(config.publisher, publisher)
+        return
+    if publisher.flush(config.flush_deadline):
+        retire_publisher(config.publisher, publisher)
+
+
+def chunk_rows(plan: ColumnPlan | None, config: SinkConfig, rows: Iterable[Any]) -> Iterator[Chunk]:
+    """Rows in chunks of :data:`ROW_CHUNK`; planned from the first row when ``plan`` is None."""
+    buffer: list[Any] = []
+    for row in rows:
+        if plan is None:
+            plan = config.plan_for_row(row)
+        buffer.append(row)
+        if len(buffer) >= ROW_CHUNK:
+            yield plan.chunk_from_rows(buffer)
+            buffer = []
+    if buffer and plan is not None:
+        yield plan.chunk_from_rows(buffer)
