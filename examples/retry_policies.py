@@ -71,6 +71,7 @@ def nack_policy_at_work() -> bool:
         channel.queue_declare(
             queue, durable=True, arguments={"x-max-length": 2, "x-overflow": "reject-publish"}
         )
+        # --8<-- [start:at-work]
         patient = RetryPolicy(max_attempts=20, initial_delay=0.05, max_delay=0.2, jitter=0.0)
         with Publisher(URL, nack_policy=patient) as publisher:
             futures = [publisher.publish("", queue, b"job %d" % i) for i in range(3)]
@@ -78,6 +79,7 @@ def nack_policy_at_work() -> bool:
             _method, _, body = channel.basic_get(queue, auto_ack=True)  # make room for one
             print(f"consumer took {body!r}; job 2 gets in on its next retry")
             publisher.flush(timeout=10)
+        # --8<-- [end:at-work]
         ok = True
         for i, future in enumerate(futures):
             error = future.exception()

@@ -23,6 +23,7 @@ THREADS = 8
 PER_THREAD = 1_000
 
 
+# --8<-- [start:worker]
 def worker(publisher: Publisher, queue: str, number: int, results: dict[int, int]) -> None:
     futures: list[Future[Confirmation]] = []
     for i in range(PER_THREAD):
@@ -42,10 +43,14 @@ def worker(publisher: Publisher, queue: str, number: int, results: dict[int, int
     results[number] = confirmed
 
 
+# --8<-- [end:worker]
+
+
 def main() -> int:
     queue = f"example-threads-{uuid.uuid4().hex[:8]}"
     results: dict[int, int] = {}
     try:
+        # --8<-- [start:threads]
         with Publisher(URL, connection_name="examples/threads.py") as publisher:
             publisher.declare_queue(queue, durable=True)
             threads = [
@@ -56,6 +61,7 @@ def main() -> int:
                 thread.start()
             for thread in threads:
                 thread.join()
+        # --8<-- [end:threads]
         in_queue = queue_length(queue)
     finally:
         delete_queue(queue)
