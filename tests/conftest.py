@@ -60,9 +60,13 @@ class BrokerAdmin:
         return self.channel
 
     def queue(self, name: str | None = None, *, durable: bool = True, **arguments: object) -> str:
-        """Declare a queue (deleted at teardown); ``arguments`` become x-arguments."""
+        """Declare a queue (deleted at teardown).
+
+        ``arguments`` become x-arguments with dashes: ``x_max_length=5`` is ``x-max-length``.
+        """
         name = name or unique("q")
-        self._ch().queue_declare(name, durable=durable, arguments=arguments or None)
+        args = {key.replace("_", "-"): value for key, value in arguments.items()}
+        self._ch().queue_declare(name, durable=durable, arguments=args or None)
         self._queues.append(name)
         return name
 

@@ -48,7 +48,8 @@ from reliable_amqp._sync.topology import Request, apply_topology
 log = logging.getLogger("reliable_amqp")
 
 _TICK = 0.05  # deadline and retry resolution on the I/O thread
-_DRAIN_BATCH = 2000  # publishes per I/O-loop turn, so confirms are read between batches
+_DRAIN_BATCH = 2000
+_CLOSE_GRACE = 2.0  # seconds to wait for the broker's close-ok  # publishes per I/O-loop turn, so confirms are read between batches
 
 
 class _CoalescingConnection(SelectConnection):  # type: ignore[misc]
@@ -298,6 +299,7 @@ class Publisher:
             exchange, routing_key, body, mandatory=mandatory, properties=properties
         )
         if not self._opened.is_set():
+            self._check_accepting(message)
             self.connect()
         # Cancelling the future only means the caller stopped caring: the message stays tracked.
         future: Future[Confirmation] = Future()
@@ -673,14 +675,18 @@ class Publisher:
         self._accept_outbox(time.monotonic())
         self._resolve(self._engine.close_all("publisher closed"))
         connection = self._connection
+        ioloop = self._ioloop
         if connection is not None and not (connection.is_closing or connection.is_closed):
             try:
                 connection.close()
+                if ioloop is not None:
+                    # A stalled broker never answers close-ok: do not wait for it forever.
+                    ioloop.call_later(_CLOSE_GRACE, ioloop.stop)
                 return
             except pika.exceptions.ConnectionWrongStateError:
                 pass
-        if self._ioloop is not None:
-            self._ioloop.stop()
+        if ioloop is not None:
+            ioloop.stop()
 
     def _drain(self) -> None:
         with self._room:

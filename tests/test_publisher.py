@@ -1,0 +1,368 @@
+"""The sync Publisher against the real local broker: the delivery contract, case by case."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+from conftest import BrokerAdmin, unique
+from harness.fixtures import ProxyFactory
+
+from reliable_amqp import (
+    AuthenticationFailed,
+    ConfigurationError,
+    Confirmation,
+    DeliveryTimeout,
+    InvalidMessage,
+    MessageNacked,
+    MessageRejected,
+    MessageReturned,
+    PreconditionFailed,
+    Publisher,
+    PublisherClosed,
+    PublishTimeout,
+    RetryPolicy,
+)
+
+pytestmark = pytest.mark.broker
+
+FAST_NACKS = RetryPolicy(max_attempts=3, initial_delay=0.01, max_delay=0.05, jitter=0.0)
+
+
+def outcomes(futures: list[Future[Confirmation]], timeout: float = 30) -> dict[str, int]:
+    """Count futures by outcome class name (every future must be resolved)."""
+    counts: dict[str, int] = {}
+    for f in futures:
+        exc = f.exception(timeout)
+        name = "Confirmation" if exc is None else type(exc).__name__
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def test_every_message_confirmed_and_in_the_queue(amqp_url: str, broker: BrokerAdmin) -> None:
+    queue = broker.queue()
+    n = 3000
+    with Publisher(amqp_url) as publisher:
+        futures = [publisher.publish("", queue, b"m%05d" % i) for i in range(n)]
+        assert publisher.flush(timeout=30) == 0
+    results = [f.result(0) for f in futures]
+    assert all(r.attempts == 1 for r in results)
+    assert len({r.message_id for r in results}) == n
+    assert broker.count(queue) == n
+    received = broker.drain(queue)
+    assert [body for _, body in received] == [b"m%05d" % i for i in range(n)]
+    assert [p.message_id for p, _ in received] == [r.message_id for r in results]
+    assert {p.delivery_mode for p, _ in received} == {2}  # persistent by default
+
+
+def test_properties_and_headers_arrive_intact(amqp_url: str, broker: BrokerAdmin) -> None:
+    queue = broker.queue(x_max_priority=5)
+    with Publisher(amqp_url) as publisher:
+        confirmation = publisher.publish_and_wait(
+            "",
+            queue,
+            b"{}",
+            headers={"tenant": "acme", "n": 7, "nested": {"ok": True}, "tags": ["a", "b"]},
+            message_id="order-42",
+            content_type="application/json",
+            correlation_id="corr-1",
+            expiration=60000,
+            priority=3,
+            app_id="tests",
+        )
+    assert confirmation == Confirmation("order-42", 1)
+    [(props, body)] = broker.drain(queue)
+    assert body == b"{}"
+    assert props.message_id == "order-42"
+    assert props.content_type == "application/json"
+    assert props.correlation_id == "corr-1"
+    assert props.expiration == "60000"
+    assert props.priority == 3
+    assert props.app_id == "tests"
+    assert props.headers["tenant"] == b"acme" or props.headers["tenant"] == "acme"
+    assert props.headers["n"] == 7
+    assert props.headers["nested"] == {"ok": True}
+
+
+def test_nacks_are_retried_then_fail(amqp_url: str, broker: BrokerAdmin) -> None:
+    # A full queue with reject-publish makes RabbitMQ nack for real.
+    queue = broker.queue(x_max_length=5, x_overflow="reject-publish")
+    with Publisher(amqp_url, nack_policy=FAST_NACKS) as publisher:
+        futures = [publisher.publish("", queue, b"%d" % i) for i in range(20)]
+        assert publisher.flush(timeout=30) == 0
+    assert outcomes(futures) == {"Confirmation": 5, "MessageNacked": 15}
+    nacked = [f.exception() for f in futures if f.exception() is not None]
+    assert all(isinstance(e, MessageNacked) and e.attempts == 3 for e in nacked)
+    assert {e.message.body for e in nacked if e is not None}.isdisjoint(
+        {body for _, body in broker.drain(queue)}
+    )
+
+
+def test_nacked_messages_succeed_once_the_queue_has_room(
+    amqp_url: str, broker: BrokerAdmin
+) -> None:
+    queue = broker.queue(x_max_length=5, x_overflow="reject-publish")
+    patient = RetryPolicy(max_attempts=50, initial_delay=0.02, max_delay=0.2, jitter=0.01)
+    received: list[bytes] = []
+    stop = threading.Event()
+
+    def consume() -> None:
+        admin = BrokerAdmin(broker.url)
+        try:
+            while not stop.is_set():
+                got = admin.drain(queue)
+                received.extend(body for _, body in got)
+                time.sleep(0.05)
+        finally:
+            admin._conn.close()
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    try:
+        with Publisher(amqp_url, nack_policy=patient) as publisher:
+            futures = [publisher.publish("", queue, b"%03d" % i) for i in range(60)]
+            assert publisher.flush(timeout=60) == 0
+    finally:
+        time.sleep(0.2)
+        stop.set()
+        consumer.join()
+    received.extend(body for _, body in broker.drain(queue))
+    assert outcomes(futures) == {"Confirmation": 60}
+    assert max(f.result().attempts for f in futures) > 1  # some really were nacked first
+    assert sorted(received) == [b"%03d" % i for i in range(60)]
+
+
+def test_unroutable_mandatory_messages_are_returned(amqp_url: str, broker: BrokerAdmin) -> None:
+    exchange = broker.exchange()
+    queue = broker.queue()
+    broker.bind(queue, exchange, "routed")
+    with Publisher(amqp_url) as publisher:
+        # The same message_id on both: returns are matched per attempt, not by the user's id.
+        routed = [
+            publisher.publish(exchange, "routed", b"r", mandatory=True, message_id="same")
+            for _ in range(10)
+        ]
+        lost = [
+            publisher.publish(exchange, "nowhere", b"l", mandatory=True, message_id="same")
+            for _ in range(10)
+        ]
+        unchecked = publisher.publish(exchange, "nowhere", b"u")  # not mandatory: dropped, acked
+        publisher.flush(timeout=30)
+    assert outcomes(routed) == {"Confirmation": 10}
+    assert outcomes(lost) == {"MessageReturned": 10}
+    error = lost[0].exception()
+    assert isinstance(error, MessageReturned)
+    assert error.reply_code == 312 and "NO_ROUTE" in error.reply_text
+    assert error.message.routing_key == "nowhere"
+    assert unchecked.result().attempts == 1
+    assert broker.count(queue) == 10
+
+
+def test_missing_exchange_fails_only_that_message(amqp_url: str, broker: BrokerAdmin) -> None:
+    queue = broker.queue()
+    missing = unique("no-such-exchange")
+    with Publisher(amqp_url) as publisher:
+        before = [publisher.publish("", queue, b"b%03d" % i) for i in range(200)]
+        bad = publisher.publish(missing, "rk", b"nowhere")
+        after = [publisher.publish("", queue, b"a%03d" % i) for i in range(200)]
+        publisher.flush(timeout=30)
+        later = publisher.publish_and_wait("", queue, b"later")  # still usable
+    error = bad.exception()
+    assert isinstance(error, MessageRejected)
+    assert error.reply_code == 404 and missing in error.reply_text
+    assert error.message.exchange == missing
+    assert outcomes(before + after) == {"Confirmation": 400}
+    assert later.attempts == 1
+    # At least once: messages the broker had queued but not yet confirmed when the channel
+    # closed were republished; each duplicate carries its original's message_id.
+    received = broker.drain(queue)
+    expected = {b"b%03d" % i for i in range(200)} | {b"a%03d" % i for i in range(200)} | {b"later"}
+    assert {body for _, body in received} == expected
+    ids = {f.result().message_id: f for f in before + after}
+    for props, body in received:
+        if body != b"later":
+            assert ids[props.message_id].result().message_id == props.message_id
+    by_body: dict[bytes, set[str]] = {}
+    for props, body in received:
+        by_body.setdefault(body, set()).add(props.message_id)
+    assert all(len(mids) == 1 for mids in by_body.values())
+
+
+@pytest.mark.slow
+def test_oversize_body_is_rejected_and_others_go_on(amqp_url: str, broker: BrokerAdmin) -> None:
+    queue = broker.queue()
+    huge = b"\0" * (128 * 1024 * 1024 + 1)  # RabbitMQ's default max_message_size + 1
+    with Publisher(amqp_url) as publisher:
+        small = [publisher.publish("", queue, b"s%d" % i) for i in range(50)]
+        big = publisher.publish("", queue, huge)
+        more = [publisher.publish("", queue, b"t%d" % i) for i in range(50)]
+        publisher.flush(timeout=60)
+        assert publisher.publish_and_wait("", queue, b"after").attempts == 1
+    error = big.exception()
+    assert isinstance(error, MessageRejected)
+    assert error.reply_code == 406 and "size" in error.reply_text
+    assert outcomes(small + more) == {"Confirmation": 100}
+    assert broker.count(queue) == 101
+
+
+def test_many_threads_share_one_publisher(amqp_url: str, broker: BrokerAdmin) -> None:
+    queue = broker.queue()
+    threads, per_thread = 8, 1500
+    results: list[list[Future[Confirmation]]] = [[] for _ in range(threads)]
+    with Publisher(amqp_url, max_in_flight=500) as publisher:
+
+        def work(k: int) -> None:
+            for i in range(per_thread):
+                results[k].append(publisher.publish("", queue, b"%d-%d" % (k, i)))
+
+        workers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert publisher.flush(timeout=60) == 0
+    futures = [f for per in results for f in per]
+    assert outcomes(futures) == {"Confirmation": threads * per_thread}
+    bodies = [body for _, body in broker.drain(queue)]
+    assert sorted(bodies) == sorted(b"%d-%d" % (k, i) for k in range(threads) for i in range(per_thread))
+    for k in range(threads):  # each thread's messages keep their order
+        mine = [b for b in bodies if b.startswith(b"%d-" % k)]
+        assert mine == [b"%d-%d" % (k, i) for i in range(per_thread)]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "field"),
+    [
+        (("", "q", "text"), {}, "body"),
+        (("", "q", None), {}, "body"),
+        (("", "q", 42), {}, "body"),
+        (("", "r" * 256, b"x"), {}, "routing_key"),
+        (("é" * 128, "q", b"x"), {}, "exchange"),
+        (("", "q", b"x"), {"headers": {"bad": object()}}, "headers['bad']"),
+        (("", "q", b"x"), {"headers": {"big": 2**64}}, "headers['big']"),
+        (("", "q", b"x"), {"headers": {"s": {1, 2}}}, "headers['s']"),
+        (("", "q", b"x"), {"colour": "red"}, "colour"),
+        (("", "q", b"x"), {"priority": 300}, "priority"),
+        (("", "q", b"x"), {"expiration": "soon"}, "expiration"),
+        (("", "q", b"x"), {"delivery_mode": 3}, "delivery_mode"),
+        (("", "q", b"x"), {"message_id": "m" * 300}, "message_id"),
+    ],
+)
+def test_bad_input_fails_fast_and_disturbs_nothing(
+    amqp_url: str, broker: BrokerAdmin, args: tuple, kwargs: dict, field: str
+) -> None:
+    queue = broker.queue()
+    with Publisher(amqp_url) as publisher:
+        first = publisher.publish("", queue, b"before")
+        with pytest.raises(InvalidMessage) as info:
+            publisher.publish(*args, **kwargs)
+        assert info.value.field == field
+        assert field.split("[")[0] in str(info.value)
+        second = publisher.publish("", queue, b"after")
+        publisher.flush(timeout=10)
+        assert publisher.in_flight == 0
+    assert first.result().attempts == 1 and second.result().attempts == 1
+    assert [body for _, body in broker.drain(queue)] == [b"before", b"after"]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://guest:s3cret@127.0.0.1:5672/",
+        "127.0.0.1:5672",
+        "amqp://guest:s3cret@127.0.0.1:99999/",
+        "amqp://guest:s3cret@/vhost",
+        "",
+    ],
+)
+def test_malformed_url_is_a_configuration_error(url: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        Publisher(url)
+    assert "s3cret" not in str(info.value)
+
+
+def test_wrong_credentials_fail_connect_fast_without_retry(amqp_url: str) -> None:
+    url = amqp_url.replace("guest:guest", "guest:n0t-the-passw0rd")
+    publisher = Publisher(url)
+    assert "n0t-the-passw0rd" not in repr(publisher)
+    started = time.monotonic()
+    with pytest.raises(AuthenticationFailed) as info:
+        publisher.connect()
+    assert time.monotonic() - started < 5  # not retried under the connect policy
+    assert "n0t-the-passw0rd" not in str(info.value)
+    assert not info.value.retriable
+    publisher.close()
+    with pytest.raises(PublisherClosed):
+        publisher.publish("", "q", b"x")
+
+
+def test_unknown_option_is_a_configuration_error(amqp_url: str) -> None:
+    with pytest.raises(ConfigurationError, match="max_inflight"):
+        Publisher(amqp_url, max_inflight=10)
+
+
+def test_declare_mismatch_raises_and_publisher_goes_on(amqp_url: str, broker: BrokerAdmin) -> None:
+    queue = broker.queue(durable=True)
+    with Publisher(amqp_url) as publisher:
+        inflight = [publisher.publish("", queue, b"%d" % i) for i in range(100)]
+        with pytest.raises(PreconditionFailed):
+            publisher.declare_queue(queue, durable=False)  # exists as durable: 406
+        publisher.flush(timeout=10)
+        assert publisher.publish_and_wait("", queue, b"after").attempts == 1
+    assert outcomes(inflight) == {"Confirmation": 100}
+    assert broker.count(queue) == 101
+
+
+def test_delivery_timeout_bounds_a_stalled_link(
+    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+) -> None:
+    queue = broker.queue()
+    proxy = make_proxy(5672)
+    publisher = Publisher(proxy.url(), delivery_timeout=1.0, heartbeat=0)
+    with publisher:
+        assert publisher.publish_and_wait("", queue, b"ok").attempts == 1
+        proxy.stall()
+        started = time.monotonic()
+        futures = [publisher.publish("", queue, b"%d" % i) for i in range(10)]
+        assert publisher.flush(timeout=10) == 0
+        elapsed = time.monotonic() - started
+        proxy.resume()
+    assert 0.9 <= elapsed < 3
+    assert outcomes(futures) == {"DeliveryTimeout": 10}
+    error = futures[0].exception()
+    assert isinstance(error, DeliveryTimeout) and error.timeout == 1.0
+
+
+def test_full_window_raises_publish_timeout(
+    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+) -> None:
+    queue = broker.queue()
+    proxy = make_proxy(5672)
+    with Publisher(proxy.url(), max_in_flight=2, publish_timeout=0.5, heartbeat=0) as publisher:
+        proxy.stall()
+        held = [publisher.publish("", queue, b"1"), publisher.publish("", queue, b"2")]
+        started = time.monotonic()
+        with pytest.raises(PublishTimeout, match="max_in_flight=2"):
+            publisher.publish("", queue, b"3")
+        assert 0.4 <= time.monotonic() - started < 2
+        proxy.resume()
+        assert publisher.flush(timeout=10) == 0
+    assert outcomes(held) == {"Confirmation": 2}
+
+
+def test_close_resolves_every_future(
+    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+) -> None:
+    queue = broker.queue()
+    proxy = make_proxy(5672)
+    publisher = Publisher(proxy.url(), heartbeat=0).connect()
+    proxy.stall()
+    futures = [publisher.publish("", queue, b"%d" % i) for i in range(25)]
+    assert publisher.flush(timeout=0.2) == 25
+    assert publisher.close(timeout=0.2) == 25
+    assert all(f.done() for f in futures)
+    assert outcomes(futures) == {"PublisherClosed": 25}
+    with pytest.raises(PublisherClosed):
+        publisher.publish("", queue, b"late")
