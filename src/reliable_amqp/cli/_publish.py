@@ -245,7 +245,7 @@ def _publish_all(
         code = EXIT_INTERRUPTED
         tally.add(items[published:], "not sent: interrupted")
         published = len(items)
-        publisher.close(timeout=5)
+        publisher.close(timeout=2)
     except BrokerError as exc:  # the declaration was refused
         print(f"reliable-amqp: cannot declare queue {args.declare_queue!r}: {exc}", file=sys.stderr)
         code = EXIT_USAGE
@@ -324,7 +324,7 @@ def _summary(
 ) -> None:
     urls = ", ".join(redact_url(u) for u in options.urls)
     source = "stdin" if args.input == "-" else args.input
-    rate = f" ({confirmed / publishing:,.0f} confirmed/s)" if publishing >= 0.5 else ""
+    rate = f" ({confirmed / publishing:,.0f} confirmed/s)" if confirmed >= 100 else ""
     print(f"{_messages(total)} from {source} to {urls} in {elapsed:.2f} s{rate}")
     counts: dict[str, int] = {}
     for _, error in failures:
