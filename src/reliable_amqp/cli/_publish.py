@@ -94,7 +94,7 @@ def add_publish_arguments(parser: argparse.ArgumentParser) -> None:
         "--failed",
         metavar="PATH",
         help="write every message that was not confirmed, with the reason, to PATH as JSON lines "
-        "(replay with --format jsonl PATH); written, possibly empty, on every run",
+        "(replay with --format jsonl PATH); rewritten, possibly empty, by every run that publishes",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
