@@ -1,0 +1,101 @@
+"""Sync benchmark rows: pika's three ways against reliable_amqp.Publisher.
+
+Each row publishes ``count`` persistent messages to a fresh durable queue and reports msgs/s,
+timed from the first publish to the last confirm (for "no confirms": to the last publish
+returned). Connection set-up is not timed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pika
+
+from reliable_amqp import Publisher
+
+Row = dict[str, object]
+PERSISTENT = pika.BasicProperties(delivery_mode=2)
+
+
+@contextmanager
+def fresh_queue(url: str) -> Iterator[tuple[pika.BlockingConnection, str]]:
+    """A blocking connection and a new durable queue, deleted afterwards."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    channel = connection.channel()
+    queue = f"ra-bench-{uuid.uuid4().hex[:10]}"
+    channel.queue_declare(queue, durable=True)
+    try:
+        yield connection, queue
+    finally:
+        if connection.is_open:
+            channel = connection.channel()
+            channel.queue_delete(queue)
+            connection.close()
+
+
+def _row(name: str, count: int, seconds: float, **extra: object) -> Row:
+    return {"name": name, "msgs": count, "seconds": seconds, "rate": count / seconds, **extra}
+
+
+def pika_no_confirms(url: str, count: int, body: bytes) -> Row:
+    """pika BlockingChannel, no confirm mode: fire and forget."""
+    with fresh_queue(url) as (connection, queue):
+        channel = connection.channel()
+        started = time.perf_counter()
+        for _ in range(count):
+            channel.basic_publish("", queue, body, PERSISTENT)
+        seconds = time.perf_counter() - started
+        # Not timed: wait until the broker has them all, to start the next row from quiet.
+        while channel.queue_declare(queue, passive=True).method.message_count < count:
+            time.sleep(0.05)
+    return _row("pika, no confirms", count, seconds)
+
+
+def pika_blocking_confirms(url: str, count: int, body: bytes) -> Row:
+    """pika BlockingChannel.confirm_delivery(): every publish waits for its confirm."""
+    with fresh_queue(url) as (connection, queue):
+        channel = connection.channel()
+        channel.confirm_delivery()
+        started = time.perf_counter()
+        for _ in range(count):
+            channel.basic_publish("", queue, body, PERSISTENT)
+        seconds = time.perf_counter() - started
+    return _row("pika, BlockingChannel.confirm_delivery()", count, seconds)
+
+
+def pika_transactions(url: str, count: int, body: bytes) -> Row:
+    """pika with a transaction per message (tx.select once, tx.commit after each publish)."""
+    with fresh_queue(url) as (connection, queue):
+        channel = connection.channel()
+        channel.tx_select()
+        started = time.perf_counter()
+        for _ in range(count):
+            channel.basic_publish("", queue, body, PERSISTENT)
+            channel.tx_commit()
+        seconds = time.perf_counter() - started
+    return _row("pika, transaction per message", count, seconds)
+
+
+def reliable_publisher(url: str, count: int, body: bytes) -> Row:
+    """reliable_amqp.Publisher: streaming confirms, every future checked."""
+    with fresh_queue(url) as (_connection, queue), Publisher(url) as publisher:
+        started = time.perf_counter()
+        futures = [publisher.publish("", queue, body) for _ in range(count)]
+        left = publisher.flush(timeout=120)
+        seconds = time.perf_counter() - started
+        confirmed = sum(1 for f in futures if f.exception() is None)
+    if left or confirmed != count:
+        raise RuntimeError(f"Publisher confirmed {confirmed} of {count} ({left} pending)")
+    return _row("reliable_amqp.Publisher (streaming confirms)", count, seconds)
+
+
+#: name -> row function, in table order
+ROWS: dict[str, Callable[[str, int, bytes], Row]] = {
+    "pika-noconfirm": pika_no_confirms,
+    "pika-blocking-confirm": pika_blocking_confirms,
+    "pika-tx": pika_transactions,
+    "publisher": reliable_publisher,
+}
