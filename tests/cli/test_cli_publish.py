@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -382,3 +383,53 @@ def test_interrupt_exits_130_and_keeps_what_was_not_confirmed(
     records = [json.loads(line) for line in failed.read_text().splitlines()]
     assert [r["body"] for r in records] == [str(i) for i in range(3, 21)]
     assert "interrupted" in err
+
+
+@pytest.mark.faults
+def test_connection_lost_for_good_exits_3_and_keeps_every_unconfirmed_message(
+    amqp_url: str, broker: BrokerAdmin, tmp_path: Path, make_proxy: Any
+) -> None:
+    port = int(amqp_url.rpartition(":")[2].partition("/")[0])
+    proxy = make_proxy(port)
+    queue = broker.queue(**{"x-max-length": 2, "x-overflow": "reject-publish"})
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{i}\n" for i in range(1, 21)))
+    failed = tmp_path / "failed.jsonl"
+    env = {**os.environ, "AMQP_URL": proxy.url()}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "reliable_amqp",
+            "publish",
+            str(source),
+            "--routing-key",
+            queue,
+            "--nack-retries",
+            "1000",
+            "--retry-initial-delay",
+            "0.2",
+            "--retry-max-delay",
+            "0.2",
+            "--connect-retries",
+            "0",
+            "--failed",
+            str(failed),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    deadline = time.monotonic() + 30
+    while broker.count(queue) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proxy.refuse()
+    proxy.cut()
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 3, err
+    assert "guest:guest" not in out + err
+    records = [json.loads(line) for line in failed.read_text().splitlines()]
+    assert [r["body"] for r in records] == [str(i) for i in range(3, 21)]
+    assert {r["error"]["type"] for r in records} == {"PublisherClosed"}
+    assert "not confirmed" in out

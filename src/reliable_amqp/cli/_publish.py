@@ -126,6 +126,10 @@ def _defaults(args: argparse.Namespace) -> Defaults:
 
 def _read(args: argparse.Namespace, defaults: Defaults) -> list[Item]:
     if args.input == "-":
+        if sys.stdin.isatty():
+            print(
+                "reading messages from the terminal, one per line; end with Ctrl-D", file=sys.stderr
+            )
         return read_messages(sys.stdin.buffer, "<stdin>", args.format, defaults)
     try:
         with open(args.input, "rb") as stream:
@@ -324,7 +328,11 @@ def _summary(
 ) -> None:
     urls = ", ".join(redact_url(u) for u in options.urls)
     source = "stdin" if args.input == "-" else args.input
-    rate = f" ({confirmed / publishing:,.0f} confirmed/s)" if confirmed >= 100 else ""
+    rate = (
+        f" ({confirmed / publishing:,.0f} confirmed/s)"
+        if confirmed >= 100 and publishing > 0
+        else ""
+    )
     print(f"{_messages(total)} from {source} to {urls} in {elapsed:.2f} s{rate}")
     counts: dict[str, int] = {}
     for _, error in failures:
