@@ -25,6 +25,7 @@ import aio_pika.abc
 
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
+from reliable_amqp._async._frames import encode_table
 from reliable_amqp._async._pump import Pump
 from reliable_amqp._core.engine import PublishEngine, Resolution
 from reliable_amqp._core.errors import (
@@ -287,6 +288,9 @@ class AsyncPublisher:
         message = build_message(
             exchange, routing_key, body, mandatory=mandatory, properties=properties
         )
+        if message.properties.headers:
+            # A table that cannot be encoded must fail here, not in the writer mid-batch.
+            encode_table(message.properties.headers)
         if not self._pump.ready.is_set():
             await self.connect()
         self._check_accepting(message)
