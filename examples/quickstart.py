@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from reliable_amqp import PublishError, Publisher
+from reliable_amqp import Publisher, PublishError
 
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 QUEUE = os.environ.get("QUICKSTART_QUEUE", "reliable-amqp-quickstart")

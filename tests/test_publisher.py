@@ -7,9 +7,9 @@ import time
 from concurrent.futures import Future
 
 import pytest
+
 from conftest import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
-
 from reliable_amqp import (
     AuthenticationFailed,
     ConfigurationError,
@@ -226,7 +226,9 @@ def test_many_threads_share_one_publisher(amqp_url: str, broker: BrokerAdmin) ->
     futures = [f for per in results for f in per]
     assert outcomes(futures) == {"Confirmation": threads * per_thread}
     bodies = [body for _, body in broker.drain(queue)]
-    assert sorted(bodies) == sorted(b"%d-%d" % (k, i) for k in range(threads) for i in range(per_thread))
+    assert sorted(bodies) == sorted(
+        b"%d-%d" % (k, i) for k in range(threads) for i in range(per_thread)
+    )
     for k in range(threads):  # each thread's messages keep their order
         mine = [b for b in bodies if b.startswith(b"%d-" % k)]
         assert mine == [b"%d-%d" % (k, i) for i in range(per_thread)]
@@ -259,7 +261,7 @@ def test_bad_input_fails_fast_and_disturbs_nothing(
         with pytest.raises(InvalidMessage) as info:
             publisher.publish(*args, **kwargs)
         assert info.value.field == field
-        assert field.split("[")[0] in str(info.value)
+        assert field.split("[", maxsplit=1)[0] in str(info.value)
         second = publisher.publish("", queue, b"after")
         publisher.flush(timeout=10)
         assert publisher.in_flight == 0

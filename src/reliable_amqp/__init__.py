@@ -18,6 +18,7 @@ from reliable_amqp._core.errors import (
     MessageReturned,
     NotAllowed,
     NotFound,
+    OperationTimeout,
     PreconditionFailed,
     PublisherClosed,
     PublishError,
@@ -30,6 +31,7 @@ from reliable_amqp._core.message import Confirmation, MessageProperties, Outgoin
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.state import State
+from reliable_amqp._core.stats import EventKind, LatencySummary, PublisherEvent, Stats
 from reliable_amqp._sync.publisher import Publisher
 
 __version__ = "0.1.0"
@@ -43,24 +45,29 @@ __all__ = [
     "Confirmation",
     "ConnectionForced",
     "DeliveryTimeout",
+    "EventKind",
     "InvalidMessage",
+    "LatencySummary",
     "MessageNacked",
     "MessageProperties",
     "MessageRejected",
     "MessageReturned",
     "NotAllowed",
     "NotFound",
+    "OperationTimeout",
     "OutgoingMessage",
     "PreconditionFailed",
     "PublishError",
     "PublishTimeout",
     "Publisher",
     "PublisherClosed",
+    "PublisherEvent",
     "PublisherOptions",
     "RecoveryFailed",
     "ReliableAmqpError",
     "RetryPolicy",
     "State",
+    "Stats",
     "__version__",
     "broker_error",
     "redact_url",

@@ -29,6 +29,7 @@ from reliable_amqp._core.errors import (
 )
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._core.stats import Counters, Stats
 from reliable_amqp._core.tracker import (
     ATTEMPT_HEADER,
     ConfirmTracker,
@@ -98,6 +99,7 @@ class PublishEngine(Generic[H]):
         self._retry: list[tuple[float, int, Entry[H]]] = []
         self._retry_seq = 0
         self._live = 0
+        self.counters = Counters()
 
     # --- accepting and sending --------------------------------------------------------------
 
@@ -117,6 +119,7 @@ class PublishEngine(Generic[H]):
         self._sendq.append(entry)
         self._fifo.append(entry)
         self._live += 1
+        self.counters.published += 1
         return entry
 
     def has_sendable(self) -> bool:
@@ -200,6 +203,7 @@ class PublishEngine(Generic[H]):
         again = [e for e in unconfirmed if e.state == WIRE]
         for entry in again:
             entry.state = WAITING
+        self.counters.republished += len(again)
         self._sendq.extendleft(reversed(again))
         return resolutions
 
@@ -259,6 +263,7 @@ class PublishEngine(Generic[H]):
             if entry.state != WIRE:  # expired or closed meanwhile; already resolved
                 continue
             if item.outcome is Outcome.ACKED:
+                self.counters.latencies.append(now - entry.accepted)
                 resolutions.append(
                     self._finish(entry, Confirmation(entry.message.message_id, entry.attempts))
                 )
@@ -269,6 +274,7 @@ class PublishEngine(Generic[H]):
                 )
             else:
                 entry.nacks += 1
+                self.counters.nacked += 1
                 delay = self.nack_policy.delay(entry.nacks, self._rng)
                 if (
                     self.nack_policy.allows(entry.nacks, now - entry.accepted)
@@ -286,7 +292,29 @@ class PublishEngine(Generic[H]):
     def _finish(self, entry: Entry[H], result: Confirmation | PublishError) -> Resolution[H]:
         entry.state = DONE
         self._live -= 1
+        counters = self.counters
+        if isinstance(result, Confirmation):
+            counters.confirmed += 1
+        elif isinstance(result, MessageNacked):
+            counters.failed_nacked += 1
+        elif isinstance(result, MessageReturned):
+            counters.returned += 1
+        elif isinstance(result, MessageRejected):
+            counters.rejected += 1
+        elif isinstance(result, DeliveryTimeout):
+            counters.timed_out += 1
+        else:
+            counters.closed += 1
         return Resolution(entry, result)
+
+    def stats(self) -> Stats:
+        """A snapshot of the counters (safe to call from another thread)."""
+        for _ in range(5):
+            try:
+                return self.counters.snapshot(self._live)
+            except RuntimeError:  # the deque of latencies changed while being copied
+                continue
+        return self.counters.snapshot(self._live)
 
 
 def _find_culprit(unconfirmed: list[Entry[H]], reply_code: int, reply_text: str) -> Entry[H] | None:

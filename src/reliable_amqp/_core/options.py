@@ -8,13 +8,14 @@ environment variables, command-line flags).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._core.stats import PublisherEvent
 
 #: Default connect/reconnect policy: quick first retries, bounded, about a minute in all.
 DEFAULT_CONNECT_POLICY = RetryPolicy(
@@ -102,6 +103,9 @@ class PublisherOptions:
     dedup_header: str | None = None
     #: connection name shown in the broker's management UI
     connection_name: str | None = None
+    #: called with a PublisherEvent on connect, loss, recovery, block, ... (keep it quick: it
+    #: runs on the publisher's I/O thread or event loop; exceptions are logged and ignored)
+    on_event: Callable[[PublisherEvent], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -125,6 +129,8 @@ class PublisherOptions:
         for name in ("connect_policy", "nack_policy"):
             if not isinstance(getattr(self, name), RetryPolicy):
                 raise ConfigurationError(f"{name} must be a RetryPolicy")
+        if self.on_event is not None and not callable(self.on_event):
+            raise ConfigurationError("on_event must be callable")
 
     def __repr__(self) -> str:
         shown = ", ".join(redact_url(u) for u in self.urls)
@@ -142,7 +148,7 @@ class PublisherOptions:
             )
         for name in ("connect_policy", "nack_policy"):
             if name in options and not isinstance(options[name], RetryPolicy):
-                options[name] = RetryPolicy.from_dict(options[name])
+                options[name] = RetryPolicy.from_dict(options[name], base=_DEFAULT_POLICIES[name])
         return cls(urls=urls, **options)
 
     @classmethod
@@ -172,10 +178,11 @@ class PublisherOptions:
             else:
                 typed[name] = raw  # create() names the unknown option
         for name, config in policies.items():
-            typed[name] = RetryPolicy.from_dict(config)
+            typed[name] = RetryPolicy.from_dict(config, base=_DEFAULT_POLICIES[name])
         return cls.create(url, **typed)
 
 
+_DEFAULT_POLICIES = {"connect_policy": DEFAULT_CONNECT_POLICY, "nack_policy": DEFAULT_NACK_POLICY}
 _INT_OPTIONS = {"max_in_flight", "max_in_flight_bytes", "heartbeat"}
 _FLOAT_OPTIONS = {
     "publish_timeout",

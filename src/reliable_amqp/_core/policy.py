@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import tenacity
@@ -97,16 +97,20 @@ class RetryPolicy:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any] | RetryPolicy | None) -> RetryPolicy:
+    def from_dict(
+        cls, config: Mapping[str, Any] | RetryPolicy | None, base: RetryPolicy | None = None
+    ) -> RetryPolicy:
         """Build a policy from a dict of its fields, or of kombu's ``retry_policy`` keys.
 
         Values may be strings (as Spark options and environment variables are); ``"none"`` or an
         empty string for ``max_attempts``/``max_retries``/``deadline`` means no limit. kombu's
         ``max_retries`` counts retries (attempts = retries + 1), its intervals grow linearly by
-        ``interval_step`` up to ``interval_max``.
+        ``interval_step`` up to ``interval_max``. Fields not given come from ``base`` (default:
+        ``RetryPolicy()``), so ``{"deadline": 30}`` changes only the deadline.
         """
+        base = base if base is not None else cls()
         if config is None:
-            return cls()
+            return base
         if isinstance(config, RetryPolicy):
             return config
         if not isinstance(config, Mapping):
@@ -141,7 +145,7 @@ class RetryPolicy:
                 values[name] = None if _is_none(raw) else _float(name, raw)
             else:
                 values[name] = _float(name, raw)
-        return cls(**values)
+        return replace(base, **values)
 
 
 class _PolicyWait(tenacity.wait.wait_base):

@@ -41,6 +41,7 @@ from reliable_amqp._core.errors import (
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, build_message
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
+from reliable_amqp._core.stats import EventKind, PublisherEvent, Stats
 from reliable_amqp._core.topology import Topology, TopologyOp, bind_op, exchange_op, queue_op
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 from reliable_amqp._sync.topology import Request, apply_topology
@@ -48,8 +49,8 @@ from reliable_amqp._sync.topology import Request, apply_topology
 log = logging.getLogger("reliable_amqp")
 
 _TICK = 0.05  # deadline and retry resolution on the I/O thread
-_DRAIN_BATCH = 2000
-_CLOSE_GRACE = 2.0  # seconds to wait for the broker's close-ok  # publishes per I/O-loop turn, so confirms are read between batches
+_DRAIN_BATCH = 2000  # publishes per I/O-loop turn, so confirms are read between batches
+_CLOSE_GRACE = 2.0  # seconds to wait for the broker's close-ok
 
 
 class _CoalescingConnection(SelectConnection):  # type: ignore[misc]
@@ -124,6 +125,9 @@ class Publisher:
         self._round_opened = False
         self._channel_failures = 0
         self._topology = Topology()
+        self._last_rx: tuple[int, float] = (-1, 0.0)  # bytes received, when that changed
+        self._lost: tuple[str, float] | None = None  # what was lost ("connection"/"channel"), when
+        self._ever_opened = False
         self._stopping = threading.Event()
         self._opened = threading.Event()
         self._thread: threading.Thread | None = None
@@ -349,6 +353,11 @@ class Publisher:
                 self._room.wait(remaining)
             return int(self._unresolved.bisect_right(mark))
 
+    def stats(self) -> Stats:
+        """Counters (published, confirmed, nacked, returned, rejected, republished, timed out,
+        ...), the in-flight gauge and a confirm-latency summary."""
+        return self._engine.stats()
+
     @property
     def in_flight(self) -> int:
         """How many published messages are not resolved yet."""
@@ -476,6 +485,8 @@ class Publisher:
             connection.ioloop.close()  # each connection has its own loop: free its fds
             self._connection = None
             self._channel = None
+            # Whatever was on the wire goes out again on the next connection, in order.
+            self._resolve(self._engine.on_channel_lost(None, "connection lost", time.monotonic()))
             if self._stopping.is_set():
                 break
             loss = self._loss or AmqpConnectionError("connection lost")
@@ -523,6 +534,7 @@ class Publisher:
         if fatal is not error:
             fatal.__cause__ = error
         log.error("reliable-amqp: %s", fatal)
+        self._emit(EventKind.RECOVERY_FAILED, str(fatal))
         with self._room:
             self._fatal = fatal
             self._room.notify_all()
@@ -540,6 +552,7 @@ class Publisher:
         if self._state.state is not State.CLOSING:
             self._state.transition(State.CLOSING)
         self._state.transition(State.CLOSED)
+        self._emit(EventKind.CLOSED, reason)
 
     def _accept_outbox(self, now: float) -> None:
         with self._room:
@@ -586,6 +599,20 @@ class Publisher:
         self._channel = channel
         self._round_opened = True
         self._state.transition(State.OPEN)
+        if not self._ever_opened:
+            self._ever_opened = True
+            self._emit(EventKind.CONNECTED, "connected; confirm mode on")
+        elif self._lost is not None:
+            what, since = self._lost
+            if what == "connection":
+                self._engine.counters.recoveries += 1
+            downtime = time.monotonic() - since
+            self._emit(
+                EventKind.RECOVERED,
+                f"{what} recovered after {downtime:.3f} s",
+                downtime,
+            )
+        self._lost = None
         self._opened.set()
         self._drain()
 
@@ -600,6 +627,7 @@ class Publisher:
         code = getattr(reason, "reply_code", None)
         text = getattr(reason, "reply_text", str(reason))
         log.warning("reliable-amqp: channel closed: %s %s", code, text)
+        self._mark_lost("channel", EventKind.CHANNEL_LOST, f"channel closed: {code} {text}")
         self._resolve(self._engine.on_channel_lost(code, text, time.monotonic()))
         if self._state.state is State.OPEN:
             self._state.transition(State.RECOVERING)
@@ -621,17 +649,34 @@ class Publisher:
         connection.ioloop.stop()
 
     def _on_connection_closed(self, connection: SelectConnection, reason: Exception) -> None:
-        if not self._stopping.is_set():
+        if not self._stopping.is_set() and self._loss is None:
             self._loss = _translate_connection_error(reason)
-        self._resolve(self._engine.on_channel_lost(None, str(reason), time.monotonic()))
+            self._mark_lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
         connection.ioloop.stop()
+
+    def _mark_lost(self, what: str, kind: EventKind, detail: str) -> None:
+        if self._lost is None or what == "connection":
+            since = self._lost[1] if self._lost is not None else time.monotonic()
+            self._lost = (what, since)
+        self._emit(kind, detail)
+
+    def _emit(self, kind: EventKind, detail: str, downtime: float | None = None) -> None:
+        hook = self.options.on_event
+        if hook is None:
+            return
+        try:
+            hook(PublisherEvent(kind, detail, time.monotonic(), downtime))
+        except Exception:
+            log.exception("reliable-amqp: on_event hook raised (ignored)")
 
     def _on_blocked(self, connection: SelectConnection, frame: Any) -> None:
         log.warning("reliable-amqp: broker blocked the connection: %s", frame.method.reason)
+        self._emit(EventKind.BLOCKED, str(frame.method.reason))
         if self._state.state is State.OPEN:
             self._state.transition(State.BLOCKED)
 
     def _on_unblocked(self, connection: SelectConnection, frame: Any) -> None:
+        self._emit(EventKind.UNBLOCKED, "connection unblocked")
         if self._state.state is State.BLOCKED:
             self._state.transition(State.OPEN)
             self._drain()
@@ -657,6 +702,7 @@ class Publisher:
 
     def _on_tick(self) -> None:
         now = time.monotonic()
+        self._check_liveness(now)
         self._accept_outbox(now)
         self._resolve(self._engine.tick(now))
         if self._stopping.is_set():
@@ -667,6 +713,30 @@ class Publisher:
         ioloop = self._ioloop
         if ioloop is not None:
             ioloop.call_later(_TICK, self._on_tick)
+
+    def _check_liveness(self, now: float) -> None:
+        """Notice a stalled link after 2 heartbeats of silence (pika alone waits 2x(hb+5) s)."""
+        connection = self._connection
+        heartbeat = self.options.heartbeat
+        if connection is None or not heartbeat or not connection.is_open:
+            self._last_rx = (-1, now)
+            return
+        received = connection.bytes_received
+        if received != self._last_rx[0]:
+            self._last_rx = (received, now)
+            return
+        silent = now - self._last_rx[1]
+        if silent > 2 * heartbeat:
+            self._loss = AmqpConnectionError(
+                f"no data from the broker for {silent:.1f} s (heartbeat {heartbeat} s)"
+            )
+            self._mark_lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
+            self._last_rx = (-1, now)
+            terminate = getattr(connection, "_terminate_stream", None)
+            if terminate is not None:  # pika's own path for a dead stream: closes the socket
+                terminate(self._loss)
+            elif self._ioloop is not None:
+                self._ioloop.stop()
 
     def _begin_close(self) -> None:
         if self._state.state is State.CLOSING:
@@ -793,7 +863,7 @@ def _translate_connection_error(error: Any) -> ReliableAmqpError:
         broker = broker_error(error.reply_code, error.reply_text)
         result = AuthenticationFailed(f"the broker refused the connection: {broker}")
     else:
-        result = AmqpConnectionError(f"{type(error).__name__}: {error}")
+        result = AmqpConnectionError(f"{type(error).__name__}: {error!r}")
     if isinstance(error, BaseException):
         result.__cause__ = error
     return result
