@@ -348,6 +348,10 @@ def _value_fits(role: str, value: object) -> bool:
 
 
 def _kind_for_value(role: str, value: object) -> str:
+    if role == "body" and value is not None:
+        if isinstance(value, (bytes, bytearray)):
+            return AS_IS
+        return UTF8 if isinstance(value, str) else JSON
     if role == "body" or value is None:
         return AUTO if role in ("body", "expiration", "timestamp", "headers") else AS_IS
     if role == "expiration":
