@@ -20,7 +20,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import rows_sync  # noqa: E402
+import rows_sync
 
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
@@ -71,7 +71,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--count", type=int, default=20_000)
     parser.add_argument("--sizes", default="12,1024", help="body sizes in bytes, comma separated")
     parser.add_argument("--only", default="sync,async,spark", help="groups: sync,async,spark")
@@ -81,7 +83,9 @@ def main() -> int:
     groups = set(args.only.split(","))
     everything: list[dict[str, Any]] = []
     for size in (int(s) for s in args.sizes.split(",")):
-        print(f"{args.count:,} persistent messages of {size} B to a durable queue:", file=sys.stderr)
+        print(
+            f"{args.count:,} persistent messages of {size} B to a durable queue:", file=sys.stderr
+        )
         rows = run_size(args.url, args.count, size, groups)
         everything.extend(rows)
         if not args.json:

@@ -479,7 +479,15 @@ class Publisher:
                 self._ioloop = connection.ioloop
                 self._wake_pending = False
             connection.ioloop.call_later(_TICK, self._on_tick)
-            connection.ioloop.start()
+            try:
+                connection.ioloop.start()
+            except Exception as exc:
+                # pika lets some socket errors escape its loop (a peer reset right after
+                # connect: "getpeername() failed"); that is a lost connection, not a crash.
+                log.warning("reliable-amqp: I/O loop failed: %r", exc, exc_info=True)
+                if self._loss is None:
+                    self._loss = AmqpConnectionError(f"I/O loop failed: {exc!r}")
+                    self._mark_lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
             with self._room:
                 self._ioloop = None
             connection.ioloop.close()  # each connection has its own loop: free its fds
