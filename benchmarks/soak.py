@@ -120,8 +120,8 @@ def main() -> int:
         received = Counter(drain(node.url, queue))
 
     bodies = [f"{i:08d}".encode() for i in range(len(futures))]
-    confirmed = [b for b, f in zip(bodies, futures) if f.exception() is None]
-    failed = [b for b, f in zip(bodies, futures) if f.exception() is not None]
+    confirmed = [b for b, f in zip(bodies, futures, strict=True) if f.exception() is None]
+    failed = [b for b, f in zip(bodies, futures, strict=True) if f.exception() is not None]
     lost = sum(1 for b in confirmed if b not in received)
     unaccounted = sum(1 for b in failed if b not in received) - 0
     duplicates = sum(n - 1 for n in received.values())
