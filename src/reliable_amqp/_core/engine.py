@@ -254,6 +254,11 @@ class PublishEngine(Generic[H]):
         self._retry.clear()
         return resolutions
 
+    def fail(self, entry: Entry[H], error: PublishError) -> Resolution[H]:
+        """Fail one unresolved entry that is not on the wire (it could not be written)."""
+        self.tracker.discard(entry)
+        return self._finish(entry, error)
+
     # --- internals ----------------------------------------------------------------------------
 
     def _resolve_settled(self, settled: list[Settled[H]], now: float) -> list[Resolution[H]]:

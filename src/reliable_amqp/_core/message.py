@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import itertools
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -177,14 +178,16 @@ def _build_properties(given: Mapping[str, Any]) -> MessageProperties:
             ):
                 values[name] = str(values[name])
             _check_shortstr(name, values[name])
-    if "expiration" in values and not values["expiration"].isdigit():
+    expiration = values.get("expiration")
+    if expiration is not None and not (expiration.isascii() and expiration.isdigit()):
         raise InvalidMessage(
             "expiration",
             f"must be a non-negative whole number of milliseconds, got {values['expiration']!r}",
         )
     if "message_id" in values and not values["message_id"]:
         raise InvalidMessage("message_id", "must not be empty")
-    if "delivery_mode" in values and values["delivery_mode"] not in (TRANSIENT, PERSISTENT):
+    mode = values.get("delivery_mode", PERSISTENT)
+    if type(mode) is not int or mode not in (TRANSIENT, PERSISTENT):
         raise InvalidMessage(
             "delivery_mode",
             f"must be 1 (transient) or 2 (persistent), got {values['delivery_mode']!r}",
@@ -199,17 +202,17 @@ def _build_properties(given: Mapping[str, Any]) -> MessageProperties:
         headers = values["headers"]
         if not isinstance(headers, Mapping):
             raise InvalidMessage("headers", f"must be a mapping, not {type(headers).__name__}")
-        _check_table("headers", headers, 0)
-        values["headers"] = dict(headers)
+        values["headers"] = _check_table("headers", headers, 0)
     values.setdefault("message_id", new_message_id())
     return MessageProperties(**values)
 
 
 def _timestamp(value: object) -> int:
     if isinstance(value, _dt.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=_dt.timezone.utc)
-        return int(value.timestamp())
+        seconds = _epoch_seconds(value)
+        if seconds < 0:
+            raise InvalidMessage("timestamp", f"{value} is before 1970; AMQP timestamps are u64")
+        return seconds
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64:
         return value
     raise InvalidMessage(
@@ -225,33 +228,64 @@ def _check_shortstr(name: str, value: object) -> None:
         raise InvalidMessage(name, f"is {size} bytes long; AMQP allows at most {SHORTSTR_MAX}")
 
 
-def _check_table(path: str, table: Mapping[Any, Any], depth: int) -> None:
+def _epoch_seconds(value: _dt.datetime) -> int:
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=_dt.timezone.utc)
+    return int(value.timestamp())
+
+
+def _check_table(path: str, table: Mapping[Any, Any], depth: int) -> dict[str, Any]:
+    """Check a field table; return it as a plain dict with tuples made lists (as encoders want)."""
+    checked: dict[str, Any] = {}
     for key, value in table.items():
         if not isinstance(key, str):
             raise InvalidMessage(f"{path}[{key!r}]", "field table keys must be str")
         if len(key.encode("utf-8", "surrogatepass")) > SHORTSTR_MAX:
             raise InvalidMessage(f"{path}[{key!r}]", f"key longer than {SHORTSTR_MAX} bytes")
-        _check_value(f"{path}[{key!r}]", value, depth + 1)
+        checked[key] = _check_value(f"{path}[{key!r}]", value, depth + 1)
+    return checked
 
 
-def _check_value(path: str, value: object, depth: int) -> None:
+def _check_value(path: str, value: object, depth: int) -> Any:
     if depth > _NESTING_MAX:
         raise InvalidMessage(path, f"nested deeper than {_NESTING_MAX} levels")
-    if value is None or isinstance(value, (bool, str, bytes, float, Decimal, _dt.datetime)):
-        return
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return value
     if isinstance(value, int):
         if not _INT64[0] <= value <= _INT64[1]:
             raise InvalidMessage(path, f"int {value} does not fit AMQP's signed 64 bits")
-        return
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidMessage(path, f"{value} is not a finite number")
+        return value
+    if isinstance(value, Decimal):
+        _check_decimal(path, value)
+        return value
+    if isinstance(value, _dt.datetime):
+        if _epoch_seconds(value) < 0:
+            raise InvalidMessage(path, f"{value} is before 1970; AMQP timestamps are u64")
+        return value
     if isinstance(value, Mapping):
-        _check_table(path, value, depth)
-        return
+        return _check_table(path, value, depth)
     if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _check_value(f"{path}[{i}]", item, depth + 1)
-        return
+        return [_check_value(f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value)]
     raise InvalidMessage(
         path,
         f"a {type(value).__name__} has no AMQP field type (use str, bytes, int, float, bool, "
         "Decimal, datetime, None, list or dict)",
     )
+
+
+def _check_decimal(path: str, value: Decimal) -> None:
+    # AMQP decimal: a scale octet and a signed 32-bit value (value / 10**scale).
+    if not value.is_finite():
+        raise InvalidMessage(path, f"Decimal {value} is not finite")
+    exponent = value.normalize().as_tuple().exponent
+    assert isinstance(exponent, int)
+    scale = max(0, -exponent)
+    raw = int(value.scaleb(scale))
+    if scale > 255 or not -(2**31) <= raw < 2**31:
+        raise InvalidMessage(
+            path, f"Decimal {value} does not fit AMQP's decimal (32-bit digits, scale up to 255)"
+        )

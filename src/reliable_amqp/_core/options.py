@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.policy import RetryPolicy
@@ -28,16 +28,23 @@ DEFAULT_NACK_POLICY = RetryPolicy(
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password replaced by ``***`` (for reprs, logs and errors)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable url>"
-    if parts.password is None:
+    """The URL with its password replaced by ``***`` (for reprs, logs and errors).
+
+    Works on the raw text, not on a URL parser's view of it: a password holding ``/``, ``?`` or
+    ``#`` (which parsers take for the path, query or fragment) is hidden all the same.
+    """
+    if not isinstance(url, str):
+        return "<not a url>"
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    at = rest.rfind("@")
+    if at < 0:
         return url
-    netloc = parts.netloc.rpartition("@")
-    userinfo = netloc[0].partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{userinfo}:***@{netloc[2]}"))
+    user, colon, _password = rest[:at].partition(":")
+    if not colon:
+        return url
+    return f"{scheme}{sep}{user}:***@{rest[at + 1 :]}"
 
 
 def check_url(url: object) -> str:

@@ -56,10 +56,13 @@ class RetryPolicy:
     def base_delay(self, failures: int) -> float:
         """The wait after ``failures`` failed attempts, without jitter."""
         n = max(failures, 1) - 1
-        try:
-            grown = self.initial_delay * self.multiplier**n
-        except OverflowError:
-            grown = math.inf
+        if self.initial_delay == 0:
+            grown = 0.0
+        else:
+            try:
+                grown = self.initial_delay * self.multiplier**n
+            except OverflowError:
+                grown = math.inf
         return min(self.max_delay, grown + self.step * n)
 
     def delay(self, failures: int, rng: Callable[[], float] = random.random) -> float:

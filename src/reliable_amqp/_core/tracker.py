@@ -146,6 +146,20 @@ class ConfirmTracker(Generic[H]):
             entry.returned = (reply_code, reply_text)
         return entry
 
+    def untrack(self, entry: Entry[H]) -> bool:
+        """Take back the latest :meth:`track` (its publish never reached the wire).
+
+        Only the last tracked entry can be taken back, since the broker numbers publishes in
+        order; returns False (and changes nothing) for any other entry.
+        """
+        if entry.key < 0 or entry.key != pack_key(self._generation, self._seq):
+            return False
+        del self._entries[entry.key]
+        entry.key = -1
+        entry.attempts -= 1
+        self._seq -= 1
+        return True
+
     def discard(self, entry: Entry[H]) -> bool:
         """Forget ``entry`` (its deadline passed); a later ack for it is ignored."""
         if entry.key >= 0 and self._entries.get(entry.key) is entry:

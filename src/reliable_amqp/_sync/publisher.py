@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import struct
 import threading
 import time
 from collections import deque
@@ -31,6 +32,8 @@ from reliable_amqp._core.errors import (
     AmqpConnectionError,
     AuthenticationFailed,
     ConfigurationError,
+    InvalidMessage,
+    MessageRejected,
     OperationTimeout,
     PublisherClosed,
     PublishTimeout,
@@ -302,6 +305,8 @@ class Publisher:
         message = build_message(
             exchange, routing_key, body, mandatory=mandatory, properties=properties
         )
+        if message.properties.headers:
+            _check_pika_encodable("headers", message.properties.headers)
         if not self._opened.is_set():
             self._check_accepting(message)
             self.connect()
@@ -799,6 +804,28 @@ class Publisher:
                         _properties(message, headers),
                         message.mandatory,
                     )
+                except (
+                    pika.exceptions.UnsupportedAMQPFieldException,
+                    struct.error,
+                    TypeError,
+                    ValueError,
+                ) as exc:
+                    # pika marshals every frame before writing any: nothing left, so the
+                    # delivery tag is handed back and only this message fails.
+                    if engine.tracker.untrack(entry):
+                        self._resolve(
+                            [
+                                engine.fail(
+                                    entry,
+                                    MessageRejected(
+                                        message, entry.attempts, 0, f"could not be encoded: {exc!r}"
+                                    ),
+                                )
+                            ]
+                        )
+                        continue
+                    self._abandon_channel(channel)
+                    return
                 except (pika.exceptions.AMQPError, OSError) as exc:
                     # The channel broke under us; whether the frame left is unknown, so the
                     # entry stays tracked and goes out again on a fresh channel.
@@ -850,6 +877,22 @@ def _properties(message: OutgoingMessage, headers: Any) -> BasicProperties:
         user_id=p.user_id,
         app_id=p.app_id,
     )
+
+
+def _check_pika_encodable(path: str, value: Any) -> None:
+    """pika has no encoding for AMQP doubles: refuse float headers here, not in the I/O loop."""
+    if isinstance(value, float):
+        raise InvalidMessage(
+            path,
+            "the sync Publisher cannot send float header values (pika has no AMQP double "
+            "encoding); send a Decimal or a str, or use AsyncPublisher",
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_pika_encodable(f"{path}[{key!r}]", item)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_pika_encodable(f"{path}[{i}]", item)
 
 
 def _translate_connection_error(error: Any) -> ReliableAmqpError:
