@@ -561,7 +561,10 @@ class Publisher:
                 future.set_exception(ReliableAmqpError(f"publisher closed before {op.describe()}"))
         self._accept_outbox(time.monotonic())
         reason = str(self._fatal) if self._fatal is not None else "publisher closed"
-        self._resolve(self._engine.close_all(reason))
+        resolutions = self._engine.close_all(reason)
+        for r in resolutions:
+            r.result.__cause__ = self._fatal  # e.g. AuthenticationFailed, RecoveryFailed
+        self._resolve(resolutions)
         if self._state.state is not State.CLOSING:
             self._state.transition(State.CLOSING)
         self._state.transition(State.CLOSED)
