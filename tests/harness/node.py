@@ -7,18 +7,19 @@ Lifecycle and leak protection:
 
 - ``start()`` spawns the packaged ``rabbitmq-server`` script in the foreground, in its own session,
   as user ``rabbitmq`` when the caller is root (as the caller otherwise).
-- ``kill()`` sends SIGKILL to the beam process named in the pid file; data stays for ``restart()``.
+- ``kill()`` sends SIGKILL to the beam process named in the pid file (after flushing Mnesia's log,
+  see its docstring); data stays for ``restart()``.
 - ``stop()`` stops the node (SIGTERM, then SIGKILL) and removes its directory.
 - A node whose owner process dies anyway is caught three ways: an ``atexit`` hook, a parent-death
-  signal on the node's launcher (when started from the main thread), and a sweep of the node base
-  directory that stops nodes whose owner is gone, run whenever a new ``DisposableBroker`` starts.
+  signal on the node's launcher (``setpriv --pdeathsig``, when started from the main thread), and a
+  sweep of the node base directory that stops nodes whose owner is gone, run whenever a new
+  ``DisposableBroker`` starts for the first time.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import itertools
 import os
 import pwd
@@ -37,7 +38,9 @@ from pathlib import Path
 from types import TracebackType
 
 __all__ = [
+    "DEFAULT_DISK_FREE_LIMIT",
     "DEFAULT_MEMORY_HIGH_WATERMARK",
+    "KEEP_DIR_ENV",
     "BrokerCommandError",
     "BrokerStartError",
     "DisposableBroker",
@@ -49,13 +52,18 @@ DEFAULT_MEMORY_HIGH_WATERMARK = "0.4"
 # `set_disk_free_limit` counterpart. A tiny limit: a nearly full disk on a developer machine must
 # not block publishers in tests that did not ask for a disk alarm.
 DEFAULT_DISK_FREE_LIMIT = "1MB"
-# ctl commands that change node-wide limits until the next restart; see `reset_limits()`.
-_LIMIT_COMMANDS = frozenset({"set_vm_memory_high_watermark", "set_disk_free_limit"})
+# ctl commands that change node-wide limits until the next restart, with the arguments that
+# restore the configured value; see `reset_limits()`.
+_LIMIT_DEFAULTS = {
+    "set_vm_memory_high_watermark": (DEFAULT_MEMORY_HIGH_WATERMARK,),
+    "set_disk_free_limit": (DEFAULT_DISK_FREE_LIMIT,),
+}
+# Set to 1 to keep a node's directory (logs, data) after stop(), to read why a test failed.
+KEEP_DIR_ENV = "RELIABLE_AMQP_KEEP_NODE_DIR"
 
 _DEBIAN_SCRIPTS = Path("/usr/lib/rabbitmq/bin")
 _NODE_USER = "rabbitmq"
 _OWNER_FILE = "owner"
-_PR_SET_PDEATHSIG = 1
 
 _counter = itertools.count(1)
 _live: weakref.WeakSet[DisposableBroker] = weakref.WeakSet()
@@ -114,7 +122,7 @@ class DisposableBroker:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.RLock()
         self._created = False
-        self._limits_changed = False
+        self._changed_limits: set[str] = set()
         self.last_start_seconds: float | None = None
 
     # -- public surface -------------------------------------------------------------------------
@@ -174,17 +182,27 @@ class DisposableBroker:
             except BaseException:
                 self._kill_process()
                 raise
-            self._limits_changed = False
+            self._changed_limits.clear()  # runtime limits do not survive a restart
             self.last_start_seconds = time.monotonic() - began
 
-    def kill(self, timeout: float = 30.0) -> None:
+    def kill(self, timeout: float = 30.0, *, sync_metadata: bool = True) -> None:
         """SIGKILL the beam process (from the pid file) and wait until its AMQP port is closed.
 
         The data directory stays, so ``restart()`` recovers what the node had written to disk.
+
+        With ``sync_metadata`` (the default) the node first writes its Mnesia transaction log to
+        disk (``mnesia:sync_log()``, about 0.8 s). RabbitMQ 3.x holds the last ~2 s of schema
+        changes (queue, exchange and binding declarations) in disk_log's in-memory write cache,
+        so a kill -9 just after a declare can lose a durable queue, and with it the confirmed
+        messages in it. Pass False for the raw crash.
         """
         with self._lock:
             if not self.is_running():
                 return
+            if sync_metadata:
+                # Best effort: a node too sick to answer is killed all the same.
+                with contextlib.suppress(BrokerCommandError, subprocess.TimeoutExpired):
+                    self.ctl("eval", "mnesia:sync_log().", timeout=min(timeout, 15.0))
             self._kill_process(timeout)
             _wait_until(lambda: not _port_open(self._port), timeout, "AMQP port to close")
 
@@ -198,7 +216,9 @@ class DisposableBroker:
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the node (SIGTERM, SIGKILL after ``timeout``) and delete its directory.
 
-        Idempotent; safe to call on a node that never started or was killed.
+        The directory stays when the environment has RELIABLE_AMQP_KEEP_NODE_DIR=1 (until the
+        next run's sweep of stale nodes removes it). Idempotent; safe on a node that never
+        started or was killed.
         """
         with self._lock:
             try:
@@ -206,7 +226,8 @@ class DisposableBroker:
                     self._terminate(timeout)
                 self._reap()
             finally:
-                shutil.rmtree(self.dir, ignore_errors=True)
+                if os.environ.get(KEEP_DIR_ENV) != "1":
+                    shutil.rmtree(self.dir, ignore_errors=True)
                 self._created = False
                 _live.discard(self)
                 with _ports_lock:
@@ -218,9 +239,13 @@ class DisposableBroker:
         Raises BrokerCommandError on a non-zero exit. Example:
         ``broker.ctl("set_vm_memory_high_watermark", "0.0000001")`` raises a memory alarm.
         """
-        if args and args[0] in _LIMIT_COMMANDS:
-            # Remembered so that `reset_limits()` can undo it without a CLI call per test.
-            self._limits_changed = True
+        if args and args[0] in _LIMIT_DEFAULTS:
+            # Remembered so that `reset_limits()` undoes only what was changed: a CLI call costs
+            # most of a second.
+            if tuple(args[1:]) == _LIMIT_DEFAULTS[args[0]]:
+                self._changed_limits.discard(args[0])
+            else:
+                self._changed_limits.add(args[0])
         cmd = [str(self._scripts_dir / "rabbitmqctl"), "-n", self.nodename, *args]
         user, group, extra_groups = self._identity()
         result = subprocess.run(
@@ -244,11 +269,10 @@ class DisposableBroker:
 
         Raised alarms clear with it. A restart also restores them, as ctl changes are not persisted.
         """
-        if not self._limits_changed or not self.is_running():
+        if not self.is_running():
             return
-        self.ctl("set_vm_memory_high_watermark", DEFAULT_MEMORY_HIGH_WATERMARK)
-        self.ctl("set_disk_free_limit", DEFAULT_DISK_FREE_LIMIT)
-        self._limits_changed = False
+        for command in sorted(self._changed_limits):
+            self.ctl(command, *_LIMIT_DEFAULTS[command])
 
     def __enter__(self) -> DisposableBroker:
         try:
@@ -280,7 +304,7 @@ class DisposableBroker:
             sub.mkdir(parents=True)
         (self.dir / _OWNER_FILE).write_text(f"{os.getpid()} {_process_start_time(os.getpid())}\n")
         (self.dir / "enabled_plugins").write_text("[].\n")
-        # An env file of our own: the packaged /etc/rabbitmq/rabbitmq-env.conf names the shared node.
+        # An env file of our own: /etc/rabbitmq/rabbitmq-env.conf names the shared node.
         (self.dir / "rabbitmq-env.conf").write_text("")
         config = {
             "listeners.tcp.default": f"127.0.0.1:{self._port}",
@@ -341,15 +365,16 @@ class DisposableBroker:
         return uid, gid, []
 
     def _spawn(self) -> None:
-        preexec: Callable[[], None] | None = None
-        if threading.current_thread() is threading.main_thread():
-            # The parent-death signal fires when the spawning *thread* exits, so it is safe only
-            # from the main thread. SIGTERM makes the launcher script stop the node cleanly.
-            preexec = _set_parent_death_signal
+        cmd = [str(self._scripts_dir / "rabbitmq-server")]
+        setpriv = shutil.which("setpriv")
+        if setpriv and threading.current_thread() is threading.main_thread():
+            # If the test process dies without cleaning up, the launcher script gets SIGTERM and
+            # stops the node. The signal fires when the spawning *thread* exits, hence main only.
+            cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
         user, group, extra_groups = self._identity()
         with open(self.dir / "startup.log", "ab") as out:
             self._proc = subprocess.Popen(
-                [str(self._scripts_dir / "rabbitmq-server")],
+                cmd,
                 env=self._env(),
                 cwd=self.dir,
                 stdin=subprocess.DEVNULL,
@@ -358,7 +383,6 @@ class DisposableBroker:
                 # Its own session: a Ctrl-C meant for pytest must not reach the node before the
                 # fixtures' teardown does.
                 start_new_session=True,
-                preexec_fn=preexec,
                 user=user,
                 group=group,
                 extra_groups=extra_groups,
@@ -456,14 +480,6 @@ def _node_user() -> tuple[int, int] | None:
     except KeyError:
         return None
     return entry.pw_uid, entry.pw_gid
-
-
-def _set_parent_death_signal() -> None:
-    # Runs in the child after setuid (which would clear the setting), just before exec.
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _pick_ports(count: int) -> list[int]:

@@ -1,0 +1,78 @@
+"""Pytest fixtures for fault-injection tests: a disposable broker node and TCP proxies to it.
+
+Load them from a conftest with ``pytest_plugins = ["harness.fixtures"]`` (``tests/`` on sys.path)
+or with ``from harness.fixtures import *``.
+
+- ``disposable_broker_session``: the node, started once per session and stopped at its end.
+- ``disposable_broker``: the same node, guaranteed running when a test starts. After the test it is
+  started again if the test killed it, and memory/disk limits a test changed are restored, so
+  the next test gets a healthy node whatever this one did.
+- ``make_proxy``: factory ``make_proxy(target_port, target_host="127.0.0.1") -> TcpProxy``;
+  every proxy it made is closed after the test.
+- ``tcp_proxy``: a started proxy to the disposable broker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from .node import DisposableBroker
+from .proxy import TcpProxy
+
+__all__ = [
+    "ProxyFactory",
+    "disposable_broker",
+    "disposable_broker_session",
+    "make_proxy",
+    "tcp_proxy",
+]
+
+ProxyFactory = Callable[..., TcpProxy]
+
+
+@pytest.fixture(scope="session")
+def disposable_broker_session() -> Iterator[DisposableBroker]:
+    """One disposable node for the whole session (about 5 s to start)."""
+    with DisposableBroker() as broker:
+        yield broker
+
+
+@pytest.fixture
+def disposable_broker(disposable_broker_session: DisposableBroker) -> Iterator[DisposableBroker]:
+    """The session's disposable node, running; a test may kill, restart or throttle it."""
+    broker = disposable_broker_session
+    broker.start()  # no-op unless an earlier teardown failed to bring it back
+    yield broker
+    if broker.is_running():
+        broker.reset_limits()
+    else:
+        broker.start()
+
+
+@pytest.fixture
+def make_proxy() -> Iterator[ProxyFactory]:
+    """Factory for started TcpProxy objects; all are closed (and checked) after the test."""
+    proxies: list[TcpProxy] = []
+
+    def factory(target_port: int, target_host: str = "127.0.0.1") -> TcpProxy:
+        proxy = TcpProxy(target_port, target_host).start()
+        proxies.append(proxy)
+        return proxy
+
+    yield factory
+    errors: list[BaseException] = []
+    for proxy in proxies:
+        try:
+            proxy.close()
+        except Exception as exc:  # close them all before reporting the first failure
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def tcp_proxy(disposable_broker: DisposableBroker, make_proxy: ProxyFactory) -> TcpProxy:
+    """A started proxy in front of the disposable broker; ``tcp_proxy.url()`` reaches it."""
+    return make_proxy(disposable_broker.port)
