@@ -1,0 +1,156 @@
+"""pika specifics of the sync publisher: the connection class, properties, error translation."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import pika
+import pika.exceptions
+from pika.adapters.select_connection import SelectConnection
+from pika.spec import BasicProperties
+
+from reliable_amqp._core.errors import (
+    AmqpConnectionError,
+    AuthenticationFailed,
+    ConfigurationError,
+    InvalidMessage,
+    ReliableAmqpError,
+    broker_error,
+)
+from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.options import PublisherOptions, redact_url
+
+log = logging.getLogger("reliable_amqp")
+
+_TICK = 0.05  # deadline and retry resolution on the I/O thread
+_DRAIN_BATCH = 2000  # publishes per I/O-loop turn, so confirms are read between batches
+_CLOSE_GRACE = 2.0  # seconds to wait for the broker's close-ok
+
+
+class CoalescingConnection(SelectConnection):  # type: ignore[misc]
+    """A SelectConnection that can gather the frames of many publishes into one write.
+
+    pika hands every frame to the socket separately (three ``send()`` calls per message); while
+    :attr:`gather` is set, frames collect here and go out as one buffer on :meth:`emit_gathered`.
+    ``_adapter_emit_data`` is pika's designated override point for where frames go.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.gather = False
+        self._gathered: list[bytes] = []
+        super().__init__(*args, **kwargs)
+
+    def _adapter_emit_data(self, data: bytes) -> None:
+        if self.gather:
+            self._gathered.append(data)
+        else:
+            super()._adapter_emit_data(data)
+
+    def emit_gathered(self) -> None:
+        self.gather = False
+        if self._gathered:
+            data = b"".join(self._gathered)
+            self._gathered.clear()
+            super()._adapter_emit_data(data)
+
+
+class Handle:
+    """What the engine holds per message: the caller's future and its flush index."""
+
+    __slots__ = ("future", "index")
+
+    def __init__(self, future: Future[Confirmation], index: int) -> None:
+        self.future = future
+        self.index = index
+
+
+def connection_parameters(url: str, options: PublisherOptions) -> pika.URLParameters:
+    """pika parameters for one URL: one attempt each (our policy retries), our timeouts."""
+    try:
+        params = pika.URLParameters(url)
+    except Exception as exc:  # pika raises ValueError, TypeError, KeyError on bad URLs
+        raise ConfigurationError(
+            f"malformed broker URL {redact_url(url)}: {type(exc).__name__}"
+        ) from None
+    if "heartbeat" not in url:
+        params.heartbeat = options.heartbeat
+    params.connection_attempts = 1
+    params.retry_delay = 0
+    params.socket_timeout = options.connect_timeout
+    params.stack_timeout = options.connect_timeout
+    params.blocked_connection_timeout = options.blocked_timeout
+    params.client_properties = {
+        "connection_name": options.connection_name or "reliable-amqp",
+        "product": "reliable-amqp",
+    }
+    return params
+
+
+def basic_properties(message: OutgoingMessage, headers: Any) -> BasicProperties:
+    p = message.properties
+    return BasicProperties(
+        content_type=p.content_type,
+        content_encoding=p.content_encoding,
+        headers=p.headers if headers is None else headers,
+        delivery_mode=p.delivery_mode,
+        priority=p.priority,
+        correlation_id=p.correlation_id,
+        reply_to=p.reply_to,
+        expiration=p.expiration,
+        message_id=p.message_id,
+        timestamp=p.timestamp,
+        type=p.type,
+        user_id=p.user_id,
+        app_id=p.app_id,
+    )
+
+
+def check_pika_encodable(path: str, value: Any) -> None:
+    """pika has no encoding for AMQP doubles: refuse float headers here, not in the I/O loop."""
+    if isinstance(value, float):
+        raise InvalidMessage(
+            path,
+            "the sync Publisher cannot send float header values (pika has no AMQP double "
+            "encoding); send a Decimal or a str, or use AsyncPublisher",
+        )
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_pika_encodable(f"{path}[{key!r}]", item)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_pika_encodable(f"{path}[{i}]", item)
+
+
+def translate_connection_error(error: Any) -> ReliableAmqpError:
+    """A pika connection failure as one of ours (credentials and vhosts are not retriable)."""
+    if isinstance(error, ReliableAmqpError):
+        return error
+    if isinstance(
+        error,
+        (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError),
+    ):
+        result: ReliableAmqpError = AuthenticationFailed(
+            "the broker refused the credentials (wrong user or password)"
+        )
+    elif isinstance(error, pika.exceptions.ProbableAccessDeniedError):
+        result = AuthenticationFailed(
+            "the broker refused access to the virtual host (missing vhost or no permission)"
+        )
+    elif isinstance(error, pika.exceptions.ConnectionClosed) and error.reply_code in (403, 530):
+        broker = broker_error(error.reply_code, error.reply_text)
+        result = AuthenticationFailed(f"the broker refused the connection: {broker}")
+    else:
+        result = AmqpConnectionError(f"{type(error).__name__}: {error!r}")
+    if isinstance(error, BaseException):
+        result.__cause__ = error
+    return result
+
+
+def call_threadsafe(loop: Any, callback: Callable[[], None]) -> None:
+    try:
+        loop.add_callback_threadsafe(callback)
+    except Exception:  # the loop closed under us; the next connection drains the outbox
+        log.debug("reliable-amqp: wake-up lost with a closed I/O loop", exc_info=True)
