@@ -1,0 +1,33 @@
+"""The Spark examples run as written (each starts its own local SparkSession) and exit 0."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SCRIPTS = ["spark_sink.py", "spark_datasource.py"]
+
+pytestmark = [pytest.mark.spark, pytest.mark.broker, pytest.mark.slow]
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_spark_example_runs(name: str, amqp_url: str, tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "AMQP_URL": amqp_url, "PYSPARK_PYTHON": sys.executable},
+        cwd=tmp_path,  # examples must not depend on the working directory
+        timeout=240,
+    )
+    assert result.returncode == 0, (
+        f"{name} exited {result.returncode}\n--- stdout\n{result.stdout}\n"
+        f"--- stderr\n{result.stderr[-4000:]}"
+    )
+    assert "confirmed" in result.stdout
