@@ -274,19 +274,26 @@ class DeliveryTimeout(PublishError, TimeoutError):
 
 
 class MessageRejected(PublishError):
-    """The channel was closed by this very message (404 missing exchange, 406 oversize, ...)."""
+    """The channel was closed by this very message (404 missing exchange, 406 oversize, ...).
+
+    ``reply_code`` 0 means the client itself could not put the message on the wire (it could
+    not be encoded); ``cause`` is then None.
+    """
 
     def __init__(
         self, message: OutgoingMessage, attempts: int, reply_code: int, reply_text: str
     ) -> None:
-        super().__init__(
-            message,
-            attempts,
-            f"was rejected: the broker closed the channel with {reply_code} {reply_text}",
+        detail = (
+            f"was rejected: the broker closed the channel with {reply_code} {reply_text}"
+            if reply_code
+            else f"was rejected before it was sent: {reply_text}"
         )
+        super().__init__(message, attempts, detail)
         self.reply_code = reply_code
         self.reply_text = reply_text
-        self.cause = broker_error(reply_code, reply_text)
+        self.cause: BrokerError | None = (
+            broker_error(reply_code, reply_text) if reply_code else None
+        )
 
 
 class PublisherClosed(PublishError):

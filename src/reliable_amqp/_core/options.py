@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.policy import RetryPolicy
@@ -30,14 +30,23 @@ DEFAULT_NACK_POLICY = RetryPolicy(
 def redact_url(url: str) -> str:
     """The URL with its password replaced by ``***`` (for reprs, logs and errors).
 
-    Works on the raw text, not on a URL parser's view of it: a password holding ``/``, ``?`` or
-    ``#`` (which parsers take for the path, query or fragment) is hidden all the same.
+    A password a URL parser sees is replaced exactly; when the parser sees none although the
+    text has a ``user:...@`` part (a password holding ``/``, ``?`` or ``#`` looks to a parser
+    like a path, query or fragment), everything up to the last ``@`` is hidden instead.
     """
     if not isinstance(url, str):
         return "<not a url>"
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
+    try:
+        parts = urlsplit(url)
+        if parts.password is not None:
+            userinfo, _, hostinfo = parts.netloc.rpartition("@")
+            user = userinfo.partition(":")[0]
+            return urlunsplit(parts._replace(netloc=f"{user}:***@{hostinfo}"))
+    except ValueError:
+        pass
     at = rest.rfind("@")
     if at < 0:
         return url
