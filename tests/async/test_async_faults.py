@@ -8,6 +8,7 @@ message confirmed to the caller is in the queue.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import aio_pika
 import pytest
@@ -25,22 +26,35 @@ QUICK_RECONNECT = RetryPolicy(max_attempts=50, initial_delay=0.05, max_delay=0.5
 
 
 async def publish_while(
-    publisher: AsyncPublisher, queue: str, n: int, fault: object, at: int
+    publisher: AsyncPublisher, queue: str, n: int, fault: Callable[[], object], at: int
 ) -> list[asyncio.Future[Confirmation]]:
-    """Publish ``n`` messages, calling the blocking ``fault()`` after the ``at``-th."""
-    futures = []
-    for i in range(n):
-        futures.append(await publisher.publish("", queue, b"%05d" % i))
-        if i == at:
-            await in_thread(fault)  # type: ignore[arg-type]
-        if i % 100 == 0:
-            await asyncio.sleep(0)  # let confirms in, so the cut finds some unconfirmed
+    """Publish ``n`` messages or more; after the ``at``-th, run the blocking ``fault()``.
+
+    While the fault runs (in a thread) publishing goes on at a steady pace, so the fault finds
+    messages written but not confirmed whenever it strikes.
+    """
+    futures: list[asyncio.Future[Confirmation]] = []
+
+    async def one() -> None:
+        futures.append(await publisher.publish("", queue, b"%05d" % len(futures)))
+
+    while len(futures) < at:
+        await one()
+    injected = asyncio.ensure_future(in_thread(fault))
+    while not injected.done():
+        await one()
+        await asyncio.sleep(0.002)
+    await injected
+    while len(futures) < n:
+        await one()
     return futures
 
 
-def assert_all_delivered(broker: BrokerAdmin, queue: str, n: int) -> None:
+def assert_all_delivered(
+    broker: BrokerAdmin, queue: str, futures: list[asyncio.Future[Confirmation]]
+) -> None:
     bodies = {body for _, body in broker.drain(queue)}
-    assert bodies == {b"%05d" % i for i in range(n)}  # duplicates allowed, losses not
+    assert bodies == {b"%05d" % i for i in range(len(futures))}  # duplicates allowed, losses not
 
 
 @aio
@@ -53,10 +67,10 @@ async def test_cut_connection_is_recovered_and_republished(
     async with AsyncPublisher(proxy.url(), connect_policy=QUICK_RECONNECT) as publisher:
         futures = await publish_while(publisher, queue, n, proxy.cut, at=2000)
         assert await publisher.flush(timeout=60) == 0
-    assert await outcomes(futures) == {"Confirmation": n}
+    assert await outcomes(futures) == {"Confirmation": len(futures)}
     assert max(f.result().attempts for f in futures) >= 2  # some went out twice
     assert proxy.accepted_count >= 2
-    assert_all_delivered(broker, queue, n)
+    assert_all_delivered(broker, queue, futures)
 
 
 @aio
@@ -103,12 +117,12 @@ async def test_lent_robust_connection_recovers_and_republishes(
         async with AsyncPublisher.from_connection(connection) as publisher:
             futures = await publish_while(publisher, queue, n, proxy.cut, at=1000)
             assert await publisher.flush(timeout=60) == 0
-        assert await outcomes(futures) == {"Confirmation": n}
+        assert await outcomes(futures) == {"Confirmation": len(futures)}
         assert max(f.result().attempts for f in futures) >= 2  # some went out twice
         assert not connection.is_closed
     finally:
         await connection.close()
-    assert_all_delivered(broker, queue, n)
+    assert_all_delivered(broker, queue, futures)
 
 
 @aio
@@ -148,11 +162,11 @@ async def test_broker_killed_and_restarted(disposable_broker: DisposableBroker) 
     async with AsyncPublisher(url, connect_policy=policy, delivery_timeout=120) as publisher:
         futures = await publish_while(publisher, queue, n, kill_and_start, at=1500)
         assert await publisher.flush(timeout=120) == 0
-    assert await outcomes(futures) == {"Confirmation": n}
+    assert await outcomes(futures) == {"Confirmation": len(futures)}
     assert max(f.result().attempts for f in futures) >= 2
     admin = BrokerAdmin(url)
     admin._queues.append(queue)  # deleted on close
     try:
-        assert_all_delivered(admin, queue, n)
+        assert_all_delivered(admin, queue, futures)
     finally:
         admin.close()

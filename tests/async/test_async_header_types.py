@@ -1,8 +1,9 @@
 """Header values the message checks admit must be publishable, or be refused at publish().
 
 The async publisher encodes every type ``build_message`` admits (floats as doubles, tuples as
-arrays) and refuses, with InvalidMessage, a Decimal that AMQP's decimal cannot hold. The sync
-publisher's encoder (pika) cannot do either; the xfail tests below pin those bugs down.
+arrays). A Decimal that AMQP's decimal cannot hold is refused at publish() by both publishers;
+the sync one also refuses floats there, since pika has no double encoding. (These tests first
+ran as strict xfails against the sync publisher: it span on a float and died on the Decimal.)
 """
 
 from __future__ import annotations
@@ -50,11 +51,6 @@ async def test_async_oversize_decimal_is_refused_at_publish(
         assert (await publisher.publish_and_wait("", queue, b"after")).attempts == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: build_message admits a Decimal AMQP cannot encode; pika's struct.error "
-    "then kills the sync publisher's I/O thread (every message fails with PublisherClosed)",
-)
 def test_sync_oversize_decimal_is_refused_at_publish(amqp_url: str, broker: BrokerAdmin) -> None:
     queue = broker.queue()
     with Publisher(amqp_url, delivery_timeout=2) as publisher:
@@ -63,11 +59,6 @@ def test_sync_oversize_decimal_is_refused_at_publish(amqp_url: str, broker: Brok
         assert publisher.publish_and_wait("", queue, b"after").attempts == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sync bug: build_message admits float and tuple header values, pika cannot encode "
-    "them; the publisher reopens its channel in a hot loop until DeliveryTimeout",
-)
 @pytest.mark.parametrize("value", [2.5, (1, "a")])
 def test_sync_float_or_tuple_header_is_published_or_refused(
     amqp_url: str, broker: BrokerAdmin, value: object

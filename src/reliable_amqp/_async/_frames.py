@@ -187,8 +187,11 @@ def publish_frames(
 
     ``headers`` replaces the message's own headers when not None (the engine adds its attempt
     and dedup headers there). Bodies are split into frames of at most ``frame_max`` bytes, the
-    size negotiated in ``connection.tune``.
+    size negotiated in ``connection.tune``. Appends nothing when it raises (a value that cannot
+    be encoded), so the caller can take the publish back.
     """
+    props = message.properties
+    flags, encoded = _properties(props, props.headers if headers is None else headers)
     method = (
         _publish_head
         + _shortstr(message.exchange)
@@ -198,8 +201,6 @@ def publish_frames(
     out.append(_frame_head(FRAME_METHOD, channel, len(method)))
     out.append(method)
     out.append(FRAME_END)
-    props = message.properties
-    flags, encoded = _properties(props, props.headers if headers is None else headers)
     body = message.body
     header = _content_head(_BASIC_CLASS, 0, len(body), flags) + encoded
     out.append(_frame_head(FRAME_HEADER, channel, len(header)))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -33,7 +34,13 @@ from reliable_amqp._async._channel import (
 from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._async._frames import publish_frames
 from reliable_amqp._core.engine import PublishEngine, Resolution, is_permanent_channel_close
-from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed, ReliableAmqpError
+from reliable_amqp._core.errors import (
+    AmqpConnectionError,
+    InvalidMessage,
+    MessageRejected,
+    RecoveryFailed,
+    ReliableAmqpError,
+)
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.topology import Topology
@@ -172,7 +179,18 @@ class Pump(Generic[H]):
                 if entry is None:
                     break
                 headers = engine.mark_sent(entry)
-                publish_frames(number, entry.message, headers, frame_max, parts)
+                try:
+                    publish_frames(number, entry.message, headers, frame_max, parts)
+                except (InvalidMessage, TypeError, ValueError, struct.error) as exc:
+                    # Checked at publish(), so this is a gap in those checks. Nothing of it
+                    # was appended: hand its delivery tag back and fail this message alone.
+                    if not engine.tracker.untrack(entry):
+                        raise
+                    error = MessageRejected(
+                        entry.message, entry.attempts, 0, f"could not be encoded: {exc!r}"
+                    )
+                    self.settle([engine.fail(entry, error)])
+                    continue
                 count += 1
                 size += entry.size
             if not parts:
