@@ -170,3 +170,42 @@ async def test_broker_killed_and_restarted(disposable_broker: DisposableBroker) 
         assert_all_delivered(admin, queue, futures)
     finally:
         admin.close()
+
+
+@aio
+async def test_fails_over_to_the_next_url(
+    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+) -> None:
+    queue = broker.queue()
+    dead = make_proxy(5672)
+    dead.refuse()
+    async with AsyncPublisher([dead.url(), amqp_url], connect_policy=QUICK_RECONNECT) as publisher:
+        assert (await publisher.publish_and_wait("", queue, b"x")).attempts == 1
+    assert dead.accepted_count >= 1
+    assert broker.count(queue) == 1
+
+
+@pytest.mark.slow
+@aio
+async def test_declared_topology_is_replayed_after_a_restart(
+    disposable_broker: DisposableBroker,
+) -> None:
+    # A non-durable queue is gone after a broker restart; the publisher declares it again
+    # before it republishes, so what it confirms afterwards really is in the queue.
+    url = disposable_broker.url
+    queue = f"ra-test-async-replay-{id(disposable_broker):x}"
+    policy = RetryPolicy(max_attempts=200, initial_delay=0.2, max_delay=1.0, jitter=0.0)
+    async with AsyncPublisher(url, connect_policy=policy) as publisher:
+        await publisher.declare_queue(queue, durable=False)
+        assert (await publisher.publish_and_wait("", queue, b"before")).attempts == 1
+        await in_thread(disposable_broker.restart)
+        after = [await publisher.publish("", queue, b"after %d" % i) for i in range(100)]
+        assert await publisher.flush(timeout=60) == 0
+    assert await outcomes(after) == {"Confirmation": 100}
+    admin = BrokerAdmin(url)
+    admin._queues.append(queue)  # deleted on close
+    try:
+        bodies = [body for _, body in admin.drain(queue)]
+        assert bodies == [b"after %d" % i for i in range(100)]  # "before" died with the node
+    finally:
+        admin.close()

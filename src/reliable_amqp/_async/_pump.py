@@ -87,6 +87,7 @@ class Pump(Generic[H]):
         self.opened = asyncio.Event()
         self.stopping = False
         self._wakeup = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
@@ -98,9 +99,15 @@ class Pump(Generic[H]):
         """True once :meth:`start` ran."""
         return self._task is not None
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the publisher runs on (the one :meth:`start` ran on)."""
+        assert self._loop is not None, "not started"
+        return self._loop
+
     def start(self) -> None:
         """Start the tasks on the running loop."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._stop = loop.create_future()
         self._task = loop.create_task(self._run(), name="reliable-amqp-supervisor")
         self._ticker = loop.create_task(self._tick_loop(), name="reliable-amqp-ticker")

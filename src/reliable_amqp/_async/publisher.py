@@ -244,24 +244,26 @@ class AsyncPublisher:
         pump = self._pump
         if not pump.ready.is_set():
             await self.connect()
+        self._check_usable()
         wait = self.options.connect_timeout if timeout is None else timeout
-        for attempt in range(2):
-            if pump.fatal is not None:
-                raise pump.fatal
-            if not self._accepting:
-                raise ReliableAmqpError("publisher is closed")
-            if attempt:
-                break
-            try:  # while the publisher recovers, the declaration waits for the next channel
-                await asyncio.wait_for(pump.opened.wait(), wait)
-            except (asyncio.TimeoutError, TimeoutError):
-                raise OperationTimeout(
-                    f"no connection to declare {op.describe()} within {wait:g} s"
-                ) from None
+        try:  # while the publisher recovers, the declaration waits for the next channel
+            await asyncio.wait_for(pump.opened.wait(), wait)
+        except (asyncio.TimeoutError, TimeoutError):
+            self._check_usable()  # closed or failed meanwhile: say that rather than "timeout"
+            raise OperationTimeout(
+                f"no connection to declare {op.describe()} within {wait:g} s"
+            ) from None
+        self._check_usable()
         connection = pump.connection
         assert connection is not None
         await _topology.declare(connection, op, wait)
         self._topology.record(op)
+
+    def _check_usable(self) -> None:
+        if self._pump.fatal is not None:
+            raise self._pump.fatal
+        if not self._accepting:
+            raise ReliableAmqpError("publisher is closed")
 
     # --- publishing --------------------------------------------------------------------------
 
@@ -297,7 +299,7 @@ class AsyncPublisher:
         size = len(message.body)
         if self._room_waiters or not self._fits(size):
             await self._wait_for_room(size, message)
-        future: asyncio.Future[Confirmation] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Confirmation] = self._pump.loop.create_future()
         self._issued += 1
         handle = _Handle(future, self._issued)
         self._unresolved.add(handle.index)
