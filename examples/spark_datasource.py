@@ -49,6 +49,8 @@ def drain(queue: str) -> list[str]:
 
 def main() -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    # The driver-side commit of each write logs its totals; show them (on stderr).
+    os.environ.setdefault("RELIABLE_AMQP_SPARK_LOG", "INFO")
     spark = (
         SparkSession.builder.master("local[2]")
         .appName("reliable-amqp spark_datasource example")

@@ -51,13 +51,18 @@ def test_data_source_refuses_overwrite_and_unknown_options(
 ) -> None:
     queue = broker.queue(unique_name("dsbad"))
     df = spark.range(3).select(F.col("id").cast("string").alias("body"))
-    writer = df.write.format("amqp").option("url", amqp_url).option("routing_key", queue)
+
+    def writer() -> Any:  # DataFrameWriter.mode() mutates: a fresh writer per attempt
+        return df.write.format("amqp").option("url", amqp_url).option("routing_key", queue)
+
     with pytest.raises(Exception, match=r'mode\("append"\)'):
-        writer.mode("overwrite").save()
+        writer().mode("overwrite").save()
+    with pytest.raises(Exception, match="ErrorIfExists"):
+        writer().save()  # Spark itself refuses its default mode for Python data sources
     with pytest.raises(Exception, match="unknown publisher option 'max_inflight'"):
-        writer.mode("append").option("max_inflight", "5").save()
+        writer().mode("append").option("max_inflight", "5").save()
     with pytest.raises(Exception, match="max_attempts must be a whole number"):
-        writer.mode("append").option("nack_policy.max_attempts", "lots").save()
+        writer().mode("append").option("nack_policy.max_attempts", "lots").save()
     with pytest.raises(Exception, match=r'needs \.option\("url"'):
         df.write.format("amqp").mode("append").option("routing_key", queue).save()
     assert broker.count(queue) == 0

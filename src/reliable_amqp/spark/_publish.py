@@ -12,6 +12,7 @@ import atexit
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -39,6 +40,25 @@ from reliable_amqp._sync.publisher import Publisher
 from reliable_amqp.spark._mapping import Chunk, ColumnPlan, plan_for_row, plan_for_schema
 
 log = logging.getLogger("reliable_amqp.spark")
+
+#: Set to a level name (``INFO``) to log this package to stderr in every process that imports it:
+#: the driver, the executors' Python workers, and the worker where a data source's ``commit``
+#: runs. Spark's Python workers configure no logging of their own.
+LOG_ENV = "RELIABLE_AMQP_SPARK_LOG"
+
+
+def _log_from_env() -> None:
+    level = os.environ.get(LOG_ENV, "").strip().upper()
+    if not level or log.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    known = isinstance(logging.getLevelName(level), int)
+    log.setLevel(level if known else "INFO")
+
+
+_log_from_env()
 
 #: Options of the sink itself; every other option is a publisher option.
 SINK_OPTIONS: tuple[str, ...] = (
@@ -356,7 +376,15 @@ def publish_partition(
         retire_publisher(config.publisher, publisher)
     if outcome.reasons:
         raise RowsNotConfirmed(partition, position, outcome.reasons, outcome.sample_ids)
-    return PartitionResult(partition, position, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    log.debug(
+        "partition %d: %d rows confirmed in %.2f s (ids %s:*)",
+        partition,
+        position,
+        seconds,
+        id_base,
+    )
+    return PartitionResult(partition, position, seconds)
 
 
 def _settle_after_error(config: SinkConfig, publisher: Publisher, exc: BaseException) -> None:
