@@ -23,7 +23,7 @@ from pyspark.sql.datasource import (
     WriterCommitMessage,
 )
 
-from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp import ConfigurationError
 from reliable_amqp.spark._mapping import ColumnPlan
 from reliable_amqp.spark._publish import SinkConfig
 from reliable_amqp.spark._sink import publish_arrow

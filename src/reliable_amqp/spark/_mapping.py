@@ -53,7 +53,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp import ConfigurationError
 
 #: AMQP basic properties that come from string columns of the same name.
 STRING_PROPERTIES: tuple[str, ...] = (

@@ -20,23 +20,23 @@ from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from typing import Any
 
-from reliable_amqp._core.errors import (
+from reliable_amqp import (
     AmqpConnectionError,
     ConfigurationError,
+    Confirmation,
     DeliveryTimeout,
     InvalidMessage,
     MessageNacked,
     MessageRejected,
     MessageReturned,
+    Publisher,
     PublisherClosed,
+    PublisherOptions,
     PublishError,
     PublishTimeout,
     ReliableAmqpError,
+    State,
 )
-from reliable_amqp._core.message import Confirmation
-from reliable_amqp._core.options import PublisherOptions
-from reliable_amqp._core.state import State
-from reliable_amqp._sync.publisher import Publisher
 from reliable_amqp.spark._mapping import Chunk, ColumnPlan, plan_for_row, plan_for_schema
 
 log = logging.getLogger("reliable_amqp.spark")

@@ -19,8 +19,7 @@ from typing import Any, Literal
 
 from pyspark import TaskContext
 
-from reliable_amqp._core.errors import ConfigurationError
-from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp import ConfigurationError, PublisherOptions, redact_url
 from reliable_amqp.spark._mapping import ColumnPlan
 from reliable_amqp.spark._publish import (
     PartitionResult,
