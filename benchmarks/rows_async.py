@@ -13,6 +13,11 @@ with aio-pika, untimed) and reports msgs/s, timed from the first publish to the 
   1,000 (``asyncio.gather``), every batch awaited before the next;
 - ``reliable_amqp.AsyncPublisher``: ``await publisher.publish()`` in a loop, then ``flush()``;
   every future is checked.
+
+``--variants`` adds rows that take one design choice of AsyncPublisher away at a time (see
+docs/async.md): aio-pika with everything gathered at once, aiormq's own ``basic_publish``
+beneath aio-pika, and AsyncPublisher with pamqp marshalling or one write per message. Every row
+also reports this process's CPU time per message.
 """
 
 from __future__ import annotations
@@ -25,13 +30,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aio_pika
 import aio_pika.abc
+import aiormq
+import pamqp.commands
+import pamqp.frame
+from pamqp.body import ContentBody
+from pamqp.header import ContentHeader
 
-from reliable_amqp._async import AsyncPublisher
+from reliable_amqp._async import AsyncPublisher, _pump
 
-Row = dict[str, object]
+Row = dict[str, Any]
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 GATHER = 1_000
 
@@ -40,8 +51,15 @@ CONFIRMS = f"aio-pika, publisher_confirms=True (gather {GATHER:,})"
 ASYNC_PUBLISHER = "reliable_amqp.AsyncPublisher (streaming confirms)"
 
 
-def _row(name: str, count: int, seconds: float) -> Row:
-    return {"name": name, "msgs": count, "seconds": seconds, "rate": count / seconds}
+def _row(name: str, count: int, seconds: float, cpu: float) -> Row:
+    """A result; ``cpu_us`` is this process's CPU time per message over the timed span."""
+    return {
+        "name": name,
+        "msgs": count,
+        "seconds": seconds,
+        "rate": count / seconds,
+        "cpu_us": cpu / count * 1e6,
+    }
 
 
 @asynccontextmanager
@@ -75,12 +93,12 @@ async def aio_pika_no_confirms(url: str, count: int, body: bytes) -> Row:
     async with fresh_queue(url) as (connection, queue):
         channel = await connection.channel(publisher_confirms=False)
         exchange = channel.default_exchange
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for _ in range(count):
             await exchange.publish(aio_pika.Message(body, delivery_mode=2), routing_key=queue)
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         await _settle(connection, queue, count)
-    return _row(NO_CONFIRMS, count, seconds)
+    return _row(NO_CONFIRMS, count, seconds, cpu)
 
 
 async def aio_pika_confirms(url: str, count: int, body: bytes) -> Row:
@@ -88,7 +106,7 @@ async def aio_pika_confirms(url: str, count: int, body: bytes) -> Row:
     async with fresh_queue(url) as (connection, queue):
         channel = await connection.channel(publisher_confirms=True)
         exchange = channel.default_exchange
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for start in range(0, count, GATHER):
             await asyncio.gather(
                 *(
@@ -96,21 +114,21 @@ async def aio_pika_confirms(url: str, count: int, body: bytes) -> Row:
                     for _ in range(min(GATHER, count - start))
                 )
             )
-        seconds = time.perf_counter() - started
-    return _row(CONFIRMS, count, seconds)
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return _row(CONFIRMS, count, seconds, cpu)
 
 
 async def async_publisher(url: str, count: int, body: bytes) -> Row:
     """reliable_amqp.AsyncPublisher: streaming confirms, every future checked."""
     async with fresh_queue(url) as (_connection, queue), AsyncPublisher(url) as publisher:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         futures = [await publisher.publish("", queue, body) for _ in range(count)]
         left = await publisher.flush(timeout=120)
-        seconds = time.perf_counter() - started
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         confirmed = sum(1 for f in futures if f.done() and f.exception() is None)
     if left or confirmed != count:
         raise RuntimeError(f"AsyncPublisher confirmed {confirmed} of {count} ({left} pending)")
-    return _row(ASYNC_PUBLISHER, count, seconds)
+    return _row(ASYNC_PUBLISHER, count, seconds, cpu)
 
 
 #: name -> row coroutine, in table order
@@ -130,20 +148,111 @@ def rows(url: str, count: int, body: bytes) -> list[Row]:
     return asyncio.run(run_all())
 
 
+# --- design variants (--variants): what each choice in AsyncPublisher is worth -----------------
+
+
+async def aio_pika_gather_all(url: str, count: int, body: bytes) -> Row:
+    """aio-pika confirms with every publish gathered at once (no batches of 1,000)."""
+    async with fresh_queue(url) as (connection, queue):
+        channel = await connection.channel(publisher_confirms=True)
+        exchange = channel.default_exchange
+        started, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(
+            *(
+                exchange.publish(aio_pika.Message(body, delivery_mode=2), routing_key=queue)
+                for _ in range(count)
+            )
+        )
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return _row("aio-pika confirms, all gathered at once", count, seconds, cpu)
+
+
+async def aiormq_confirms(url: str, count: int, body: bytes) -> Row:
+    """One level down: aiormq ``basic_publish(wait=False)`` (no socket drain per message), but
+    still its lock, confirmation future and map entry per message; gathered by 1,000."""
+    async with fresh_queue(url) as (connection, queue):
+        assert connection.transport is not None
+        channel = await connection.transport.connection.channel(publisher_confirms=True)
+        assert isinstance(channel, aiormq.Channel)  # basic_publish(wait=...) is the class's
+        properties = pamqp.commands.Basic.Properties(delivery_mode=2)
+        started, cpu = time.perf_counter(), time.process_time()
+        for start in range(0, count, GATHER):
+            await asyncio.gather(
+                *(
+                    channel.basic_publish(
+                        body, routing_key=queue, properties=properties, wait=False
+                    )
+                    for _ in range(min(GATHER, count - start))
+                )
+            )
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        await channel.close()
+    return _row("aiormq basic_publish(wait=False), gather 1,000", count, seconds, cpu)
+
+
+def _pamqp_frames(
+    channel: int, message: Any, headers: Any, frame_max: int, out: list[bytes | memoryview]
+) -> None:
+    """AsyncPublisher's frames marshalled by pamqp, as aiormq marshals them."""
+    p = message.properties
+    props = pamqp.commands.Basic.Properties(
+        delivery_mode=p.delivery_mode, message_id=p.message_id, headers=headers or p.headers
+    )
+    publish = pamqp.commands.Basic.Publish(
+        exchange=message.exchange, routing_key=message.routing_key, mandatory=message.mandatory
+    )
+    out.append(pamqp.frame.marshal(publish, channel))
+    out.append(pamqp.frame.marshal(ContentHeader(0, len(message.body), props), channel))
+    out.append(pamqp.frame.marshal(ContentBody(message.body), channel))
+
+
+async def async_publisher_pamqp(url: str, count: int, body: bytes) -> Row:
+    """AsyncPublisher with pamqp marshalling instead of its own."""
+    original = vars(_pump)["publish_frames"]
+    setattr(_pump, "publish_frames", _pamqp_frames)  # noqa: B010 (the writer looks it up there)
+    try:
+        row = await async_publisher(url, count, body)
+    finally:
+        setattr(_pump, "publish_frames", original)  # noqa: B010
+    return {**row, "name": "AsyncPublisher, frames marshalled by pamqp"}
+
+
+async def async_publisher_unbatched(url: str, count: int, body: bytes) -> Row:
+    """AsyncPublisher writing one message per write-queue entry and socket drain."""
+    original = _pump._BATCH
+    _pump._BATCH = 1
+    try:
+        row = await async_publisher(url, count, body)
+    finally:
+        _pump._BATCH = original
+    return {**row, "name": "AsyncPublisher, one write per message"}
+
+
+VARIANTS: dict[str, Callable[[str, int, bytes], Awaitable[Row]]] = {
+    "aio-pika-gather-all": aio_pika_gather_all,
+    "aiormq-confirm": aiormq_confirms,
+    "async-publisher-pamqp": async_publisher_pamqp,
+    "async-publisher-unbatched": async_publisher_unbatched,
+}
+
+
 def _best(runs: list[list[Row]]) -> list[Row]:
     return [max(group, key=lambda r: float(r["rate"])) for group in zip(*runs, strict=True)]
 
 
 def table(result: list[Row]) -> str:
-    """The rows with the two ratios the async target is stated in."""
-    rate = {str(r["name"]): float(r["rate"]) for r in result}  # type: ignore[arg-type]
-    lines = [f"{'row':<52} {'msgs/s':>10}"]
-    lines += [f"{r['name']!s:<52} {float(r['rate']):>10,.0f}" for r in result]  # type: ignore[arg-type]
-    ours = rate[ASYNC_PUBLISHER]
-    lines.append(
-        f"AsyncPublisher: {ours / rate[CONFIRMS]:.2f}x aio-pika confirmed (target >= 2), "
-        f"{ours / rate[NO_CONFIRMS]:.2f}x aio-pika without confirms (target >= 0.9)"
-    )
+    """The rows, with client CPU per message and the two ratios the async target is set in."""
+    rate = {str(r["name"]): float(r["rate"]) for r in result}
+    lines = [f"{'row':<52} {'msgs/s':>10} {'client CPU/msg':>15}"]
+    for r in result:
+        rps, cpu = float(r["rate"]), float(r["cpu_us"])
+        lines.append(f"{r['name']!s:<52} {rps:>10,.0f} {cpu:>12.1f} us")
+    ours = rate.get(ASYNC_PUBLISHER)
+    if ours and CONFIRMS in rate and NO_CONFIRMS in rate:
+        lines.append(
+            f"AsyncPublisher: {ours / rate[CONFIRMS]:.2f}x aio-pika confirmed (target >= 2), "
+            f"{ours / rate[NO_CONFIRMS]:.2f}x aio-pika without confirms (target >= 0.9)"
+        )
     return "\n".join(lines)
 
 
@@ -154,11 +263,19 @@ def main() -> int:
     parser.add_argument("--count", type=int, default=20_000)
     parser.add_argument("--sizes", default="12,1024", help="body sizes in bytes, comma separated")
     parser.add_argument("--repeat", type=int, default=1, help="best of this many runs per row")
+    parser.add_argument(
+        "--variants", action="store_true", help="also the design variants (docs/async.md)"
+    )
     parser.add_argument("--url", default=URL)
     args = parser.parse_args()
+    functions = list(ROWS.values()) + (list(VARIANTS.values()) if args.variants else [])
+
+    async def run_all(body: bytes) -> list[Row]:
+        return [await fn(args.url, args.count, body) for fn in functions]
+
     for size in (int(s) for s in args.sizes.split(",")):
         body = b"x" * size
-        runs = [rows(args.url, args.count, body) for _ in range(args.repeat)]
+        runs = [asyncio.run(run_all(body)) for _ in range(args.repeat)]
         print(f"\n== {args.count:,} persistent messages, {size} B bodies, durable queue ==")
         print(table(_best(runs)))
     return 0
