@@ -1,4 +1,12 @@
-"""The asyncio publisher (needs the ``aio`` extra: ``pip install reliable-amqp[aio]``)."""
+"""The asyncio publisher; it needs the ``aio`` extra (aio-pika and aiormq)."""
+
+try:
+    import aio_pika  # noqa: F401
+    import aiormq  # noqa: F401
+except ImportError as exc:  # fail loudly, with the fix, rather than deep inside a module
+    raise ImportError(
+        "AsyncPublisher needs aio-pika and aiormq: pip install 'reliable-amqp[aio]'"
+    ) from exc
 
 from reliable_amqp._async.publisher import AsyncPublisher
 
