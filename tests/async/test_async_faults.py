@@ -8,21 +8,44 @@ message confirmed to the caller is in the queue.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import aio_pika
 import pytest
 from aio_support import aio, in_thread, outcomes
 
-from conftest import BrokerAdmin
+from conftest import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from harness.node import DisposableBroker
-from reliable_amqp import Confirmation, RecoveryFailed, RetryPolicy
+from reliable_amqp import Confirmation, EventKind, PublisherEvent, RecoveryFailed, RetryPolicy
 from reliable_amqp._async import AsyncPublisher
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
 
 QUICK_RECONNECT = RetryPolicy(max_attempts=50, initial_delay=0.05, max_delay=0.5, jitter=0.0)
+PATIENT = RetryPolicy(max_attempts=None, initial_delay=0.1, max_delay=1.0, deadline=90.0)
+
+
+class Events:
+    """Collects publisher events (the hook runs on the event loop); ``wait_for`` polls."""
+
+    def __init__(self) -> None:
+        self.seen: list[PublisherEvent] = []
+
+    def __call__(self, event: PublisherEvent) -> None:
+        self.seen.append(event)
+
+    def count(self, kind: EventKind) -> int:
+        return sum(1 for e in self.seen if e.kind is kind)
+
+    async def wait_for(self, kind: EventKind, n: int = 1, timeout: float = 60) -> None:
+        end = asyncio.get_running_loop().time() + timeout
+        while self.count(kind) < n:
+            assert asyncio.get_running_loop().time() < end, (
+                f"no {kind.value} event #{n} within {timeout} s: {self.seen}"
+            )
+            await asyncio.sleep(0.01)
 
 
 async def publish_while(
@@ -207,5 +230,113 @@ async def test_declared_topology_is_replayed_after_a_restart(
     try:
         bodies = [body for _, body in admin.drain(queue)]
         assert bodies == [b"after %d" % i for i in range(100)]  # "before" died with the node
+    finally:
+        admin.close()
+
+
+@aio
+async def test_five_cuts_during_one_stream_events_and_stats(
+    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+) -> None:
+    queue = broker.queue()
+    proxy = make_proxy(5672)
+    events = Events()
+    n = 20_000
+    async with AsyncPublisher(
+        proxy.url(), max_in_flight=2000, connect_policy=PATIENT, on_event=events
+    ) as publisher:
+
+        async def produce() -> list[asyncio.Future[Confirmation]]:
+            return [await publisher.publish("", queue, b"%05d" % i) for i in range(n)]
+
+        producer = asyncio.ensure_future(produce())
+        for cut in range(1, 6):
+            while publisher.stats().confirmed < cut * 3000:
+                await asyncio.sleep(0.005)
+            await in_thread(proxy.cut)
+            await events.wait_for(EventKind.RECOVERED, n=cut)
+        futures = await producer
+        assert await publisher.flush(timeout=60) == 0
+        stats = publisher.stats()
+    assert [e.kind for e in events.seen][:1] == [EventKind.CONNECTED]
+    assert events.count(EventKind.CONNECTION_LOST) == 5
+    assert events.count(EventKind.CLOSED) == 1
+    recovered = [e for e in events.seen if e.kind is EventKind.RECOVERED]
+    assert all(e.downtime is not None and e.downtime >= 0 for e in recovered)
+    assert stats.published == stats.confirmed == n
+    assert stats.recoveries == 5 and stats.republished > 0
+    assert stats.latency is not None and stats.latency.count > 0
+    assert await outcomes(futures) == {"Confirmation": n}
+    assert_all_delivered(broker, queue, futures)
+
+
+@aio
+async def test_channel_loss_is_an_event_and_recovers(amqp_url: str, broker: BrokerAdmin) -> None:
+    queue = broker.queue()
+    events = Events()
+    async with AsyncPublisher(amqp_url, on_event=events) as publisher:
+        bad = await publisher.publish(unique("no-such-exchange"), "rk", b"x")
+        assert await publisher.flush(timeout=10) == 0
+        assert bad.exception() is not None
+        assert (await publisher.publish_and_wait("", queue, b"after")).attempts == 1
+        stats = publisher.stats()
+    kinds = [e.kind for e in events.seen]
+    assert kinds == [
+        EventKind.CONNECTED,
+        EventKind.CHANNEL_LOST,
+        EventKind.RECOVERED,
+        EventKind.CLOSED,
+    ]
+    assert "404" in events.seen[1].detail
+    assert stats.rejected == 1 and stats.recoveries == 0  # a channel, not a connection
+
+
+@aio
+async def test_stalled_link_is_detected_by_heartbeat_then_recovered(
+    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+) -> None:
+    queue = broker.queue()
+    proxy = make_proxy(5672)
+    events = Events()
+    async with AsyncPublisher(
+        proxy.url(), heartbeat=1, connect_policy=PATIENT, connect_timeout=2, on_event=events
+    ) as publisher:
+        futures = [await publisher.publish("", queue, b"%05d" % i) for i in range(100)]
+        assert await publisher.flush(timeout=10) == 0
+        await in_thread(proxy.stall)
+        stalled_at = time.monotonic()
+        futures += [await publisher.publish("", queue, b"%05d" % i) for i in range(100, 200)]
+        await events.wait_for(EventKind.CONNECTION_LOST, timeout=20)
+        detected = time.monotonic() - stalled_at
+        await in_thread(proxy.resume)
+        await events.wait_for(EventKind.RECOVERED, timeout=30)
+        assert await publisher.flush(timeout=30) == 0
+    # aiormq's own watchdog: no frame for 3 x (heartbeat + 1) seconds, checked every second
+    assert detected < 9, f"stall noticed only after {detected:.1f} s with heartbeat=1"
+    assert await outcomes(futures) == {"Confirmation": 200}
+    assert_all_delivered(broker, queue, futures)
+
+
+@aio
+async def test_memory_alarm_pauses_publishing_without_failing(
+    disposable_broker: DisposableBroker,
+) -> None:
+    # No BLOCKED event here (aiormq reports none): the writer just waits at the socket.
+    url = disposable_broker.url
+    admin = BrokerAdmin(url)
+    queue = admin.queue(unique("alarm"))
+    try:
+        async with AsyncPublisher(url, delivery_timeout=60) as publisher:
+            assert (await publisher.publish_and_wait("", queue, b"00000")).attempts == 1
+            await in_thread(disposable_broker.ctl, "set_vm_memory_high_watermark", "0.0000001")
+            await asyncio.sleep(1)  # let the alarm take hold
+            futures = [await publisher.publish("", queue, b"%05d" % i) for i in range(1, 500)]
+            await asyncio.sleep(2)
+            assert not any(f.done() and f.exception() is not None for f in futures)
+            assert publisher.in_flight > 0, "the alarm did not hold anything back"
+            await in_thread(disposable_broker.reset_limits)
+            assert await publisher.flush(timeout=30) == 0
+        assert await outcomes(futures) == {"Confirmation": 499}
+        assert admin.count(queue) == 500
     finally:
         admin.close()

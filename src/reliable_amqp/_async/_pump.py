@@ -38,11 +38,13 @@ from reliable_amqp._core.errors import (
     AmqpConnectionError,
     InvalidMessage,
     MessageRejected,
+    PublishError,
     RecoveryFailed,
     ReliableAmqpError,
 )
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.state import State, StateMachine
+from reliable_amqp._core.stats import EventKind, PublisherEvent
 from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
@@ -93,6 +95,9 @@ class Pump(Generic[H]):
         self._ticker: asyncio.Task[None] | None = None
         self._channel: ConfirmChannel | None = None
         self._channel_failures = 0
+        self._ever_opened = False
+        #: what was lost ("connection" or "channel") and since when, until recovered
+        self._lost: tuple[str, float] | None = None
 
     @property
     def started(self) -> bool:
@@ -240,6 +245,8 @@ class Pump(Generic[H]):
                 loss = translate_connection_error(exc)
             else:
                 opened, loss = await self._serve(connection)
+                if not self.stopping:
+                    self._mark_lost("connection", EventKind.CONNECTION_LOST, str(loss))
             if self.stopping:
                 return
             if opened:
@@ -292,6 +299,7 @@ class Pump(Generic[H]):
             self._channel = channel
             self.connection = connection
             self.state.transition(State.OPEN)
+            self._on_opened()
             self.ready.set()
             self.opened.set()
             await self._pump(channel)
@@ -304,6 +312,8 @@ class Pump(Generic[H]):
                 break
             code, text = close_reason(channel)
             log.warning("reliable-amqp: channel closed: %s %s", code, text)
+            if not connection.is_closed:  # else the connection is lost: reported as that
+                self._mark_lost("channel", EventKind.CHANNEL_LOST, f"channel closed: {code} {text}")
             self.settle(self.engine.on_channel_lost(code, text, time.monotonic()))
             self.state.transition(State.RECOVERING)
             if connection.is_closed:
@@ -334,6 +344,37 @@ class Pump(Generic[H]):
             log.error("reliable-amqp: writer failed", exc_info=writer.exception())
             await _close_quietly(channel)
 
+    # --- events ------------------------------------------------------------------------------
+
+    def _on_opened(self) -> None:
+        if not self._ever_opened:
+            self._ever_opened = True
+            self.emit(EventKind.CONNECTED, "connected; confirm mode on")
+        elif self._lost is not None:
+            what, since = self._lost
+            if what == "connection":
+                self.engine.counters.recoveries += 1
+            downtime = time.monotonic() - since
+            self.emit(EventKind.RECOVERED, f"{what} recovered after {downtime:.3f} s", downtime)
+        self._lost = None
+
+    def _mark_lost(self, what: str, kind: EventKind, detail: str) -> None:
+        # A lost connection takes over from a lost channel, keeping the earlier start time.
+        if self._lost is None or what == "connection":
+            since = self._lost[1] if self._lost is not None else time.monotonic()
+            self._lost = (what, since)
+        self.emit(kind, detail)
+
+    def emit(self, kind: EventKind, detail: str, downtime: float | None = None) -> None:
+        """Call the ``on_event`` hook, if any; a hook that raises is logged, not propagated."""
+        hook = self.options.on_event
+        if hook is None:
+            return
+        try:
+            hook(PublisherEvent(kind, detail, time.monotonic(), downtime))
+        except Exception:
+            log.exception("reliable-amqp: on_event hook raised (ignored)")
+
     def _stop_signal(self) -> asyncio.Future[None]:
         assert self._stop is not None
         return self._stop
@@ -348,6 +389,7 @@ class Pump(Generic[H]):
             fatal = RecoveryFailed(f"gave up connecting after {failures} attempts: {error}")
             fatal.__cause__ = error
         log.error("reliable-amqp: %s", fatal)
+        self.emit(EventKind.RECOVERY_FAILED, str(fatal))
         self.fatal = fatal
         self.ready.set()
         self.on_end()
@@ -358,7 +400,11 @@ class Pump(Generic[H]):
         if self._ticker is not None:
             self._ticker.cancel()
         self.on_end()  # no more publishes: release those waiting for room
-        self.settle(self.engine.close_all(reason))
+        resolutions = self.engine.close_all(reason)
+        for r in resolutions:
+            if self.fatal is not None and isinstance(r.result, PublishError):
+                r.result.__cause__ = self.fatal  # AuthenticationFailed, RecoveryFailed, ...
+        self.settle(resolutions)
         if self.state.state not in (State.CLOSING, State.CLOSED):
             self.state.transition(State.CLOSING)
         self.ready.set()
@@ -369,6 +415,7 @@ class Pump(Generic[H]):
             await self.source.release()
         finally:
             self.state.transition(State.CLOSED)
+            self.emit(EventKind.CLOSED, reason)
 
 
 async def _close_quietly(channel: ConfirmChannel) -> None:

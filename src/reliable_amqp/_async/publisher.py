@@ -38,6 +38,7 @@ from reliable_amqp._core.errors import (
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, build_message
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State
+from reliable_amqp._core.stats import Stats
 from reliable_amqp._core.topology import Topology, TopologyOp, bind_op, exchange_op, queue_op
 
 
@@ -149,6 +150,11 @@ class AsyncPublisher:
     def state(self) -> State:
         """The connection state (see :class:`~reliable_amqp.State`)."""
         return self._pump.state.state
+
+    def stats(self) -> Stats:
+        """Counters (published, confirmed, nacked, returned, rejected, republished, timed out,
+        ...), the in-flight gauge and a confirm-latency summary."""
+        return self._engine.stats()
 
     @property
     def in_flight(self) -> int:
