@@ -18,10 +18,7 @@ import uuid
 
 import aio_pika
 
-from reliable_amqp import MessageReturned, PublishError
-
-# (until reliable_amqp exports it: `from reliable_amqp import AsyncPublisher`)
-from reliable_amqp._async import AsyncPublisher
+from reliable_amqp import AsyncPublisher, MessageReturned, PublishError
 
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 COUNT = 1_000

@@ -91,13 +91,18 @@ class BrokerAdmin:
         expected = self.count(queue)
         if expected == 0:
             return out
-        # basic.consume (not basic.get) so that draining 50,000 messages takes seconds
-        for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=1.0):
+        # basic.consume (not basic.get) so that draining 50,000 messages takes seconds. Manual
+        # acks: what the consumer buffered beyond what we took is requeued on cancel, not lost.
+        last_tag = 0
+        for method, props, body in ch.consume(queue, auto_ack=False, inactivity_timeout=1.0):
             if method is None:
                 break
             out.append((props, body))
+            last_tag = method.delivery_tag
             if len(out) >= expected and self.count(queue) == 0:
                 break
+        if last_tag:
+            ch.basic_ack(last_tag, multiple=True)
         ch.cancel()
         return out
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +31,21 @@ from reliable_amqp import (
 
 pytestmark = pytest.mark.broker
 
+PublisherClass = Any
+
+
+@pytest.fixture(params=["sync", "async"])
+def publisher_class(request: pytest.FixtureRequest) -> PublisherClass:
+    """Every case runs against Publisher and against AsyncPublisher (through a blocking facade
+    that drives it on an event loop thread), so both honour one contract."""
+    if request.param == "sync":
+        return Publisher
+    sys.path.insert(0, str(Path(__file__).parent / "async"))
+    from aio_blocking import BlockingAsyncPublisher
+
+    return BlockingAsyncPublisher
+
+
 FAST_NACKS = RetryPolicy(max_attempts=3, initial_delay=0.01, max_delay=0.05, jitter=0.0)
 
 
@@ -41,10 +59,12 @@ def outcomes(futures: list[Future[Confirmation]], timeout: float = 30) -> dict[s
     return counts
 
 
-def test_every_message_confirmed_and_in_the_queue(amqp_url: str, broker: BrokerAdmin) -> None:
+def test_every_message_confirmed_and_in_the_queue(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
     queue = broker.queue()
     n = 3000
-    with Publisher(amqp_url) as publisher:
+    with publisher_class(amqp_url) as publisher:
         futures = [publisher.publish("", queue, b"m%05d" % i) for i in range(n)]
         assert publisher.flush(timeout=30) == 0
     results = [f.result(0) for f in futures]
@@ -57,9 +77,11 @@ def test_every_message_confirmed_and_in_the_queue(amqp_url: str, broker: BrokerA
     assert {p.delivery_mode for p, _ in received} == {2}  # persistent by default
 
 
-def test_properties_and_headers_arrive_intact(amqp_url: str, broker: BrokerAdmin) -> None:
+def test_properties_and_headers_arrive_intact(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
     queue = broker.queue(x_max_priority=5)
-    with Publisher(amqp_url) as publisher:
+    with publisher_class(amqp_url) as publisher:
         confirmation = publisher.publish_and_wait(
             "",
             queue,
@@ -86,10 +108,12 @@ def test_properties_and_headers_arrive_intact(amqp_url: str, broker: BrokerAdmin
     assert props.headers["nested"] == {"ok": True}
 
 
-def test_nacks_are_retried_then_fail(amqp_url: str, broker: BrokerAdmin) -> None:
+def test_nacks_are_retried_then_fail(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
     # A full queue with reject-publish makes RabbitMQ nack for real.
     queue = broker.queue(x_max_length=5, x_overflow="reject-publish")
-    with Publisher(amqp_url, nack_policy=FAST_NACKS) as publisher:
+    with publisher_class(amqp_url, nack_policy=FAST_NACKS) as publisher:
         futures = [publisher.publish("", queue, b"%d" % i) for i in range(20)]
         assert publisher.flush(timeout=30) == 0
     assert outcomes(futures) == {"Confirmation": 5, "MessageNacked": 15}
@@ -101,7 +125,9 @@ def test_nacks_are_retried_then_fail(amqp_url: str, broker: BrokerAdmin) -> None
 
 
 def test_nacked_messages_succeed_once_the_queue_has_room(
-    amqp_url: str, broker: BrokerAdmin
+    amqp_url: str,
+    broker: BrokerAdmin,
+    publisher_class: PublisherClass,
 ) -> None:
     queue = broker.queue(x_max_length=5, x_overflow="reject-publish")
     patient = RetryPolicy(max_attempts=50, initial_delay=0.02, max_delay=0.2, jitter=0.01)
@@ -121,7 +147,7 @@ def test_nacked_messages_succeed_once_the_queue_has_room(
     consumer = threading.Thread(target=consume)
     consumer.start()
     try:
-        with Publisher(amqp_url, nack_policy=patient) as publisher:
+        with publisher_class(amqp_url, nack_policy=patient) as publisher:
             futures = [publisher.publish("", queue, b"%03d" % i) for i in range(60)]
             assert publisher.flush(timeout=60) == 0
     finally:
@@ -134,11 +160,13 @@ def test_nacked_messages_succeed_once_the_queue_has_room(
     assert sorted(received) == [b"%03d" % i for i in range(60)]
 
 
-def test_unroutable_mandatory_messages_are_returned(amqp_url: str, broker: BrokerAdmin) -> None:
+def test_unroutable_mandatory_messages_are_returned(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
     exchange = broker.exchange()
     queue = broker.queue()
     broker.bind(queue, exchange, "routed")
-    with Publisher(amqp_url) as publisher:
+    with publisher_class(amqp_url) as publisher:
         # The same message_id on both: returns are matched per attempt, not by the user's id.
         routed = [
             publisher.publish(exchange, "routed", b"r", mandatory=True, message_id="same")
@@ -160,10 +188,12 @@ def test_unroutable_mandatory_messages_are_returned(amqp_url: str, broker: Broke
     assert broker.count(queue) == 10
 
 
-def test_missing_exchange_fails_only_that_message(amqp_url: str, broker: BrokerAdmin) -> None:
+def test_missing_exchange_fails_only_that_message(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
     queue = broker.queue()
     missing = unique("no-such-exchange")
-    with Publisher(amqp_url) as publisher:
+    with publisher_class(amqp_url) as publisher:
         before = [publisher.publish("", queue, b"b%03d" % i) for i in range(200)]
         bad = publisher.publish(missing, "rk", b"nowhere")
         after = [publisher.publish("", queue, b"a%03d" % i) for i in range(200)]
@@ -191,10 +221,12 @@ def test_missing_exchange_fails_only_that_message(amqp_url: str, broker: BrokerA
 
 
 @pytest.mark.slow
-def test_oversize_body_is_rejected_and_others_go_on(amqp_url: str, broker: BrokerAdmin) -> None:
+def test_oversize_body_is_rejected_and_others_go_on(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
     queue = broker.queue()
     huge = b"\0" * (128 * 1024 * 1024 + 1)  # RabbitMQ's default max_message_size + 1
-    with Publisher(amqp_url) as publisher:
+    with publisher_class(amqp_url) as publisher:
         small = [publisher.publish("", queue, b"s%d" % i) for i in range(50)]
         big = publisher.publish("", queue, huge)
         more = [publisher.publish("", queue, b"t%d" % i) for i in range(50)]
@@ -207,11 +239,13 @@ def test_oversize_body_is_rejected_and_others_go_on(amqp_url: str, broker: Broke
     assert broker.count(queue) == 101
 
 
-def test_many_threads_share_one_publisher(amqp_url: str, broker: BrokerAdmin) -> None:
+def test_many_threads_share_one_publisher(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
     queue = broker.queue()
     threads, per_thread = 8, 1500
     results: list[list[Future[Confirmation]]] = [[] for _ in range(threads)]
-    with Publisher(amqp_url, max_in_flight=500) as publisher:
+    with publisher_class(amqp_url, max_in_flight=500) as publisher:
 
         def work(k: int) -> None:
             for i in range(per_thread):
@@ -252,11 +286,16 @@ def test_many_threads_share_one_publisher(amqp_url: str, broker: BrokerAdmin) ->
         (("", "q", b"x"), {"message_id": "m" * 300}, "message_id"),
     ],
 )
-def test_bad_input_fails_fast_and_disturbs_nothing(
-    amqp_url: str, broker: BrokerAdmin, args: tuple, kwargs: dict, field: str
+def test_bad_input_fails_fast_and_disturbs_nothing(  # noqa: PLR0917 (fixtures + parameters)
+    amqp_url: str,
+    broker: BrokerAdmin,
+    args: tuple,
+    kwargs: dict,
+    field: str,
+    publisher_class: PublisherClass,
 ) -> None:
     queue = broker.queue()
-    with Publisher(amqp_url) as publisher:
+    with publisher_class(amqp_url) as publisher:
         first = publisher.publish("", queue, b"before")
         with pytest.raises(InvalidMessage) as info:
             publisher.publish(*args, **kwargs)
@@ -279,15 +318,17 @@ def test_bad_input_fails_fast_and_disturbs_nothing(
         "",
     ],
 )
-def test_malformed_url_is_a_configuration_error(url: str) -> None:
+def test_malformed_url_is_a_configuration_error(url: str, publisher_class: PublisherClass) -> None:
     with pytest.raises(ConfigurationError) as info:
-        Publisher(url)
+        publisher_class(url)
     assert "s3cret" not in str(info.value)
 
 
-def test_wrong_credentials_fail_connect_fast_without_retry(amqp_url: str) -> None:
+def test_wrong_credentials_fail_connect_fast_without_retry(
+    amqp_url: str, publisher_class: PublisherClass
+) -> None:
     url = amqp_url.replace("guest:guest", "guest:n0t-the-passw0rd")
-    publisher = Publisher(url)
+    publisher = publisher_class(url)
     assert "n0t-the-passw0rd" not in repr(publisher)
     started = time.monotonic()
     with pytest.raises(AuthenticationFailed) as info:
@@ -300,14 +341,18 @@ def test_wrong_credentials_fail_connect_fast_without_retry(amqp_url: str) -> Non
         publisher.publish("", "q", b"x")
 
 
-def test_unknown_option_is_a_configuration_error(amqp_url: str) -> None:
+def test_unknown_option_is_a_configuration_error(
+    amqp_url: str, publisher_class: PublisherClass
+) -> None:
     with pytest.raises(ConfigurationError, match="max_inflight"):
-        Publisher(amqp_url, max_inflight=10)
+        publisher_class(amqp_url, max_inflight=10)
 
 
-def test_declare_mismatch_raises_and_publisher_goes_on(amqp_url: str, broker: BrokerAdmin) -> None:
+def test_declare_mismatch_raises_and_publisher_goes_on(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
     queue = broker.queue(durable=True)
-    with Publisher(amqp_url) as publisher:
+    with publisher_class(amqp_url) as publisher:
         inflight = [publisher.publish("", queue, b"%d" % i) for i in range(100)]
         with pytest.raises(PreconditionFailed):
             publisher.declare_queue(queue, durable=False)  # exists as durable: 406
@@ -318,11 +363,14 @@ def test_declare_mismatch_raises_and_publisher_goes_on(amqp_url: str, broker: Br
 
 
 def test_delivery_timeout_bounds_a_stalled_link(
-    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+    amqp_url: str,
+    broker: BrokerAdmin,
+    make_proxy: ProxyFactory,
+    publisher_class: PublisherClass,
 ) -> None:
     queue = broker.queue()
     proxy = make_proxy(5672)
-    publisher = Publisher(proxy.url(), delivery_timeout=1.0, heartbeat=0)
+    publisher = publisher_class(proxy.url(), delivery_timeout=1.0, heartbeat=0)
     with publisher:
         assert publisher.publish_and_wait("", queue, b"ok").attempts == 1
         proxy.stall()
@@ -338,11 +386,16 @@ def test_delivery_timeout_bounds_a_stalled_link(
 
 
 def test_full_window_raises_publish_timeout(
-    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+    amqp_url: str,
+    broker: BrokerAdmin,
+    make_proxy: ProxyFactory,
+    publisher_class: PublisherClass,
 ) -> None:
     queue = broker.queue()
     proxy = make_proxy(5672)
-    with Publisher(proxy.url(), max_in_flight=2, publish_timeout=0.5, heartbeat=0) as publisher:
+    with publisher_class(
+        proxy.url(), max_in_flight=2, publish_timeout=0.5, heartbeat=0
+    ) as publisher:
         proxy.stall()
         held = [publisher.publish("", queue, b"1"), publisher.publish("", queue, b"2")]
         started = time.monotonic()
@@ -355,11 +408,14 @@ def test_full_window_raises_publish_timeout(
 
 
 def test_close_resolves_every_future(
-    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+    amqp_url: str,
+    broker: BrokerAdmin,
+    make_proxy: ProxyFactory,
+    publisher_class: PublisherClass,
 ) -> None:
     queue = broker.queue()
     proxy = make_proxy(5672)
-    publisher = Publisher(proxy.url(), heartbeat=0).connect()
+    publisher = publisher_class(proxy.url(), heartbeat=0).connect()
     proxy.stall()
     futures = [publisher.publish("", queue, b"%d" % i) for i in range(25)]
     assert publisher.flush(timeout=0.2) == 25

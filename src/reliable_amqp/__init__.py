@@ -4,6 +4,8 @@ Every message handed to a publisher resolves exactly once: confirmed by the brok
 a :class:`PublishError` subclass that says why. See ``docs/`` for the delivery contract.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from reliable_amqp._core.errors import (
     AccessRefused,
     AmqpConnectionError,
@@ -34,7 +36,19 @@ from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import EventKind, LatencySummary, PublisherEvent, Stats
 from reliable_amqp._sync.publisher import Publisher
 
+if TYPE_CHECKING:
+    from reliable_amqp._async.publisher import AsyncPublisher as AsyncPublisher
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # AsyncPublisher needs the `aio` extra: aio-pika is imported only when it is asked for.
+    if name == "AsyncPublisher":
+        from reliable_amqp._async import AsyncPublisher
+
+        return AsyncPublisher
+    raise AttributeError(f"module 'reliable_amqp' has no attribute {name!r}")
 
 __all__ = [
     "AccessRefused",
