@@ -33,4 +33,4 @@ def test_spark_example_runs(name: str, amqp_url: str, tmp_path: Path) -> None:
     assert "confirmed" in result.stdout
     if name == "spark_datasource.py":  # the driver-side commits report their totals
         assert "amqp: 1000 rows confirmed from 2 partitions" in result.stderr
-        assert "amqp: micro-batch 2: 100 rows confirmed from 1 partitions" in result.stderr
+        assert "amqp: micro-batch 2: 100 rows confirmed from 1 partition " in result.stderr

@@ -76,6 +76,20 @@ def test_100k_rows_in_4_partitions_arrive_intact(
     assert seen == set(range(100_000))
 
 
+def test_tasks_reuse_their_worker_s_publisher(
+    spark: SparkSession, broker: Any, amqp_url: str
+) -> None:
+    queue = broker.queue(unique_name("reuse"))
+    sink = AmqpSink(amqp_url, routing_key=queue, connection_name=unique_name("conn"))
+    df = spark.range(0, 800, numPartitions=8).select(F.col("id").cast("string").alias("body"))
+    first, second = sink.write(df), sink.write(df)
+    assert first.rows == second.rows == 800
+    # 16 tasks on 2 cores: each Python worker built its publisher once and kept it
+    publishers = first.publishers | second.publishers
+    assert 1 <= len(publishers) <= 4, publishers
+    assert broker.count(queue) == 1600
+
+
 ROWS, PARTS, FAIL_AT = 40_000, 2, 15_000
 PER_PART = ROWS // PARTS
 

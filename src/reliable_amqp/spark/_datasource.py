@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyspark import TaskContext
+from pyspark.sql import SparkSession
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
     DataSourceStreamArrowWriter,
     WriterCommitMessage,
 )
+from pyspark.sql.types import StructType
 
 from reliable_amqp import ConfigurationError
 from reliable_amqp.spark._mapping import ColumnPlan
@@ -42,6 +44,8 @@ class AmqpCommitMessage(WriterCommitMessage):
     rows: int
     seconds: float
     job: str
+    #: the cached publisher that served the task (``"pid:serial"``)
+    publisher: str = ""
 
 
 @dataclass(frozen=True)
@@ -51,15 +55,22 @@ class CommitTotals:
     rows: int
     partitions: int
     job: str
+    publishers: int = 0
 
     def __str__(self) -> str:
-        return f"{self.rows} rows confirmed from {self.partitions} partitions (ids {self.job}:*)"
+        return (
+            f"{self.rows} rows confirmed from {self.partitions} "
+            f"partition{'' if self.partitions == 1 else 's'} "
+            f"(ids {self.job}:*; {self.publishers} cached "
+            f"publisher{'' if self.publishers == 1 else 's'})"
+        )
 
 
 def commit_totals(messages: Sequence[WriterCommitMessage | None], job: str) -> CommitTotals:
     """Sum the per-partition counts of the tasks that succeeded."""
     done = [m for m in messages if isinstance(m, AmqpCommitMessage)]
-    return CommitTotals(sum(m.rows for m in done), len(done), job)
+    publishers = len({m.publisher for m in done})
+    return CommitTotals(sum(m.rows for m in done), len(done), job, publishers)
 
 
 class AmqpDataSource(DataSource):
@@ -76,7 +87,7 @@ class AmqpDataSource(DataSource):
         """The format name: ``"amqp"``."""
         return "amqp"
 
-    def _config(self, schema: Any, overwrite: bool) -> tuple[SinkConfig, ColumnPlan]:
+    def _config(self, schema: StructType, overwrite: bool) -> tuple[SinkConfig, ColumnPlan]:
         if overwrite:
             raise ConfigurationError(
                 'the amqp data source only appends: use .mode("append") '
@@ -85,12 +96,12 @@ class AmqpDataSource(DataSource):
         config = SinkConfig.from_strings(dict(self.options))
         return config, config.plan(schema)
 
-    def writer(self, schema: Any, overwrite: bool) -> AmqpBatchWriter:
+    def writer(self, schema: StructType, overwrite: bool) -> AmqpBatchWriter:
         """A batch writer (called on the driver; checks options and schema)."""
         config, plan = self._config(schema, overwrite)
         return AmqpBatchWriter(config, plan, config.id_prefix or uuid.uuid4().hex)
 
-    def streamWriter(self, schema: Any, overwrite: bool) -> AmqpStreamWriter:
+    def streamWriter(self, schema: StructType, overwrite: bool) -> AmqpStreamWriter:
         """A streaming writer (called on the driver; checks options and schema)."""
         config, plan = self._config(schema, overwrite)
         return AmqpStreamWriter(config, plan, uuid.uuid4().hex)
@@ -107,7 +118,9 @@ class AmqpBatchWriter(DataSourceArrowWriter):
     def write(self, iterator: Iterator[Any]) -> AmqpCommitMessage:
         """Publish one partition (Arrow batches); return its counts."""
         result = publish_arrow(self.config, self.plan, self.job, iterator)
-        return AmqpCommitMessage(result.partition, result.rows, result.seconds, self.job)
+        return AmqpCommitMessage(
+            result.partition, result.rows, result.seconds, self.job, result.publisher
+        )
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         """Log the totals of the write (on the driver, once every task succeeded)."""
@@ -151,7 +164,9 @@ class AmqpStreamWriter(DataSourceStreamArrowWriter):
         """Publish one partition of a micro-batch; return its counts."""
         job = self._job()
         result = publish_arrow(self.config, self.plan, job, iterator)
-        return AmqpCommitMessage(result.partition, result.rows, result.seconds, job)
+        return AmqpCommitMessage(
+            result.partition, result.rows, result.seconds, job, result.publisher
+        )
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Log the micro-batch's totals."""
@@ -163,6 +178,6 @@ class AmqpStreamWriter(DataSourceStreamArrowWriter):
         log.warning("amqp: micro-batch %d failed; Spark replays it with the same ids", batchId)
 
 
-def register(spark: Any) -> None:
+def register(spark: SparkSession) -> None:
     """Register the ``"amqp"`` format with a SparkSession (once per session)."""
     spark.dataSource.register(AmqpDataSource)

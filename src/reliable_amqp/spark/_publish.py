@@ -20,6 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pyspark.sql.types import StructType
+
 from reliable_amqp import (
     AmqpConnectionError,
     ConfigurationError,
@@ -121,7 +123,7 @@ class SinkConfig:
             return float(self.flush_timeout)
         return self.publisher.delivery_timeout + _FLUSH_SLACK
 
-    def plan(self, schema: Any) -> ColumnPlan:
+    def plan(self, schema: StructType) -> ColumnPlan:
         """Check a DataFrame schema against this configuration (raises before anything is sent)."""
         return plan_for_schema(
             schema,
@@ -187,6 +189,8 @@ def publisher_kwargs(options: PublisherOptions) -> dict[str, Any]:
 # --- per-process publisher cache (like Spark's Kafka producer cache) ---------------------------
 
 _cache: dict[PublisherOptions, Publisher] = {}
+_tags: dict[PublisherOptions, tuple[Publisher, str]] = {}  # "pid:serial" per built publisher
+_built = [0]  # publishers built by this process
 _cache_lock = threading.Lock()
 _cache_owner = [os.getpid()]  # the pid the cache belongs to
 
@@ -196,6 +200,7 @@ def cached_publisher(options: PublisherOptions) -> Publisher:
     with _cache_lock:
         if _cache_owner[0] != os.getpid():  # a forked child: the parent's I/O threads are gone
             _cache.clear()
+            _tags.clear()
             _cache_owner[0] = os.getpid()
         publisher = _cache.get(options)
         if publisher is not None and publisher.state in (State.CLOSING, State.CLOSED):
@@ -204,7 +209,16 @@ def cached_publisher(options: PublisherOptions) -> Publisher:
         if publisher is None:
             publisher = Publisher(list(options.urls), **publisher_kwargs(options))
             _cache[options] = publisher
+            _built[0] += 1
+            _tags[options] = (publisher, f"{os.getpid()}:{_built[0]}")
         return publisher
+
+
+def publisher_tag(options: PublisherOptions, publisher: Publisher) -> str:
+    """``"pid:serial"`` naming a publisher this process built for ``options`` (else ``""``)."""
+    with _cache_lock:
+        built, tag = _tags.get(options, (None, ""))
+        return tag if built is publisher else ""
 
 
 def retire_publisher(options: PublisherOptions, publisher: Publisher, timeout: float = 0) -> None:
@@ -243,6 +257,8 @@ class PartitionResult:
     partition: int
     rows: int
     seconds: float
+    #: which cached publisher served the task (``"pid:serial"``): tasks that share one reused it
+    publisher: str = ""
 
 
 class RowsNotConfirmed(ReliableAmqpError):
@@ -384,7 +400,7 @@ def publish_partition(
         seconds,
         id_base,
     )
-    return PartitionResult(partition, position, seconds)
+    return PartitionResult(partition, position, seconds, publisher_tag(config.publisher, publisher))
 
 
 def _settle_after_error(config: SinkConfig, publisher: Publisher, exc: BaseException) -> None:

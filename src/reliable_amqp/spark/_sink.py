@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from pyspark import TaskContext
+from pyspark.sql import DataFrame, Row
+from pyspark.sql.types import StructType
 
 from reliable_amqp import ConfigurationError, PublisherOptions, redact_url
 from reliable_amqp.spark._mapping import ColumnPlan
@@ -28,7 +30,7 @@ from reliable_amqp.spark._publish import (
     publish_partition,
 )
 
-_RESULT_SCHEMA = "partition int, rows long, seconds double"
+_RESULT_SCHEMA = "partition int, rows long, seconds double, publisher string"
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,9 @@ class WriteSummary:
     seconds: float
     #: the id component of this write: message ids are ``f"{job}:{partition}:{position}"``
     job: str
+    #: the cached publishers (``"pid:serial"``) that served the tasks: fewer than the tasks when
+    #: Python workers reused their connections
+    publishers: frozenset[str] = frozenset()
 
     @property
     def rate(self) -> float:
@@ -107,7 +112,7 @@ class AmqpSink:
 
     # --- foreachPartition ----------------------------------------------------------------------
 
-    def __call__(self, rows: Iterable[Any]) -> None:
+    def __call__(self, rows: Iterable[Row]) -> None:
         """Publish one partition's ``Row`` objects (``df.foreachPartition(sink)``)."""
         ctx = TaskContext.get()
         partition = ctx.partitionId() if ctx is not None else 0
@@ -119,12 +124,12 @@ class AmqpSink:
 
     # --- driver-side writes --------------------------------------------------------------------
 
-    def check(self, schema: Any) -> ColumnPlan:
+    def check(self, schema: StructType) -> ColumnPlan:
         """Check a schema (``df.schema``) against the sink; raise ConfigurationError if it does
         not fit. ``write`` and ``for_batch`` call this before anything is sent."""
         return self.config.plan(schema)
 
-    def write(self, df: Any, *, via: Literal["arrow", "rows"] = "arrow") -> WriteSummary:
+    def write(self, df: DataFrame, *, via: Literal["arrow", "rows"] = "arrow") -> WriteSummary:
         """Publish every row of ``df``; return the totals once every row is confirmed.
 
         ``via="arrow"`` (default) hands rows to Python as Arrow batches; ``via="rows"`` as
@@ -133,7 +138,7 @@ class AmqpSink:
         """
         return self._write(df, self.config.id_prefix or uuid.uuid4().hex, via)
 
-    def for_batch(self, df: Any, batch_id: int) -> None:
+    def for_batch(self, df: DataFrame, batch_id: int) -> None:
         """``writeStream.foreachBatch(sink.for_batch)``: publish one micro-batch.
 
         Message ids carry the streaming query id and ``batch_id``, so a batch replayed after a
@@ -142,12 +147,14 @@ class AmqpSink:
         prefix = self.config.id_prefix or _streaming_query_id(df) or self._job
         self._write(df, f"{prefix}:b{batch_id}", "arrow")
 
-    def _write(self, df: Any, job: str, via: str) -> WriteSummary:
+    def _write(self, df: DataFrame, job: str, via: str) -> WriteSummary:
         plan = self.check(df.schema)
         started = time.perf_counter()
         if via == "arrow":
             collected = df.mapInArrow(_ArrowTask(self.config, plan, job), _RESULT_SCHEMA).collect()
-            results = [PartitionResult(r.partition, r.rows, r.seconds) for r in collected]
+            results = [
+                PartitionResult(r.partition, r.rows, r.seconds, r.publisher) for r in collected
+            ]
         elif via == "rows":
             results = df.rdd.mapPartitions(_RowTask(self.config, plan, job)).collect()
         else:
@@ -157,6 +164,7 @@ class AmqpSink:
             partitions=len(results),
             seconds=time.perf_counter() - started,
             job=job,
+            publishers=frozenset(r.publisher for r in results),
         )
 
 
@@ -177,8 +185,9 @@ class _ArrowTask:
                 pa.array([result.partition], pa.int32()),
                 pa.array([result.rows], pa.int64()),
                 pa.array([result.seconds], pa.float64()),
+                pa.array([result.publisher], pa.string()),
             ],
-            names=["partition", "rows", "seconds"],
+            names=["partition", "rows", "seconds", "publisher"],
         )
 
 
@@ -190,7 +199,7 @@ class _RowTask:
         self.plan = plan
         self.job = job
 
-    def __call__(self, rows: Iterator[Any]) -> Iterator[PartitionResult]:
+    def __call__(self, rows: Iterable[Row]) -> Iterator[PartitionResult]:
         partition = _partition_id()
         yield publish_partition(
             self.config,
@@ -214,7 +223,7 @@ def _partition_id() -> int:
     return ctx.partitionId() if ctx is not None else 0
 
 
-def _streaming_query_id(df: Any) -> str | None:
+def _streaming_query_id(df: DataFrame) -> str | None:
     try:
         value = df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
     except Exception:  # Spark Connect has no SparkContext: fall back to the sink's own id
