@@ -183,6 +183,13 @@ def test_nacked_partition_fails_the_job_naming_how_many_and_why(
     assert "MessageNacked" in text and "x-overflow=reject-publish" in text
     assert broker.count(queue) == 10
 
+    # Unroutable rows (mandatory is the sink's default) fail the same way, not silently.
+    nowhere = AmqpSink(amqp_url, routing_key=unique_name("no-such-queue"))
+    with pytest.raises(Exception) as info:
+        nowhere.write(spark.range(0, 10, numPartitions=1).select(F.lit("x").alias("body")))
+    assert "10 of 10 rows of partition 0 were not confirmed by the broker: " in str(info.value)
+    assert "10 x MessageReturned (312 NO_ROUTE)" in str(info.value)
+
 
 def test_properties_and_json_bodies_through_both_paths(
     spark: SparkSession, broker: Any, amqp_url: str
