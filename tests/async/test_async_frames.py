@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pamqp import decode
 
 from reliable_amqp import InvalidMessage
-from reliable_amqp._async._frames import encode_table, publish_frames
+from reliable_amqp._core.frames import encode_table, publish_frames
 from reliable_amqp._core.message import OutgoingMessage, build_message
 
 shortstr = st.text(max_size=40)

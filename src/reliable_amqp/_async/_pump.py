@@ -32,7 +32,6 @@ from reliable_amqp._async._channel import (
     translate_connection_error,
 )
 from reliable_amqp._async._connect import ConnectionSource
-from reliable_amqp._async._frames import publish_frames
 from reliable_amqp._core.engine import PublishEngine, Resolution, is_permanent_channel_close
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
@@ -42,6 +41,7 @@ from reliable_amqp._core.errors import (
     RecoveryFailed,
     ReliableAmqpError,
 )
+from reliable_amqp._core.frames import publish_frames
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import EventKind, PublisherEvent

@@ -25,7 +25,6 @@ import aio_pika.abc
 
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
-from reliable_amqp._async._frames import encode_table
 from reliable_amqp._async._pump import Pump
 from reliable_amqp._core.engine import PublishEngine, Resolution
 from reliable_amqp._core.errors import (
@@ -35,6 +34,7 @@ from reliable_amqp._core.errors import (
     PublishTimeout,
     ReliableAmqpError,
 )
+from reliable_amqp._core.frames import encode_table
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, build_message
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import struct
 import threading
 import time
 from collections import deque
@@ -25,11 +24,13 @@ from sortedcontainers import SortedList
 from reliable_amqp._core.engine import PublishEngine, Resolution, is_permanent_channel_close
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
+    InvalidMessage,
     MessageRejected,
     PublishError,
     RecoveryFailed,
     ReliableAmqpError,
 )
+from reliable_amqp._core.frames import publish_frames
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
@@ -39,7 +40,6 @@ from reliable_amqp._core.tracker import ATTEMPT_HEADER
 from reliable_amqp._sync._pika import (
     CoalescingConnection,
     Handle,
-    basic_properties,
     translate_connection_error,
 )
 from reliable_amqp._sync.topology import Request, apply_topology
@@ -439,53 +439,31 @@ class IOThread:
         if channel is None or not self._state.writable:
             return
         engine = self._engine
-        publish = channel.basic_publish
         connection = self._connection
         assert connection is not None
-        connection.gather = True
+        # Frames are marshalled here, straight to bytes (pika's own path costs ~3x the CPU), and
+        # gathered into one write per batch; pika still owns the socket and everything else.
+        out = connection.begin_gather()
+        number = channel.channel_number
+        frame_max = connection.params.frame_max
         try:
             for _ in range(_DRAIN_BATCH):
                 entry = engine.next_to_send()
                 if entry is None:
                     return
-                message = entry.message
                 headers = engine.mark_sent(entry)
+                mark = len(out)
                 try:
-                    publish(
-                        message.exchange,
-                        message.routing_key,
-                        message.body,
-                        basic_properties(message, headers),
-                        message.mandatory,
+                    publish_frames(number, entry.message, headers, frame_max, out)
+                except InvalidMessage as exc:
+                    # Drop what was gathered of this message: nothing of it is written, so its
+                    # delivery tag is handed back and it fails alone.
+                    del out[mark:]
+                    engine.tracker.untrack(entry)
+                    error = MessageRejected(
+                        entry.message, entry.attempts, 0, f"could not be encoded: {exc}"
                     )
-                except (
-                    pika.exceptions.UnsupportedAMQPFieldException,
-                    struct.error,
-                    TypeError,
-                    ValueError,
-                ) as exc:
-                    # pika marshals every frame before writing any: nothing left, so the
-                    # delivery tag is handed back and only this message fails.
-                    if engine.tracker.untrack(entry):
-                        self._resolve(
-                            [
-                                engine.fail(
-                                    entry,
-                                    MessageRejected(
-                                        message, entry.attempts, 0, f"could not be encoded: {exc!r}"
-                                    ),
-                                )
-                            ]
-                        )
-                        continue
-                    self._abandon_channel(channel)
-                    return
-                except (pika.exceptions.AMQPError, OSError) as exc:
-                    # The channel broke under us; whether the frame left is unknown, so the
-                    # entry stays tracked and goes out again on a fresh channel.
-                    log.warning("reliable-amqp: publish failed (%r); reopening the channel", exc)
-                    self._abandon_channel(channel)
-                    return
+                    self._resolve([engine.fail(entry, error)])
             ioloop = self._ioloop
             if ioloop is not None:
                 ioloop.call_later(0, self._drain)  # let confirms in between batches

@@ -10,17 +10,15 @@ from typing import Any
 import pika
 import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
-from pika.spec import BasicProperties
 
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     AuthenticationFailed,
     ConfigurationError,
-    InvalidMessage,
     ReliableAmqpError,
     broker_error,
 )
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 
 log = logging.getLogger("reliable_amqp")
@@ -33,24 +31,30 @@ _CLOSE_GRACE = 2.0  # seconds to wait for the broker's close-ok
 class CoalescingConnection(SelectConnection):  # type: ignore[misc]
     """A SelectConnection that can gather the frames of many publishes into one write.
 
-    pika hands every frame to the socket separately (three ``send()`` calls per message); while
-    :attr:`gather` is set, frames collect here and go out as one buffer on :meth:`emit_gathered`.
+    pika hands every frame to the socket separately (three ``send()`` calls per message); between
+    :meth:`begin_gather` and :meth:`emit_gathered`, frames collect here and go out as one buffer.
     ``_adapter_emit_data`` is pika's designated override point for where frames go.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.gather = False
-        self._gathered: list[bytes] = []
+        self._gather = False
+        self._gathered: list[bytes | memoryview] = []
         super().__init__(*args, **kwargs)
 
     def _adapter_emit_data(self, data: bytes) -> None:
-        if self.gather:
+        if self._gather:
             self._gathered.append(data)
         else:
             super()._adapter_emit_data(data)
 
+    def begin_gather(self) -> list[bytes | memoryview]:
+        """Start gathering; frames appended to the returned list go out on emit_gathered()."""
+        self._gather = True
+        return self._gathered
+
     def emit_gathered(self) -> None:
-        self.gather = False
+        """Write what was gathered as one buffer and stop gathering."""
+        self._gather = False
         if self._gathered:
             data = b"".join(self._gathered)
             self._gathered.clear()
@@ -87,41 +91,6 @@ def connection_parameters(url: str, options: PublisherOptions) -> pika.URLParame
         "product": "reliable-amqp",
     }
     return params
-
-
-def basic_properties(message: OutgoingMessage, headers: Any) -> BasicProperties:
-    p = message.properties
-    return BasicProperties(
-        content_type=p.content_type,
-        content_encoding=p.content_encoding,
-        headers=p.headers if headers is None else headers,
-        delivery_mode=p.delivery_mode,
-        priority=p.priority,
-        correlation_id=p.correlation_id,
-        reply_to=p.reply_to,
-        expiration=p.expiration,
-        message_id=p.message_id,
-        timestamp=p.timestamp,
-        type=p.type,
-        user_id=p.user_id,
-        app_id=p.app_id,
-    )
-
-
-def check_pika_encodable(path: str, value: Any) -> None:
-    """pika has no encoding for AMQP doubles: refuse float headers here, not in the I/O loop."""
-    if isinstance(value, float):
-        raise InvalidMessage(
-            path,
-            "the sync Publisher cannot send float header values (pika has no AMQP double "
-            "encoding); send a Decimal or a str, or use AsyncPublisher",
-        )
-    if isinstance(value, dict):
-        for key, item in value.items():
-            check_pika_encodable(f"{path}[{key!r}]", item)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            check_pika_encodable(f"{path}[{i}]", item)
 
 
 def translate_connection_error(error: Any) -> ReliableAmqpError:

@@ -38,7 +38,6 @@ from reliable_amqp._sync._pika import (
     CoalescingConnection,
     Handle,
     call_threadsafe,
-    check_pika_encodable,
     connection_parameters,
 )
 from reliable_amqp._sync.topology import Request
@@ -257,8 +256,6 @@ class Publisher(IOThread):
         message = build_message(
             exchange, routing_key, body, mandatory=mandatory, properties=properties
         )
-        if message.properties.headers:
-            check_pika_encodable("headers", message.properties.headers)
         if not self._opened.is_set():
             self._check_accepting(message)
             self.connect()

@@ -5,11 +5,11 @@ pamqp (under aiormq and aio-pika) builds a ``Basic.Publish``, a ``ContentHeader`
 encode it: about 8 us a message, the largest single cost on the publish path. Here one function
 packs the three frames with ``struct`` (about 2 us).
 
-Field tables (``headers``) are encoded the way pika encodes them, so a message leaves the async
-publisher byte for byte as it leaves the sync one (``tests/async/test_async_frames.py`` checks
-that against pika). Two types pika cannot encode but the message checks admit are added: a
-float is a double (``d``) and a tuple an array. pamqp is not used for tables because it writes
-floats as 32-bit and cannot encode bytes.
+Both publishers write with it (the sync one hands the bytes to pika's connection, the async one
+to aiormq's). Field tables (``headers``) are encoded the way pika encodes them, byte for byte
+(``tests/async/test_async_frames.py`` checks that against pika); two types pika cannot encode but
+the message checks admit are added: a float is a double (``d``) and a tuple an array. pamqp is
+not used for tables because it writes floats as 32-bit and cannot encode bytes.
 """
 
 from __future__ import annotations
