@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pika
 import pytest
 from pyspark import TaskContext
 from pyspark.cloudpickle import register_pickle_by_value
@@ -94,20 +96,15 @@ ROWS, PARTS, FAIL_AT = 40_000, 2, 15_000
 PER_PART = ROWS // PARTS
 
 
-def _fail_first_attempt(n: int) -> None:
+def _first_attempt_reached(n: int) -> bool:
     ctx = TaskContext.get()
-    if ctx is not None and ctx.attemptNumber() == 0 and n % PER_PART == FAIL_AT:
-        raise RuntimeError(f"injected failure at row {n} on the first attempt")
+    return ctx is not None and ctx.attemptNumber() == 0 and n % PER_PART == FAIL_AT
 
 
 def _flaky_row(row: Any) -> Any:
-    _fail_first_attempt(int(row.body.split()[1]))
+    if _first_attempt_reached(int(row.body.split()[1])):
+        raise RuntimeError("injected failure on the first attempt")
     return row
-
-
-def _flaky_body(body: str) -> str:
-    _fail_first_attempt(int(body.split()[1]))
-    return body
 
 
 def via_foreach_partition(spark: SparkSession, sink: AmqpSink, df: DataFrame) -> None:
@@ -116,14 +113,34 @@ def via_foreach_partition(spark: SparkSession, sink: AmqpSink, df: DataFrame) ->
     df.rdd.map(_flaky_row).foreachPartition(sink)
 
 
+def _wait_until_queued(url: str, queue: str, count: int, timeout: float = 60) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        deadline = time.monotonic() + timeout
+        channel = connection.channel()
+        while time.monotonic() < deadline:
+            if channel.queue_declare(queue, passive=True).method.message_count >= count:
+                return
+            time.sleep(0.1)
+    finally:
+        connection.close()
+
+
 def via_arrow(spark: SparkSession, sink: AmqpSink, df: DataFrame) -> None:
-    # A Python UDF upstream of mapInArrow, in its own worker; small Arrow batches make sure the
-    # sink got (and published) rows before the UDF reaches the failing row.
-    flaky = F.udf(_flaky_body, "string")
+    # A Python UDF upstream of mapInArrow runs in its own worker. Before failing, it waits until
+    # the sink has published rows of the first attempts, so the retry has something to duplicate.
+    url, queue = sink.config.publisher.urls[0], sink.config.routing_key or ""
+
+    def flaky(body: str) -> str:
+        if _first_attempt_reached(int(body.split()[1])):
+            _wait_until_queued(url, queue, FAIL_AT // 3)
+            raise RuntimeError("injected failure on the first attempt")
+        return body
+
     previous = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "1000")
     try:
-        sink.write(df.select(flaky("body").alias("body")))
+        sink.write(df.select(F.udf(flaky, "string")("body").alias("body")))
     finally:
         spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", previous)
 
