@@ -1,4 +1,4 @@
-"""Shared fixtures: the real broker, unique names, and a small admin client for assertions.
+"""Shared fixtures: the real broker (an admin client for assertions) and the fault harness.
 
 Broker tests never skip: when no broker answers, the session fails (scripts/dev.sh starts the
 local RabbitMQ before pytest runs, so CI always has one).
@@ -9,15 +9,14 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import pika
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import harness` from any test module
 
+from broker_support import BrokerAdmin
 from harness.fixtures import *  # noqa: F403  (fault-injection fixtures)
 
 AMQP_HOST = os.environ.get("AMQP_TEST_HOST", "127.0.0.1")
@@ -44,91 +43,9 @@ def amqp_url() -> str:
     return AMQP_URL
 
 
-class BrokerAdmin:
-    """A blocking pika connection for declaring, counting and reading in tests."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self._conn = pika.BlockingConnection(pika.URLParameters(url))
-        self.channel = self._conn.channel()
-        self._queues: list[str] = []
-        self._exchanges: list[str] = []
-
-    def _ch(self) -> pika.adapters.blocking_connection.BlockingChannel:
-        if self.channel.is_closed:  # a failed passive declare closes the channel
-            self.channel = self._conn.channel()
-        return self.channel
-
-    def queue(self, name: str | None = None, *, durable: bool = True, **arguments: object) -> str:
-        """Declare a queue (deleted at teardown).
-
-        ``arguments`` become x-arguments with dashes: ``x_max_length=5`` is ``x-max-length``.
-        """
-        name = name or unique("q")
-        args = {key.replace("_", "-"): value for key, value in arguments.items()}
-        self._ch().queue_declare(name, durable=durable, arguments=args or None)
-        self._queues.append(name)
-        return name
-
-    def exchange(self, name: str | None = None, kind: str = "direct") -> str:
-        """Declare an exchange (deleted at teardown)."""
-        name = name or unique("x")
-        self._ch().exchange_declare(name, exchange_type=kind, durable=True)
-        self._exchanges.append(name)
-        return name
-
-    def bind(self, queue: str, exchange: str, routing_key: str) -> None:
-        self._ch().queue_bind(queue, exchange, routing_key)
-
-    def count(self, queue: str) -> int:
-        """Messages ready in ``queue``."""
-        return int(self._ch().queue_declare(queue, passive=True).method.message_count)
-
-    def drain(self, queue: str) -> list[tuple[pika.spec.BasicProperties, bytes]]:
-        """Take every message from ``queue`` (properties, body), in queue order."""
-        out = []
-        ch = self._ch()
-        expected = self.count(queue)
-        if expected == 0:
-            return out
-        # basic.consume (not basic.get) so that draining 50,000 messages takes seconds. Manual
-        # acks: what the consumer buffered beyond what we took is requeued on cancel, not lost.
-        last_tag = 0
-        for method, props, body in ch.consume(queue, auto_ack=False, inactivity_timeout=1.0):
-            if method is None:
-                break
-            out.append((props, body))
-            last_tag = method.delivery_tag
-            if len(out) >= expected and self.count(queue) == 0:
-                break
-        if last_tag:
-            ch.basic_ack(last_tag, multiple=True)
-        ch.cancel()
-        return out
-
-    def purge(self, queue: str) -> None:
-        self._ch().queue_purge(queue)
-
-    def close(self) -> None:
-        try:
-            ch = self._ch()
-            for q in self._queues:
-                ch.queue_delete(q)
-            for x in self._exchanges:
-                ch.exchange_delete(x)
-            self._conn.close()
-        except pika.exceptions.AMQPError:
-            pass
-
-
 @pytest.fixture
 def broker(amqp_url: str) -> Iterator[BrokerAdmin]:
     """Admin access to the shared broker; queues and exchanges it declared are deleted after."""
     admin = BrokerAdmin(amqp_url)
     yield admin
     admin.close()
-
-
-def unique(prefix: str) -> str:
-    """A name no other test run uses (several runs may share the broker)."""
-    return f"ra-test-{prefix}-{uuid.uuid4().hex[:12]}"

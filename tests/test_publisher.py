@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from conftest import BrokerAdmin, unique
+from broker_support import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from reliable_amqp import (
     AuthenticationFailed,

@@ -8,7 +8,7 @@ import aio_pika
 import pytest
 from aio_support import aio, outcomes
 
-from conftest import BrokerAdmin
+from broker_support import BrokerAdmin
 from harness.fixtures import ProxyFactory
 from reliable_amqp import PublisherClosed, State
 from reliable_amqp._async import AsyncPublisher

@@ -15,7 +15,7 @@ import aio_pika
 import pytest
 from aio_support import aio, in_thread, outcomes
 
-from conftest import BrokerAdmin, unique
+from broker_support import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from harness.node import DisposableBroker
 from reliable_amqp import Confirmation, EventKind, PublisherEvent, RecoveryFailed, RetryPolicy

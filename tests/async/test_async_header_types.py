@@ -14,7 +14,7 @@ import aio_pika
 import pytest
 from aio_support import aio
 
-from conftest import BrokerAdmin
+from broker_support import BrokerAdmin
 from reliable_amqp import InvalidMessage, Publisher
 from reliable_amqp._async import AsyncPublisher
 

@@ -14,7 +14,7 @@ import pika
 import pytest
 from aio_support import aio, outcomes
 
-from conftest import BrokerAdmin, unique
+from broker_support import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from reliable_amqp import (
     AuthenticationFailed,

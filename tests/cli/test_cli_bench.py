@@ -11,7 +11,7 @@ import pika
 import pika.exceptions
 import pytest
 
-from conftest import BrokerAdmin, unique
+from broker_support import BrokerAdmin, unique
 
 pytestmark = pytest.mark.broker
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import BrokerAdmin, unique
+from broker_support import BrokerAdmin, unique
 
 pytestmark = pytest.mark.broker
 

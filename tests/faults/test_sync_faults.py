@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from conftest import BrokerAdmin, unique
+from broker_support import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from harness.node import DisposableBroker
 from reliable_amqp import (
