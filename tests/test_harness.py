@@ -105,7 +105,9 @@ def test_persistent_message_survives_kill_and_restart(
     tcp_proxy.wait_for_connections(0)
     # The proxy stays up while its target is down: a client sees a dead endpoint, quickly.
     began = time.monotonic()
-    with pytest.raises(AMQPConnectionError):
+    # pika reports a connection reset at once either way, sometimes as a bare OSError
+    # ("getpeername() failed") that escapes its connection workflow.
+    with pytest.raises((AMQPConnectionError, OSError)):
         _connect(tcp_proxy.url())
     assert time.monotonic() - began < 5
 
