@@ -19,7 +19,6 @@ import pika.exceptions
 from pika.adapters.select_connection import SelectConnection
 from pika.channel import Channel
 from pika.spec import Basic, BasicProperties
-from sortedcontainers import SortedList
 
 from reliable_amqp._core.engine import PublishEngine, Resolution, is_permanent_channel_close
 from reliable_amqp._core.errors import (
@@ -59,7 +58,7 @@ class IOThread:
     _room: threading.Condition
     _count: int
     _bytes: int
-    _unresolved: SortedList[int]
+    _barriers: list[list[int]]
     _outbox: deque[tuple[OutgoingMessage, Handle]]
     _wake_pending: bool
     _topology_requests: deque[Request]
@@ -94,11 +93,13 @@ class IOThread:
                     future.set_exception(r.result)
             except InvalidStateError:
                 pass  # the caller cancelled it; the message was still settled
-        with self._room:
-            for r in resolutions:
-                self._count -= 1
-                self._bytes -= r.entry.size
-                self._unresolved.discard(r.entry.handle.index)
+        size = sum(r.entry.size for r in resolutions)
+        with self._room:  # held briefly: publishing threads wait on this lock
+            self._count -= len(resolutions)
+            self._bytes -= size
+            for barrier in self._barriers:
+                mark = barrier[0]
+                barrier[1] -= sum(1 for r in resolutions if r.entry.handle.index <= mark)
             self._room.notify_all()
 
     # --- the I/O thread ----------------------------------------------------------------------

@@ -19,7 +19,6 @@ from types import TracebackType
 from typing import Any
 
 from pika.channel import Channel
-from sortedcontainers import SortedList
 
 from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.errors import (
@@ -64,7 +63,8 @@ class Publisher(IOThread):
         self._count = 0
         self._bytes = 0
         self._issued = 0
-        self._unresolved: SortedList[int] = SortedList()
+        # one [mark, still unresolved] per flush() under way: counts down as messages resolve
+        self._barriers: list[list[int]] = []
         self._outbox: deque[tuple[OutgoingMessage, Handle]] = deque()
         self._wake_pending = False
         self._accepting = True
@@ -270,7 +270,6 @@ class Publisher(IOThread):
             self._bytes += size
             self._issued += 1
             handle = Handle(future, self._issued)
-            self._unresolved.add(self._issued)
             self._outbox.append((message, handle))
             wake = not self._wake_pending and self._ioloop is not None
             if wake:
@@ -299,13 +298,18 @@ class Publisher(IOThread):
         """
         end = None if timeout is None else time.monotonic() + timeout
         with self._room:
-            mark = self._issued
-            while self._unresolved and self._unresolved[0] <= mark:
-                remaining = None if end is None else end - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                self._room.wait(remaining)
-            return int(self._unresolved.bisect_right(mark))
+            # Every unresolved message now was issued before this call: they are the ones.
+            barrier = [self._issued, self._count]
+            self._barriers.append(barrier)
+            try:
+                while barrier[1] > 0:
+                    remaining = None if end is None else end - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    self._room.wait(remaining)
+            finally:
+                self._barriers.remove(barrier)
+            return barrier[1]
 
     def stats(self) -> Stats:
         """Counters (published, confirmed, nacked, returned, rejected, republished, timed out,
