@@ -42,9 +42,10 @@ from reliable_amqp._core.errors import (
     ReliableAmqpError,
 )
 from reliable_amqp._core.frames import publish_frames
+from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.state import State, StateMachine
-from reliable_amqp._core.stats import EventKind, PublisherEvent
+from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
@@ -95,9 +96,7 @@ class Pump(Generic[H]):
         self._ticker: asyncio.Task[None] | None = None
         self._channel: ConfirmChannel | None = None
         self._channel_failures = 0
-        self._ever_opened = False
-        #: what was lost ("connection" or "channel") and since when, until recovered
-        self._lost: tuple[str, float] | None = None
+        self._events = Lifecycle(self.options.on_event, self.engine.counters)
 
     @property
     def started(self) -> bool:
@@ -246,7 +245,7 @@ class Pump(Generic[H]):
             else:
                 opened, loss = await self._serve(connection)
                 if not self.stopping:
-                    self._mark_lost("connection", EventKind.CONNECTION_LOST, str(loss))
+                    self._events.lost("connection", EventKind.CONNECTION_LOST, str(loss))
             if self.stopping:
                 return
             if opened:
@@ -299,7 +298,7 @@ class Pump(Generic[H]):
             self._channel = channel
             self.connection = connection
             self.state.transition(State.OPEN)
-            self._on_opened()
+            self._events.opened()
             self.ready.set()
             self.opened.set()
             await self._pump(channel)
@@ -313,7 +312,9 @@ class Pump(Generic[H]):
             code, text = close_reason(channel)
             log.warning("reliable-amqp: channel closed: %s %s", code, text)
             if not connection.is_closed:  # else the connection is lost: reported as that
-                self._mark_lost("channel", EventKind.CHANNEL_LOST, f"channel closed: {code} {text}")
+                self._events.lost(
+                    "channel", EventKind.CHANNEL_LOST, f"channel closed: {code} {text}"
+                )
             self.settle(self.engine.on_channel_lost(code, text, time.monotonic()))
             self.state.transition(State.RECOVERING)
             if connection.is_closed:
@@ -346,34 +347,9 @@ class Pump(Generic[H]):
 
     # --- events ------------------------------------------------------------------------------
 
-    def _on_opened(self) -> None:
-        if not self._ever_opened:
-            self._ever_opened = True
-            self.emit(EventKind.CONNECTED, "connected; confirm mode on")
-        elif self._lost is not None:
-            what, since = self._lost
-            if what == "connection":
-                self.engine.counters.recoveries += 1
-            downtime = time.monotonic() - since
-            self.emit(EventKind.RECOVERED, f"{what} recovered after {downtime:.3f} s", downtime)
-        self._lost = None
-
-    def _mark_lost(self, what: str, kind: EventKind, detail: str) -> None:
-        # A lost connection takes over from a lost channel, keeping the earlier start time.
-        if self._lost is None or what == "connection":
-            since = self._lost[1] if self._lost is not None else time.monotonic()
-            self._lost = (what, since)
-        self.emit(kind, detail)
-
     def emit(self, kind: EventKind, detail: str, downtime: float | None = None) -> None:
         """Call the ``on_event`` hook, if any; a hook that raises is logged, not propagated."""
-        hook = self.options.on_event
-        if hook is None:
-            return
-        try:
-            hook(PublisherEvent(kind, detail, time.monotonic(), downtime))
-        except Exception:
-            log.exception("reliable-amqp: on_event hook raised (ignored)")
+        self._events.emit(kind, detail, downtime)
 
     def _stop_signal(self) -> asyncio.Future[None]:
         assert self._stop is not None

@@ -30,10 +30,11 @@ from reliable_amqp._core.errors import (
     ReliableAmqpError,
 )
 from reliable_amqp._core.frames import publish_frames
+from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
-from reliable_amqp._core.stats import EventKind, PublisherEvent
+from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 from reliable_amqp._sync._pika import (
@@ -73,8 +74,7 @@ class IOThread:
     _channel_failures: int
     _topology: Topology
     _last_rx: tuple[int, float]
-    _lost: tuple[str, float] | None
-    _ever_opened: bool
+    _events: Lifecycle
     _stopping: threading.Event
     _opened: threading.Event
     _io_ident: int | None
@@ -143,7 +143,7 @@ class IOThread:
                 log.warning("reliable-amqp: I/O loop failed: %r", exc, exc_info=True)
                 if self._loss is None:
                     self._loss = AmqpConnectionError(f"I/O loop failed: {exc!r}")
-                    self._mark_lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
+                    self._events.lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
             with self._room:
                 self._ioloop = None
             connection.ioloop.close()  # each connection has its own loop: free its fds
@@ -198,7 +198,7 @@ class IOThread:
         if fatal is not error:
             fatal.__cause__ = error
         log.error("reliable-amqp: %s", fatal)
-        self._emit(EventKind.RECOVERY_FAILED, str(fatal))
+        self._events.emit(EventKind.RECOVERY_FAILED, str(fatal))
         with self._room:
             self._fatal = fatal
             self._room.notify_all()
@@ -220,7 +220,7 @@ class IOThread:
         if self._state.state is not State.CLOSING:
             self._state.transition(State.CLOSING)
         self._state.transition(State.CLOSED)
-        self._emit(EventKind.CLOSED, reason)
+        self._events.emit(EventKind.CLOSED, reason)
 
     def _accept_outbox(self, now: float) -> None:
         with self._room:
@@ -267,20 +267,7 @@ class IOThread:
         self._channel = channel
         self._round_opened = True
         self._state.transition(State.OPEN)
-        if not self._ever_opened:
-            self._ever_opened = True
-            self._emit(EventKind.CONNECTED, "connected; confirm mode on")
-        elif self._lost is not None:
-            what, since = self._lost
-            if what == "connection":
-                self._engine.counters.recoveries += 1
-            downtime = time.monotonic() - since
-            self._emit(
-                EventKind.RECOVERED,
-                f"{what} recovered after {downtime:.3f} s",
-                downtime,
-            )
-        self._lost = None
+        self._events.opened()
         self._opened.set()
         self._drain()
 
@@ -295,7 +282,7 @@ class IOThread:
         code = getattr(reason, "reply_code", None)
         text = getattr(reason, "reply_text", str(reason))
         log.warning("reliable-amqp: channel closed: %s %s", code, text)
-        self._mark_lost("channel", EventKind.CHANNEL_LOST, f"channel closed: {code} {text}")
+        self._events.lost("channel", EventKind.CHANNEL_LOST, f"channel closed: {code} {text}")
         self._resolve(self._engine.on_channel_lost(code, text, time.monotonic()))
         if self._state.state is State.OPEN:
             self._state.transition(State.RECOVERING)
@@ -319,32 +306,17 @@ class IOThread:
     def _on_connection_closed(self, connection: SelectConnection, reason: Exception) -> None:
         if not self._stopping.is_set() and self._loss is None:
             self._loss = translate_connection_error(reason)
-            self._mark_lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
+            self._events.lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
         connection.ioloop.stop()
-
-    def _mark_lost(self, what: str, kind: EventKind, detail: str) -> None:
-        if self._lost is None or what == "connection":
-            since = self._lost[1] if self._lost is not None else time.monotonic()
-            self._lost = (what, since)
-        self._emit(kind, detail)
-
-    def _emit(self, kind: EventKind, detail: str, downtime: float | None = None) -> None:
-        hook = self.options.on_event
-        if hook is None:
-            return
-        try:
-            hook(PublisherEvent(kind, detail, time.monotonic(), downtime))
-        except Exception:
-            log.exception("reliable-amqp: on_event hook raised (ignored)")
 
     def _on_blocked(self, connection: SelectConnection, frame: Any) -> None:
         log.warning("reliable-amqp: broker blocked the connection: %s", frame.method.reason)
-        self._emit(EventKind.BLOCKED, str(frame.method.reason))
+        self._events.emit(EventKind.BLOCKED, str(frame.method.reason))
         if self._state.state is State.OPEN:
             self._state.transition(State.BLOCKED)
 
     def _on_unblocked(self, connection: SelectConnection, frame: Any) -> None:
-        self._emit(EventKind.UNBLOCKED, "connection unblocked")
+        self._events.emit(EventKind.UNBLOCKED, "connection unblocked")
         if self._state.state is State.BLOCKED:
             self._state.transition(State.OPEN)
             self._drain()
@@ -398,7 +370,7 @@ class IOThread:
             self._loss = AmqpConnectionError(
                 f"no data from the broker for {silent:.1f} s (heartbeat {heartbeat} s)"
             )
-            self._mark_lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
+            self._events.lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
             self._last_rx = (-1, now)
             terminate = getattr(connection, "_terminate_stream", None)
             if terminate is not None:  # pika's own path for a dead stream: closes the socket

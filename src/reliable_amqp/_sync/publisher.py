@@ -27,6 +27,7 @@ from reliable_amqp._core.errors import (
     PublishTimeout,
     ReliableAmqpError,
 )
+from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, build_message
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
@@ -85,8 +86,7 @@ class Publisher(IOThread):
         self._channel_failures = 0
         self._topology = Topology()
         self._last_rx: tuple[int, float] = (-1, 0.0)  # bytes received, when that changed
-        self._lost: tuple[str, float] | None = None  # what was lost ("connection"/"channel"), when
-        self._ever_opened = False
+        self._events = Lifecycle(self.options.on_event, self._engine.counters)
         self._stopping = threading.Event()
         self._opened = threading.Event()
         self._thread: threading.Thread | None = None

@@ -1,0 +1,59 @@
+"""Connection-lifecycle bookkeeping both publishers share: what was lost, since when, and the
+events that tell a user about it (connected, lost, recovered with its downtime, ...)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from reliable_amqp._core.stats import Counters, EventKind, PublisherEvent
+
+log = logging.getLogger("reliable_amqp")
+
+
+class Lifecycle:
+    """Reports events to the ``on_event`` hook and measures how long each outage lasted."""
+
+    def __init__(
+        self,
+        on_event: Callable[[PublisherEvent], None] | None,
+        counters: Counters,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._hook = on_event
+        self._counters = counters
+        self._clock = clock
+        self._ever_opened = False
+        #: what was lost ("connection" or "channel") and since when, until recovered
+        self._lost: tuple[str, float] | None = None
+
+    def emit(self, kind: EventKind, detail: str, downtime: float | None = None) -> None:
+        """Call the hook, if any; a hook that raises is logged, not propagated."""
+        if self._hook is None:
+            return
+        try:
+            self._hook(PublisherEvent(kind, detail, self._clock(), downtime))
+        except Exception:
+            log.exception("reliable-amqp: on_event hook raised (ignored)")
+
+    def lost(self, what: str, kind: EventKind, detail: str) -> None:
+        """The connection or channel went away (a lost connection takes over from a lost
+        channel, keeping the earlier start time)."""
+        if self._lost is None or what == "connection":
+            since = self._lost[1] if self._lost is not None else self._clock()
+            self._lost = (what, since)
+        self.emit(kind, detail)
+
+    def opened(self) -> None:
+        """Confirm mode is on: report the first connection, or the recovery and its downtime."""
+        if not self._ever_opened:
+            self._ever_opened = True
+            self.emit(EventKind.CONNECTED, "connected; confirm mode on")
+        elif self._lost is not None:
+            what, since = self._lost
+            if what == "connection":
+                self._counters.recoveries += 1
+            downtime = self._clock() - since
+            self.emit(EventKind.RECOVERED, f"{what} recovered after {downtime:.3f} s", downtime)
+        self._lost = None
