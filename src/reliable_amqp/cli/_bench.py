@@ -33,6 +33,8 @@ from reliable_amqp.cli._parse import (
     UsageError,
     add_connection_arguments,
     check_options,
+    count,
+    count_at_least_one,
     publisher_kwargs,
 )
 
@@ -63,17 +65,17 @@ class Result:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``reliable-amqp bench``."""
     parser.add_argument(
-        "--count", type=_positive, default=10_000, help="messages per mode (default 10000)"
+        "--count", type=count_at_least_one, default=10_000, help="messages per mode (default 10000)"
     )
     parser.add_argument(
         "--slow-count",
-        type=_positive,
+        type=count_at_least_one,
         default=1_000,
         help="messages for the two modes that wait once per message, at most --count "
         "(default 1000: they run 10 to 100 times slower; rates stay comparable)",
     )
     parser.add_argument(
-        "--body-size", type=_non_negative, default=256, help="body size in bytes (default 256)"
+        "--body-size", type=count, default=256, help="body size in bytes (default 256)"
     )
     parser.add_argument(
         "--modes",
@@ -88,23 +90,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     add_connection_arguments(parser)
-
-
-def _positive(text: str) -> int:
-    value = _non_negative(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -138,12 +123,12 @@ def run_bench(args: argparse.Namespace) -> int:
         for mode in MODES:
             if mode not in modes:
                 continue
-            count = min(args.count, args.slow_count) if mode in SLOW_MODES else args.count
+            n = min(args.count, args.slow_count) if mode in SLOW_MODES else args.count
             if not args.json:
-                print(f"  {mode}: {count:,} messages ...", file=sys.stderr, flush=True)
-            seconds = RUNNERS[mode](connection, options, queue, body, count)
+                print(f"  {mode}: {n:,} messages ...", file=sys.stderr, flush=True)
+            seconds = RUNNERS[mode](connection, options, queue, body, n)
             queued = int(admin.queue_declare(queue, passive=True).method.message_count)
-            measured.append((mode, count, seconds, queued))
+            measured.append((mode, n, seconds, queued))
             admin.queue_purge(queue)
     except (pika.exceptions.AMQPError, ReliableAmqpError, OSError) as exc:
         print(

@@ -45,7 +45,8 @@ With --failed PATH, every message that was not confirmed is written to PATH (JSO
 """
 
 
-def _count(text: str) -> int:
+def count(text: str) -> int:
+    """argparse type: a whole number >= 0."""
     try:
         value = int(text)
     except ValueError:
@@ -55,8 +56,9 @@ def _count(text: str) -> int:
     return value
 
 
-def _positive_count(text: str) -> int:
-    value = _count(text)
+def count_at_least_one(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    value = count(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return value
@@ -99,7 +101,7 @@ TUNING: tuple[_Tuning, ...] = (
     _Tuning(
         "--nack-retries",
         "nack_retries",
-        _count,
+        count,
         "nack_policy.max_attempts",
         "how often a nacked message is sent again before it fails "
         f"(default {(DEFAULT_NACK_POLICY.max_attempts or 1) - 1})",
@@ -132,7 +134,7 @@ TUNING: tuple[_Tuning, ...] = (
     _Tuning(
         "--connect-retries",
         "connect_retries",
-        _count,
+        count,
         "connect_policy.max_attempts",
         "how often to try connecting again after a failed attempt or a lost connection "
         f"(default {(DEFAULT_CONNECT_POLICY.max_attempts or 1) - 1}, "
@@ -150,7 +152,7 @@ TUNING: tuple[_Tuning, ...] = (
     _Tuning(
         "--max-in-flight",
         "max_in_flight",
-        _positive_count,
+        count_at_least_one,
         "max_in_flight",
         "at most this many messages unconfirmed at once (default "
         f"{PublisherOptions.__dataclass_fields__['max_in_flight'].default})",
