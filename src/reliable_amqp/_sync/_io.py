@@ -37,11 +37,8 @@ from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
-from reliable_amqp._sync._pika import (
-    CoalescingConnection,
-    Handle,
-    translate_connection_error,
-)
+from reliable_amqp._sync._future import PublishFuture
+from reliable_amqp._sync._pika import CoalescingConnection, translate_connection_error
 from reliable_amqp._sync.topology import Request, apply_topology
 
 log = logging.getLogger("reliable_amqp")
@@ -60,11 +57,11 @@ class IOThread:
     _count: int
     _bytes: int
     _barriers: list[list[int]]
-    _outbox: deque[tuple[OutgoingMessage, Handle]]
+    _outbox: deque[tuple[OutgoingMessage, PublishFuture]]
     _wake_pending: bool
     _topology_requests: deque[Request]
     _fatal: ReliableAmqpError | None
-    _engine: PublishEngine[Handle]
+    _engine: PublishEngine[PublishFuture]
     _state: StateMachine
     _ioloop: Any
     _connection: CoalescingConnection | None
@@ -81,11 +78,11 @@ class IOThread:
 
     # --- settling (any thread that holds the engine: the I/O thread) -------------------------
 
-    def _resolve(self, resolutions: list[Resolution[Handle]]) -> None:
+    def _resolve(self, resolutions: list[Resolution[PublishFuture]]) -> None:
         if not resolutions:
             return
         for r in resolutions:
-            future = r.entry.handle.future
+            future = r.entry.handle
             try:
                 if isinstance(r.result, Confirmation):
                     future.set_result(r.result)

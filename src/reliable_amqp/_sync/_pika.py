@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import pika
@@ -18,7 +17,6 @@ from reliable_amqp._core.errors import (
     ReliableAmqpError,
     broker_error,
 )
-from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 
 log = logging.getLogger("reliable_amqp")
@@ -59,16 +57,6 @@ class CoalescingConnection(SelectConnection):  # type: ignore[misc]
             data = b"".join(self._gathered)
             self._gathered.clear()
             super()._adapter_emit_data(data)
-
-
-class Handle:
-    """What the engine holds per message: the caller's future and its flush index."""
-
-    __slots__ = ("future", "index")
-
-    def __init__(self, future: Future[Confirmation], index: int) -> None:
-        self.future = future
-        self.index = index
 
 
 def connection_parameters(url: str, options: PublisherOptions) -> pika.URLParameters:

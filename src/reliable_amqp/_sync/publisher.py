@@ -33,13 +33,9 @@ from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import Stats
 from reliable_amqp._core.topology import Topology, TopologyOp, bind_op, exchange_op, queue_op
+from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync._io import IOThread
-from reliable_amqp._sync._pika import (
-    CoalescingConnection,
-    Handle,
-    call_threadsafe,
-    connection_parameters,
-)
+from reliable_amqp._sync._pika import CoalescingConnection, call_threadsafe, connection_parameters
 from reliable_amqp._sync.topology import Request
 
 log = logging.getLogger("reliable_amqp")
@@ -66,13 +62,14 @@ class Publisher(IOThread):
         self._issued = 0
         # one [mark, still unresolved] per flush() under way: counts down as messages resolve
         self._barriers: list[list[int]] = []
-        self._outbox: deque[tuple[OutgoingMessage, Handle]] = deque()
+        self._outbox: deque[tuple[OutgoingMessage, PublishFuture]] = deque()
+        self._future_lock = threading.RLock()  # shared by this publisher's futures
         self._wake_pending = False
         self._accepting = True
         self._topology_requests: deque[Request] = deque()
         self._fatal: ReliableAmqpError | None = None
         # I/O-thread state below
-        self._engine: PublishEngine[Handle] = PublishEngine(
+        self._engine: PublishEngine[PublishFuture] = PublishEngine(
             delivery_timeout=self.options.delivery_timeout,
             nack_policy=self.options.nack_policy,
             dedup_header=self.options.dedup_header,
@@ -260,7 +257,7 @@ class Publisher(IOThread):
             self._check_accepting(message)
             self.connect()
         # Cancelling the future only means the caller stopped caring: the message stays tracked.
-        future: Future[Confirmation] = Future()
+        future = PublishFuture(self._future_lock, 0)
         size = len(message.body)
         with self._room:
             if not self._fits(size):
@@ -269,8 +266,8 @@ class Publisher(IOThread):
             self._count += 1
             self._bytes += size
             self._issued += 1
-            handle = Handle(future, self._issued)
-            self._outbox.append((message, handle))
+            future.index = self._issued
+            self._outbox.append((message, future))
             wake = not self._wake_pending and self._ioloop is not None
             if wake:
                 self._wake_pending = True

@@ -1,0 +1,134 @@
+"""PublishFuture behaves as a concurrent.futures.Future for every waiter and callback."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    CancelledError,
+    Future,
+    InvalidStateError,
+    as_completed,
+    wait,
+)
+
+import pytest
+
+from reliable_amqp._core.errors import MessageNacked
+from reliable_amqp._core.message import Confirmation, build_message
+from reliable_amqp._sync import _future
+from reliable_amqp._sync._future import PublishFuture
+
+
+def _futures(n: int) -> list[PublishFuture]:
+    lock = threading.RLock()
+    return [PublishFuture(lock, i) for i in range(n)]
+
+
+def _later(seconds: float, fn: object) -> threading.Thread:
+    def run() -> None:
+        time.sleep(seconds)
+        fn()  # type: ignore[operator]
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_this_python_gets_the_light_future() -> None:
+    # Fails when a Python release changes Future's fields: the fallback then is a plain Future
+    # (correct, slower), and _future.py should learn the new layout.
+    assert _future._LIGHT
+    assert set(vars(PublishFuture(threading.RLock(), 1))) == set(vars(Future()))
+
+
+def test_result_waits_for_another_thread_to_set_it() -> None:
+    future = _futures(1)[0]
+    confirmation = Confirmation("id-1", 1)
+    thread = _later(0.1, lambda: future.set_result(confirmation))
+    started = time.monotonic()
+    assert future.result(timeout=5) is confirmation
+    assert time.monotonic() - started >= 0.05
+    thread.join()
+
+
+def test_result_timeout_raises_and_a_later_result_still_arrives() -> None:
+    future = _futures(1)[0]
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.05)
+    future.set_result(Confirmation("id", 1))
+    assert future.result(timeout=0) == Confirmation("id", 1)
+
+
+def test_exception_is_raised_by_result_and_returned_by_exception() -> None:
+    future = _futures(1)[0]
+    error = MessageNacked(build_message("", "q", b"x"), 1)
+    thread = _later(0.05, lambda: future.set_exception(error))
+    with pytest.raises(MessageNacked):
+        future.result(timeout=5)
+    assert future.exception(timeout=0) is error
+    thread.join()
+
+
+def test_waiting_on_one_future_is_not_woken_by_its_siblings() -> None:
+    # They share a lock; a notify meant for one must not end another's wait early.
+    first, second = _futures(2)
+    thread = _later(0.05, lambda: second.set_result(Confirmation("b", 1)))
+    with pytest.raises(TimeoutError):
+        first.result(timeout=0.3)
+    thread.join()
+
+
+def test_many_threads_wait_on_many_futures() -> None:
+    futures = _futures(200)
+    got: list[str] = []
+    got_lock = threading.Lock()
+
+    def waiter(chunk: list[PublishFuture]) -> None:
+        for f in chunk:
+            value = f.result(timeout=10).message_id
+            with got_lock:
+                got.append(value)
+
+    waiters = [threading.Thread(target=waiter, args=(futures[i::8],)) for i in range(8)]
+    for t in waiters:
+        t.start()
+    for i, f in enumerate(futures):
+        f.set_result(Confirmation(str(i), 1))
+    for t in waiters:
+        t.join()
+    assert sorted(got, key=int) == [str(i) for i in range(200)]
+
+
+def test_concurrent_futures_wait_and_as_completed() -> None:
+    futures = _futures(50)
+    setter = _later(0.05, lambda: [f.set_result(Confirmation(str(f.index), 1)) for f in futures])
+    done, not_done = wait(futures, timeout=5)
+    assert len(done) == 50 and not not_done
+    assert {f.result().message_id for f in as_completed(futures, timeout=1)} == {
+        str(i) for i in range(50)
+    }
+    setter.join()
+    pending = _futures(3)
+    _later(0.05, lambda: pending[1].set_result(Confirmation("x", 1))).join()
+    done, not_done = wait(pending, timeout=1, return_when=FIRST_COMPLETED)
+    assert done == {pending[1]} and len(not_done) == 2
+
+
+def test_callbacks_cancel_and_double_set() -> None:
+    future, other = _futures(2)
+    seen: list[object] = []
+    future.add_done_callback(lambda f: seen.append(f.result()))
+    future.set_result(Confirmation("a", 1))
+    assert seen == [Confirmation("a", 1)]
+    future.add_done_callback(lambda f: seen.append("late"))  # runs at once when already done
+    assert seen[-1] == "late"
+    with pytest.raises(InvalidStateError):
+        future.set_result(Confirmation("again", 1))
+    assert other.cancel()
+    with pytest.raises(CancelledError):
+        other.result(timeout=0)
+    with pytest.raises(InvalidStateError):
+        other.set_result(Confirmation("b", 1))
+    assert repr(future).startswith("<PublishFuture at")
