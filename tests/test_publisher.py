@@ -276,6 +276,8 @@ def test_many_threads_share_one_publisher(
         (("", "q", 42), {}, "body"),
         (("", "r" * 256, b"x"), {}, "routing_key"),
         (("é" * 128, "q", b"x"), {}, "exchange"),
+        (("", "q\ud800", b"x"), {}, "routing_key"),
+        (("", "q", b"x"), {"headers": {"k": "lone \udc80"}}, "headers['k']"),
         (("", "q", b"x"), {"headers": {"bad": object()}}, "headers['bad']"),
         (("", "q", b"x"), {"headers": {"big": 2**64}}, "headers['big']"),
         (("", "q", b"x"), {"headers": {"s": {1, 2}}}, "headers['s']"),

@@ -50,6 +50,7 @@ def __getattr__(name: str) -> Any:
         return AsyncPublisher
     raise AttributeError(f"module 'reliable_amqp' has no attribute {name!r}")
 
+
 __all__ = [
     "AccessRefused",
     "AmqpConnectionError",

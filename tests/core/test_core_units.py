@@ -109,6 +109,44 @@ def test_names_over_255_utf8_bytes_are_rejected(name: str, value: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["exchange", "routing_key"])
+@pytest.mark.parametrize("value", ["q\ud800", "\udfff" * 3, "é\udc80"])
+def test_names_utf8_cannot_encode_are_rejected(name: str, value: str) -> None:
+    # A lone surrogate passed every check once and then failed the frame encoder on the I/O
+    # thread, taking every other message in flight with it.
+    args = {"exchange": "ex", "routing_key": "rk", name: value}
+    error = _invalid(name, args["exchange"], args["routing_key"], b"")
+    assert "UTF-8" in error.problem and "position" in error.problem
+
+
+@pytest.mark.parametrize(
+    ("properties", "field"),
+    [
+        ({"headers": {"k": "v\ud800"}}, "headers['k']"),
+        ({"headers": {"k\ud800": 1}}, "headers['k\\ud800']"),
+        ({"headers": {"a": ["ok", {"b": "\udc00"}]}}, "headers['a'][1]['b']"),
+        ({"correlation_id": "c\ud800"}, "correlation_id"),
+        ({"message_id": "\ud800"}, "message_id"),
+    ],
+)
+def test_text_utf8_cannot_encode_is_rejected_in_properties(
+    properties: dict[str, Any], field: str
+) -> None:
+    error = _invalid(field, "ex", "rk", b"", properties=properties)
+    assert "UTF-8" in error.problem
+
+
+def test_messages_built_fast_equal_the_dataclass_constructors() -> None:
+    message = build_message("ex", "rk", b"body", mandatory=True)
+    expected = OutgoingMessage(
+        "ex", "rk", b"body", MessageProperties(message_id=message.message_id), True
+    )
+    assert message == expected and repr(message) == repr(expected)
+    assert message.properties == expected.properties
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        message.properties.message_id = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["exchange", "routing_key"])
 @pytest.mark.parametrize("value", [None, b"ex", 7])
 def test_names_must_be_str(name: str, value: object) -> None:
     args: dict[str, object] = {"exchange": "ex", "routing_key": "rk", name: value}

@@ -223,9 +223,23 @@ def _timestamp(value: object) -> int:
 def _check_shortstr(name: str, value: object) -> None:
     if not isinstance(value, str):
         raise InvalidMessage(name, f"must be a str, not {type(value).__name__}")
-    size = len(value.encode("utf-8", "surrogatepass"))
+    if value.isascii() and len(value) <= SHORTSTR_MAX:  # the usual case, without encoding
+        return
+    size = len(_utf8(name, value))
     if size > SHORTSTR_MAX:
         raise InvalidMessage(name, f"is {size} bytes long; AMQP allows at most {SHORTSTR_MAX}")
+
+
+def _utf8(name: str, value: str) -> bytes:
+    """``value`` as UTF-8; a string UTF-8 cannot carry (a lone surrogate) is rejected here."""
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessage(
+            name,
+            f"is not valid Unicode text: {value[exc.start : exc.end]!r} at position {exc.start} "
+            "cannot be encoded as UTF-8 (a lone surrogate)",
+        ) from None
 
 
 def _epoch_seconds(value: _dt.datetime) -> int:
@@ -240,7 +254,7 @@ def _check_table(path: str, table: Mapping[Any, Any], depth: int) -> dict[str, A
     for key, value in table.items():
         if not isinstance(key, str):
             raise InvalidMessage(f"{path}[{key!r}]", "field table keys must be str")
-        if len(key.encode("utf-8", "surrogatepass")) > SHORTSTR_MAX:
+        if len(_utf8(f"{path}[{key!r}]", key)) > SHORTSTR_MAX:
             raise InvalidMessage(f"{path}[{key!r}]", f"key longer than {SHORTSTR_MAX} bytes")
         checked[key] = _check_value(f"{path}[{key!r}]", value, depth + 1)
     return checked
@@ -249,7 +263,11 @@ def _check_table(path: str, table: Mapping[Any, Any], depth: int) -> dict[str, A
 def _check_value(path: str, value: object, depth: int) -> Any:
     if depth > _NESTING_MAX:
         raise InvalidMessage(path, f"nested deeper than {_NESTING_MAX} levels")
-    if value is None or isinstance(value, (bool, str, bytes)):
+    if isinstance(value, str):
+        if not value.isascii():
+            _utf8(path, value)
+        return value
+    if value is None or isinstance(value, (bool, bytes)):
         return value
     if isinstance(value, int):
         if not _INT64[0] <= value <= _INT64[1]:
