@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pamqp import decode
 
 from reliable_amqp import InvalidMessage
+from reliable_amqp._core import frames
 from reliable_amqp._core.frames import encode_table, publish_frames
 from reliable_amqp._core.message import OutgoingMessage, build_message
 
@@ -141,3 +142,13 @@ def test_unencodable_decimal_is_invalid_input() -> None:
     with pytest.raises(InvalidMessage) as info:
         encode_table({"d": {"big": decimal.Decimal("1e20")}})
     assert info.value.field == "headers['d']['big']"
+
+
+def test_cached_method_frames_stay_exact_and_bounded() -> None:
+    # Method frames are cached by route; more routes than the cache holds must still encode
+    # exactly, and the cache must not grow past its bound.
+    limit = frames._METHOD_CACHE_MAX
+    for i in range(2 * limit + 5):
+        message = build_message("ex", f"rk-{i % (limit + 300)}", b"x", mandatory=bool(i % 3))
+        assert ours(1 + i % 3, message, None, 131072) == reference(1 + i % 3, message, None, 131072)
+        assert len(frames._method_frames) <= limit

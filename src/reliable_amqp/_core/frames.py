@@ -176,6 +176,26 @@ def _properties(props: MessageProperties, headers: Mapping[str, Any] | None) -> 
     return flags, b"".join(parts)
 
 
+# Whole basic.publish method frames by (channel, exchange, routing key, mandatory): producers
+# publish to a few routes over and over. Bounded; cleared when full (dict ops are thread-safe).
+_method_frames: dict[tuple[int, str, str, bool], bytes] = {}
+_METHOD_CACHE_MAX = 1024
+
+
+def _method_frame(channel: int, exchange: str, routing_key: str, mandatory: bool) -> bytes:
+    payload = (
+        _publish_head
+        + _shortstr(exchange)
+        + _shortstr(routing_key)
+        + (b"\x01" if mandatory else b"\x00")  # bit 0 mandatory, bit 1 immediate (unset)
+    )
+    frame = _frame_head(FRAME_METHOD, channel, len(payload)) + payload + FRAME_END
+    if len(_method_frames) >= _METHOD_CACHE_MAX:
+        _method_frames.clear()
+    _method_frames[(channel, exchange, routing_key, mandatory)] = frame
+    return frame
+
+
 def publish_frames(
     channel: int,
     message: OutgoingMessage,
@@ -192,15 +212,11 @@ def publish_frames(
     """
     props = message.properties
     flags, encoded = _properties(props, props.headers if headers is None else headers)
-    method = (
-        _publish_head
-        + _shortstr(message.exchange)
-        + _shortstr(message.routing_key)
-        + (b"\x01" if message.mandatory else b"\x00")  # bit 0 mandatory, bit 1 immediate (unset)
-    )
-    out.append(_frame_head(FRAME_METHOD, channel, len(method)))
+    route = (channel, message.exchange, message.routing_key, message.mandatory)
+    method = _method_frames.get(route)
+    if method is None:
+        method = _method_frame(*route)
     out.append(method)
-    out.append(FRAME_END)
     body = message.body
     header = _content_head(_BASIC_CLASS, 0, len(body), flags) + encoded
     out.append(_frame_head(FRAME_HEADER, channel, len(header)))
