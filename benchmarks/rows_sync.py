@@ -1,8 +1,9 @@
-"""Sync benchmark rows: pika's three ways against reliable_amqp.Publisher.
+"""Sync benchmark rows: pika's three ways against reliable_amqp.Publisher, and the broker's limit.
 
 Each row publishes ``count`` persistent messages to a fresh durable queue and reports msgs/s,
 timed from the first publish to the last confirm (for "no confirms": to the last publish
-returned). Connection set-up is not timed.
+returned). Connection set-up is not timed. The last row (``raw_ceiling.py``) publishes
+pre-encoded frames with no client work at all: what the broker itself can confirm.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pika
+from raw_ceiling import raw_confirmed_rate
 
 from reliable_amqp import Publisher
 
@@ -92,10 +94,20 @@ def reliable_publisher(url: str, count: int, body: bytes) -> Row:
     return _row("reliable_amqp.Publisher (streaming confirms)", count, seconds)
 
 
+def broker_ceiling(url: str, count: int, body: bytes) -> Row:
+    """Frames encoded before the clock starts, written flat out, acks read: the broker's limit."""
+    with fresh_queue(url) as (_connection, queue):
+        rate = raw_confirmed_rate(url, queue, count, body)
+    return _row(CEILING, count, count / rate)
+
+
+CEILING = "raw frames, no client work (broker ceiling)"
+
 #: name -> row function, in table order
 ROWS: dict[str, Callable[[str, int, bytes], Row]] = {
     "pika-noconfirm": pika_no_confirms,
     "pika-blocking-confirm": pika_blocking_confirms,
     "pika-tx": pika_transactions,
     "publisher": reliable_publisher,
+    "ceiling": broker_ceiling,
 }

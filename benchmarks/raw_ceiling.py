@@ -1,0 +1,124 @@
+"""The broker's own ceiling: confirmed publishing with (almost) no client work.
+
+All frames are encoded before the clock starts, then written as fast as the socket takes them
+while basic.ack frames are read; the clock stops at the ack for the last delivery tag. What this
+row reaches is what the broker (one durable queue, persistent messages, this machine) can confirm;
+no client can do better, so it bounds every other row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import socket
+import time
+from urllib.parse import unquote, urlparse
+
+import pika.frame
+import pika.spec
+
+from reliable_amqp._core.frames import publish_frames
+from reliable_amqp._core.message import build_message
+
+
+class _Conn:
+    def __init__(self, url: str) -> None:
+        parsed = urlparse(url)
+        self.sock = socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 5672))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.user = unquote(parsed.username or "guest")
+        self.password = unquote(parsed.password or "guest")
+        self.vhost = unquote(parsed.path[1:]) if len(parsed.path) > 1 else "/"
+        self.buffer = b""
+
+    def send(self, channel: int, method: object) -> None:
+        self.sock.sendall(pika.frame.Method(channel, method).marshal())
+
+    def frame(self) -> object:
+        while True:
+            if self.buffer:
+                consumed, frame = pika.frame.decode_frame(self.buffer)
+                if frame is not None:
+                    self.buffer = self.buffer[consumed:]
+                    return frame
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("broker closed the connection")
+            self.buffer += data
+
+    def expect(self, kind: type) -> object:
+        frame = self.frame()
+        method = getattr(frame, "method", None)
+        if not isinstance(method, kind):
+            raise RuntimeError(f"expected {kind.__name__}, got {frame!r}")
+        return method
+
+    def open(self) -> int:
+        self.sock.sendall(b"AMQP\x00\x00\x09\x01")
+        self.expect(pika.spec.Connection.Start)
+        self.send(
+            0,
+            pika.spec.Connection.StartOk(
+                client_properties={"product": "raw-ceiling"},
+                mechanism="PLAIN",
+                response=f"\0{self.user}\0{self.password}",
+            ),
+        )
+        tune = self.expect(pika.spec.Connection.Tune)
+        frame_max = tune.frame_max  # type: ignore[attr-defined]
+        self.send(0, pika.spec.Connection.TuneOk(tune.channel_max, frame_max, 0))  # type: ignore[attr-defined]
+        self.send(0, pika.spec.Connection.Open(self.vhost))
+        self.expect(pika.spec.Connection.OpenOk)
+        self.send(1, pika.spec.Channel.Open())
+        self.expect(pika.spec.Channel.OpenOk)
+        self.send(1, pika.spec.Confirm.Select())
+        self.expect(pika.spec.Confirm.SelectOk)
+        return int(frame_max)
+
+
+def raw_confirmed_rate(url: str, queue: str, count: int, body: bytes) -> float:
+    """Messages per second from first byte written to the ack of the last one."""
+    conn = _Conn(url)
+    try:
+        frame_max = conn.open()
+        parts: list[bytes | memoryview] = []
+        for _ in range(count):
+            publish_frames(1, build_message("", queue, body), None, frame_max, parts)
+        data = memoryview(b"".join(parts))
+        sock = conn.sock
+        sock.setblocking(False)
+        selector = selectors.DefaultSelector()
+        selector.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
+        sent = 0
+        confirmed = 0
+        started = time.perf_counter()
+        while confirmed < count:
+            for _key, events in selector.select():
+                if events & selectors.EVENT_WRITE and sent < len(data):
+                    with contextlib.suppress(BlockingIOError):
+                        sent += sock.send(data[sent : sent + (1 << 20)])
+                    if sent == len(data):
+                        selector.modify(sock, selectors.EVENT_READ)
+                if events & selectors.EVENT_READ:
+                    try:
+                        chunk = sock.recv(1 << 16)
+                    except BlockingIOError:
+                        continue
+                    if not chunk:
+                        raise ConnectionError("broker closed the connection")
+                    conn.buffer += chunk
+                    while conn.buffer:
+                        consumed, frame = pika.frame.decode_frame(conn.buffer)
+                        if frame is None:
+                            break
+                        conn.buffer = conn.buffer[consumed:]
+                        method = getattr(frame, "method", None)
+                        if isinstance(method, pika.spec.Basic.Nack):
+                            raise RuntimeError(f"nack for {method.delivery_tag}")
+                        if isinstance(method, pika.spec.Basic.Ack):
+                            confirmed = max(confirmed, method.delivery_tag)
+                        elif isinstance(method, pika.spec.Channel.Close):
+                            raise RuntimeError(f"channel closed: {method}")
+        return count / (time.perf_counter() - started)
+    finally:
+        conn.sock.close()

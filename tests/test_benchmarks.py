@@ -1,0 +1,43 @@
+"""The benchmark runs as documented (a short pass), so its figures can always be reproduced."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "run.py"
+
+
+@pytest.mark.broker
+def test_sync_benchmark_runs_every_row_and_reports_medians(amqp_url: str) -> None:
+    result = subprocess.run(
+        [
+            *(sys.executable, str(BENCH), "--only", "sync", "--count", "300", "--repeat", "2"),
+            *("--sizes", "12,1024", "--json", "--url", amqp_url),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "AMQP_URL": amqp_url},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    names = [r["name"] for r in rows if r["body_bytes"] == 12]
+    assert names == [
+        "pika, no confirms",
+        "pika, BlockingChannel.confirm_delivery()",
+        "pika, transaction per message",
+        "reliable_amqp.Publisher (streaming confirms)",
+        "raw frames, no client work (broker ceiling)",
+    ]
+    assert len(rows) == 10
+    for row in rows:
+        assert len(row["runs"]) == 2 and all(rate > 0 for rate in row["runs"])
+        assert min(row["runs"]) <= row["rate"] <= max(row["runs"])
+        assert row["msgs"] == 300
