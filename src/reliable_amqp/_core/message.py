@@ -11,7 +11,7 @@ import datetime as _dt
 import itertools
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -127,6 +127,70 @@ def new_message_id() -> str:
     return f"{_id_prefix}-{next(_id_counter):x}"
 
 
+# The hot path builds its two frozen dataclasses through their slot descriptors: a frozen
+# dataclass's __init__ sets every field with object.__setattr__, which made building them the
+# largest single cost of publish() (2.5x this way). Same classes, same objects: still frozen,
+# equal to what the constructors build (tests/core checks).
+_new = object.__new__
+
+
+def _slot_setter(cls: type, name: str) -> Callable[[object, Any], None]:
+    setter: Callable[[object, Any], None] = getattr(cls, name).__set__
+    return setter
+
+
+_set_content_type = _slot_setter(MessageProperties, "content_type")
+_set_content_encoding = _slot_setter(MessageProperties, "content_encoding")
+_set_headers = _slot_setter(MessageProperties, "headers")
+_set_delivery_mode = _slot_setter(MessageProperties, "delivery_mode")
+_set_priority = _slot_setter(MessageProperties, "priority")
+_set_correlation_id = _slot_setter(MessageProperties, "correlation_id")
+_set_reply_to = _slot_setter(MessageProperties, "reply_to")
+_set_expiration = _slot_setter(MessageProperties, "expiration")
+_set_message_id = _slot_setter(MessageProperties, "message_id")
+_set_timestamp = _slot_setter(MessageProperties, "timestamp")
+_set_type = _slot_setter(MessageProperties, "type")
+_set_user_id = _slot_setter(MessageProperties, "user_id")
+_set_app_id = _slot_setter(MessageProperties, "app_id")
+_set_exchange = _slot_setter(OutgoingMessage, "exchange")
+_set_routing_key = _slot_setter(OutgoingMessage, "routing_key")
+_set_body = _slot_setter(OutgoingMessage, "body")
+_set_properties = _slot_setter(OutgoingMessage, "properties")
+_set_mandatory = _slot_setter(OutgoingMessage, "mandatory")
+
+
+def _default_properties(message_id: str) -> MessageProperties:
+    """``MessageProperties(message_id=message_id)``, built fast."""
+    props: MessageProperties = _new(MessageProperties)
+    _set_content_type(props, None)
+    _set_content_encoding(props, None)
+    _set_headers(props, None)
+    _set_delivery_mode(props, PERSISTENT)
+    _set_priority(props, None)
+    _set_correlation_id(props, None)
+    _set_reply_to(props, None)
+    _set_expiration(props, None)
+    _set_message_id(props, message_id)
+    _set_timestamp(props, None)
+    _set_type(props, None)
+    _set_user_id(props, None)
+    _set_app_id(props, None)
+    return props
+
+
+def _outgoing(
+    exchange: str, routing_key: str, body: bytes, props: MessageProperties, mandatory: bool
+) -> OutgoingMessage:
+    """``OutgoingMessage(exchange, routing_key, body, props, mandatory)``, built fast."""
+    message: OutgoingMessage = _new(OutgoingMessage)
+    _set_exchange(message, exchange)
+    _set_routing_key(message, routing_key)
+    _set_body(message, body)
+    _set_properties(message, props)
+    _set_mandatory(message, mandatory)
+    return message
+
+
 def build_message(
     exchange: object,
     routing_key: object,
@@ -156,12 +220,12 @@ def build_message(
     if not isinstance(mandatory, bool):
         raise InvalidMessage("mandatory", f"must be a bool, not {type(mandatory).__name__}")
     props = _build_properties(properties or {})
-    return OutgoingMessage(exchange, routing_key, data, props, mandatory)
+    return _outgoing(exchange, routing_key, data, props, mandatory)
 
 
 def _build_properties(given: Mapping[str, Any]) -> MessageProperties:
     if not given:  # the hot path: no properties, all defaults
-        return MessageProperties(message_id=new_message_id())
+        return _default_properties(new_message_id())
     unknown = sorted(set(given) - PROPERTY_NAMES)
     if unknown:
         raise InvalidMessage(
