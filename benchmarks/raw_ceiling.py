@@ -76,29 +76,43 @@ class _Conn:
         return int(frame_max)
 
 
-def raw_confirmed_rate(url: str, queue: str, count: int, body: bytes) -> float:
-    """Messages per second from first byte written to the ack of the last one."""
+def raw_confirmed_rate(url: str, queue: str, count: int, body: bytes, window: int = 0) -> float:
+    """Messages per second from first byte written to the ack of the last one.
+
+    ``window`` bounds how many messages are unconfirmed at once, as ``max_in_flight`` does for
+    the Publisher (0: no bound, everything is written as fast as the socket takes it).
+    """
     conn = _Conn(url)
     try:
         frame_max = conn.open()
         parts: list[bytes | memoryview] = []
+        ends: list[int] = []  # byte offset just past each message
+        size = 0
         for _ in range(count):
+            mark = len(parts)
             publish_frames(1, build_message("", queue, body), None, frame_max, parts)
+            size += sum(len(p) for p in parts[mark:])
+            ends.append(size)
         data = memoryview(b"".join(parts))
         sock = conn.sock
         sock.setblocking(False)
         selector = selectors.DefaultSelector()
-        selector.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
+        both = selectors.EVENT_READ | selectors.EVENT_WRITE
+        selector.register(sock, both)
+        events_now = both
         sent = 0
         confirmed = 0
         started = time.perf_counter()
         while confirmed < count:
+            allowed = ends[min(count, confirmed + window) - 1] if window else len(data)
+            wanted = both if sent < allowed else selectors.EVENT_READ
+            if wanted != events_now:
+                selector.modify(sock, wanted)
+                events_now = wanted
             for _key, events in selector.select():
-                if events & selectors.EVENT_WRITE and sent < len(data):
+                if events & selectors.EVENT_WRITE and sent < allowed:
                     with contextlib.suppress(BlockingIOError):
-                        sent += sock.send(data[sent : sent + (1 << 20)])
-                    if sent == len(data):
-                        selector.modify(sock, selectors.EVENT_READ)
+                        sent += sock.send(data[sent : min(allowed, sent + (1 << 20))])
                 if events & selectors.EVENT_READ:
                     try:
                         chunk = sock.recv(1 << 16)
