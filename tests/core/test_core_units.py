@@ -52,9 +52,11 @@ from reliable_amqp._core.errors import (
 )
 from reliable_amqp._core.message import (
     PERSISTENT,
+    Confirmation,
     MessageProperties,
     OutgoingMessage,
     build_message,
+    new_confirmation,
     new_message_id,
 )
 from reliable_amqp._core.options import (
@@ -144,6 +146,12 @@ def test_messages_built_fast_equal_the_dataclass_constructors() -> None:
     assert message.properties == expected.properties
     with pytest.raises(dataclasses.FrozenInstanceError):
         message.properties.message_id = "other"  # type: ignore[misc]
+    confirmation = new_confirmation("id-7", 2)
+    assert confirmation == Confirmation("id-7", 2) and repr(confirmation) == repr(
+        Confirmation("id-7", 2)
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        confirmation.attempts = 3  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("name", ["exchange", "routing_key"])

@@ -27,7 +27,7 @@ from reliable_amqp._core.errors import (
     PublisherClosed,
     PublishError,
 )
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.message import Confirmation, OutgoingMessage, new_confirmation
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.stats import Counters, Stats
 from reliable_amqp._core.tracker import (
@@ -42,6 +42,7 @@ from reliable_amqp._core.tracker import (
 H = TypeVar("H")
 
 WAITING, WIRE, BACKOFF, DONE = "waiting", "wire", "backoff", "done"
+_ACKED, _RETURNED = Outcome.ACKED, Outcome.RETURNED  # module globals: enum lookups cost 0.1 us
 
 # Codes with which a broker closes a channel because of one publish. A message that keeps
 # causing them must fail; anything else (320 forced, 541 internal, a lost socket) is the
@@ -263,16 +264,18 @@ class PublishEngine(Generic[H]):
 
     def _resolve_settled(self, settled: list[Settled[H]], now: float) -> list[Resolution[H]]:
         resolutions: list[Resolution[H]] = []
+        latencies = self.counters.latencies
         for item in settled:
             entry = item.entry
             if entry.state != WIRE:  # expired or closed meanwhile; already resolved
                 continue
-            if item.outcome is Outcome.ACKED:
-                self.counters.latencies.append(now - entry.accepted)
+            outcome = item.outcome
+            if outcome is _ACKED:
+                latencies.append(now - entry.accepted)
                 resolutions.append(
-                    self._finish(entry, Confirmation(entry.message.message_id, entry.attempts))
+                    self._finish(entry, new_confirmation(entry.message.message_id, entry.attempts))
                 )
-            elif item.outcome is Outcome.RETURNED:
+            elif outcome is _RETURNED:
                 code, text = entry.returned or (312, "NO_ROUTE")
                 resolutions.append(
                     self._finish(entry, MessageReturned(entry.message, entry.attempts, code, text))

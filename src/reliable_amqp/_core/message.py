@@ -191,6 +191,18 @@ def _outgoing(
     return message
 
 
+_set_confirmed_id = _slot_setter(Confirmation, "message_id")
+_set_attempts = _slot_setter(Confirmation, "attempts")
+
+
+def new_confirmation(message_id: str, attempts: int) -> Confirmation:
+    """``Confirmation(message_id, attempts)``, built fast (one per confirmed message)."""
+    confirmation: Confirmation = _new(Confirmation)
+    _set_confirmed_id(confirmation, message_id)
+    _set_attempts(confirmation, attempts)
+    return confirmation
+
+
 def build_message(
     exchange: object,
     routing_key: object,
