@@ -56,7 +56,8 @@ class Publisher(IOThread):
     def __init__(self, url: str | Sequence[str], **options: Any) -> None:
         self.options = PublisherOptions.create(url, **options)
         self._params = [connection_parameters(u, self.options) for u in self.options.urls]
-        self._room = threading.Condition(threading.Lock())
+        self._room_lock = threading.Lock()  # publish() takes it bare: cheaper than the Condition
+        self._room = threading.Condition(self._room_lock)
         self._count = 0
         self._bytes = 0
         self._issued = 0
@@ -259,10 +260,11 @@ class Publisher(IOThread):
         # Cancelling the future only means the caller stopped caring: the message stays tracked.
         future = PublishFuture(self._future_lock, 0)
         size = len(message.body)
-        with self._room:
+        with self._room_lock:
             if not self._fits(size):
                 self._wait_for_room(size, message)
-            self._check_accepting(message)
+            if self._fatal is not None or not self._accepting:
+                self._check_accepting(message)
             self._count += 1
             self._bytes += size
             self._issued += 1
