@@ -21,10 +21,6 @@ from reliable_amqp._core.options import PublisherOptions, redact_url
 
 log = logging.getLogger("reliable_amqp")
 
-_TICK = 0.05  # deadline and retry resolution on the I/O thread
-_DRAIN_BATCH = 2000  # publishes per I/O-loop turn, so confirms are read between batches
-_CLOSE_GRACE = 2.0  # seconds to wait for the broker's close-ok
-
 
 class CoalescingConnection(SelectConnection):  # type: ignore[misc]
     """A SelectConnection that can gather the frames of many publishes into one write.

@@ -9,7 +9,6 @@ decides what a frame means: the engine does, and this module turns its resolutio
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
@@ -37,12 +36,6 @@ from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync._io import IOThread
 from reliable_amqp._sync._pika import CoalescingConnection, call_threadsafe, connection_parameters
 from reliable_amqp._sync.topology import Request
-
-log = logging.getLogger("reliable_amqp")
-
-_TICK = 0.05  # deadline and retry resolution on the I/O thread
-_DRAIN_BATCH = 2000  # publishes per I/O-loop turn, so confirms are read between batches
-_CLOSE_GRACE = 2.0  # seconds to wait for the broker's close-ok
 
 
 class Publisher(IOThread):
