@@ -256,8 +256,7 @@ class Publisher(IOThread):
         with self._room_lock:
             if not self._fits(size):
                 self._wait_for_room(size, message)
-            if self._fatal is not None or not self._accepting:
-                self._check_accepting(message)
+            self._check_accepting(message)
             self._count += 1
             self._bytes += size
             self._issued += 1
