@@ -182,7 +182,8 @@ _method_frames: dict[tuple[int, str, str, bool], bytes] = {}
 _METHOD_CACHE_MAX = 1024
 
 
-def _method_frame(channel: int, exchange: str, routing_key: str, mandatory: bool) -> bytes:
+def _method_frame(route: tuple[int, str, str, bool]) -> bytes:
+    channel, exchange, routing_key, mandatory = route
     payload = (
         _publish_head
         + _shortstr(exchange)
@@ -192,7 +193,7 @@ def _method_frame(channel: int, exchange: str, routing_key: str, mandatory: bool
     frame = _frame_head(FRAME_METHOD, channel, len(payload)) + payload + FRAME_END
     if len(_method_frames) >= _METHOD_CACHE_MAX:
         _method_frames.clear()
-    _method_frames[(channel, exchange, routing_key, mandatory)] = frame
+    _method_frames[route] = frame
     return frame
 
 
@@ -215,7 +216,7 @@ def publish_frames(
     route = (channel, message.exchange, message.routing_key, message.mandatory)
     method = _method_frames.get(route)
     if method is None:
-        method = _method_frame(*route)
+        method = _method_frame(route)
     out.append(method)
     body = message.body
     header = _content_head(_BASIC_CLASS, 0, len(body), flags) + encoded
