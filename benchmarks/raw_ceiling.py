@@ -12,6 +12,7 @@ import contextlib
 import selectors
 import socket
 import time
+from collections.abc import Iterator
 from urllib.parse import unquote, urlparse
 
 import pika.frame
@@ -34,17 +35,27 @@ class _Conn:
     def send(self, channel: int, method: object) -> None:
         self.sock.sendall(pika.frame.Method(channel, method).marshal())
 
+    def frames(self) -> Iterator[object]:
+        """Every whole frame in the buffer, taken out of it in order."""
+        while self.buffer:
+            consumed, frame = pika.frame.decode_frame(self.buffer)
+            if frame is None:
+                return
+            self.buffer = self.buffer[consumed:]
+            yield frame
+
+    def receive(self, data: bytes) -> None:
+        """Add what the socket gave to the buffer."""
+        if not data:
+            raise ConnectionError("broker closed the connection")
+        self.buffer += data
+
     def frame(self) -> object:
+        """The next frame, waiting for it (used while the socket still blocks)."""
         while True:
-            if self.buffer:
-                consumed, frame = pika.frame.decode_frame(self.buffer)
-                if frame is not None:
-                    self.buffer = self.buffer[consumed:]
-                    return frame
-            data = self.sock.recv(65536)
-            if not data:
-                raise ConnectionError("broker closed the connection")
-            self.buffer += data
+            for frame in self.frames():
+                return frame
+            self.receive(self.sock.recv(65536))
 
     def expect(self, kind: type) -> object:
         frame = self.frame()
@@ -76,8 +87,8 @@ class _Conn:
         return int(frame_max)
 
 
-def raw_confirmed_rate(url: str, queue: str, count: int, body: bytes, window: int = 0) -> float:
-    """Messages per second from first byte written to the ack of the last one.
+def raw_confirmed_seconds(url: str, queue: str, count: int, body: bytes, window: int = 0) -> float:
+    """Seconds from the first byte written to the ack of the last message.
 
     ``window`` bounds how many messages are unconfirmed at once, as ``max_in_flight`` does for
     the Publisher (0: no bound, everything is written as fast as the socket takes it).
@@ -118,14 +129,8 @@ def raw_confirmed_rate(url: str, queue: str, count: int, body: bytes, window: in
                         chunk = sock.recv(1 << 16)
                     except BlockingIOError:
                         continue
-                    if not chunk:
-                        raise ConnectionError("broker closed the connection")
-                    conn.buffer += chunk
-                    while conn.buffer:
-                        consumed, frame = pika.frame.decode_frame(conn.buffer)
-                        if frame is None:
-                            break
-                        conn.buffer = conn.buffer[consumed:]
+                    conn.receive(chunk)
+                    for frame in conn.frames():
                         method = getattr(frame, "method", None)
                         if isinstance(method, pika.spec.Basic.Nack):
                             raise RuntimeError(f"nack for {method.delivery_tag}")
@@ -133,6 +138,6 @@ def raw_confirmed_rate(url: str, queue: str, count: int, body: bytes, window: in
                             confirmed = max(confirmed, method.delivery_tag)
                         elif isinstance(method, pika.spec.Channel.Close):
                             raise RuntimeError(f"channel closed: {method}")
-        return count / (time.perf_counter() - started)
+        return time.perf_counter() - started
     finally:
         conn.sock.close()

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pika
-from raw_ceiling import raw_confirmed_rate
+from raw_ceiling import raw_confirmed_seconds
 
 from reliable_amqp import Publisher
 
@@ -98,8 +98,8 @@ def broker_ceiling(url: str, count: int, body: bytes) -> Row:
     """Frames encoded before the clock starts, written as fast as the window allows, acks read:
     the same 10,000 messages in flight as the Publisher's default, and no client work."""
     with fresh_queue(url) as (_connection, queue):
-        rate = raw_confirmed_rate(url, queue, count, body, window=CEILING_WINDOW)
-    return _row(CEILING, count, count / rate)
+        seconds = raw_confirmed_seconds(url, queue, count, body, window=CEILING_WINDOW)
+    return _row(CEILING, count, seconds)
 
 
 CEILING_WINDOW = 10_000
