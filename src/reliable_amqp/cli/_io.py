@@ -15,7 +15,7 @@ import json
 import shutil
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import IO, Any
 
 from reliable_amqp._core.errors import InvalidMessage, PublishError
@@ -215,9 +215,7 @@ def failure_record(item: Item, error: BaseException | str) -> dict[str, Any]:
     record["routing_key"] = message.routing_key
     if message.mandatory:
         record["mandatory"] = True
-    for name, value in asdict(message.properties).items():
-        if value is not None:
-            record[name] = value
+    record.update(set_properties(message))
     if isinstance(error, PublishError):
         detail = {"type": type(error).__name__, "reason": str(error), "attempts": error.attempts}
     else:
@@ -285,3 +283,9 @@ class Progress:
             self.update(confirmed, failed, force=True)
             self.stream.write("\n")
             self.stream.flush()
+
+
+def set_properties(message: OutgoingMessage) -> dict[str, Any]:
+    """The properties ``message`` sets (the ones not None), as ``publish()`` keywords."""
+    props = message.properties
+    return {f.name: value for f in fields(props) if (value := getattr(props, f.name)) is not None}

@@ -13,7 +13,6 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import fields
 from typing import IO, Any
 
 from reliable_amqp._core.errors import (
@@ -28,10 +27,17 @@ from reliable_amqp._core.errors import (
     PublishTimeout,
     ReliableAmqpError,
 )
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._sync.publisher import Publisher
-from reliable_amqp.cli._io import Defaults, InputError, Item, Progress, read_messages
+from reliable_amqp.cli._io import (
+    Defaults,
+    InputError,
+    Item,
+    Progress,
+    read_messages,
+    set_properties,
+)
 from reliable_amqp.cli._io import write_failures as _write_failures
 from reliable_amqp.cli._parse import (
     EXIT_CONNECTION,
@@ -235,7 +241,7 @@ def _publish_all(
                 message.routing_key,
                 message.body,
                 mandatory=message.mandatory,
-                **_properties(message),
+                **set_properties(message),
             )
             published += 1
             future.add_done_callback(tally.watch(item))
@@ -282,11 +288,6 @@ def _connection_problem(options: PublisherOptions, exc: BaseException) -> str:
     if isinstance(exc, PublishTimeout):
         return f"the broker at {urls} stopped confirming: {exc}"
     return f"publishing to {urls} failed: {exc}"
-
-
-def _properties(message: OutgoingMessage) -> dict[str, Any]:
-    props = message.properties
-    return {f.name: value for f in fields(props) if (value := getattr(props, f.name)) is not None}
 
 
 def _label(error: BaseException | str) -> str:
