@@ -74,6 +74,7 @@ from reliable_amqp._core.state import (
     State,
     StateMachine,
 )
+from reliable_amqp._core.topology import bind_op, exchange_op, queue_op
 
 PASSWORD = "s3cretPW"
 URL = f"amqp://guest:{PASSWORD}@localhost:5672/%2F"
@@ -923,3 +924,23 @@ def test_state_table_shape() -> None:
 
 def test_message_properties_default_is_persistent() -> None:
     assert MessageProperties().delivery_mode == PERSISTENT
+
+
+@pytest.mark.parametrize(
+    ("build", "what"),
+    [
+        (exchange_op, "exchange"),
+        (queue_op, "queue"),
+        (lambda v: bind_op("q", "ex", v), "routing_key"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("value", "problem"), [("n" * 256, "256 bytes long"), ("q\ud800", "UTF-8")]
+)
+def test_topology_names_amqp_cannot_carry_are_configuration_errors(
+    build: Any, what: str, value: str, problem: str
+) -> None:
+    # The same shortstr check as publish() (a lone surrogate once escaped as UnicodeEncodeError).
+    with pytest.raises(ConfigurationError) as info:
+        build(value)
+    assert what in str(info.value) and problem in str(info.value)

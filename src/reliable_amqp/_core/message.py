@@ -296,14 +296,35 @@ def _timestamp(value: object) -> int:
     )
 
 
+def shortstr_problem(value: str) -> str | None:
+    """Why ``value`` cannot be an AMQP ``shortstr`` (too long, or not UTF-8), or None if it can.
+
+    Messages (``publish()``) and topology declarations check names with it.
+    """
+    if value.isascii() and len(value) <= SHORTSTR_MAX:  # the usual case, without encoding
+        return None
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        return _not_utf8(value, exc)
+    if size > SHORTSTR_MAX:
+        return f"is {size} bytes long; AMQP allows at most {SHORTSTR_MAX}"
+    return None
+
+
 def _check_shortstr(name: str, value: object) -> None:
     if not isinstance(value, str):
         raise InvalidMessage(name, f"must be a str, not {type(value).__name__}")
-    if value.isascii() and len(value) <= SHORTSTR_MAX:  # the usual case, without encoding
-        return
-    size = len(_utf8(name, value))
-    if size > SHORTSTR_MAX:
-        raise InvalidMessage(name, f"is {size} bytes long; AMQP allows at most {SHORTSTR_MAX}")
+    problem = shortstr_problem(value)
+    if problem is not None:
+        raise InvalidMessage(name, problem)
+
+
+def _not_utf8(value: str, exc: UnicodeEncodeError) -> str:
+    return (
+        f"is not valid Unicode text: {value[exc.start : exc.end]!r} at position {exc.start} "
+        "cannot be encoded as UTF-8 (a lone surrogate)"
+    )
 
 
 def _utf8(name: str, value: str) -> bytes:
@@ -311,11 +332,7 @@ def _utf8(name: str, value: str) -> bytes:
     try:
         return value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidMessage(
-            name,
-            f"is not valid Unicode text: {value[exc.start : exc.end]!r} at position {exc.start} "
-            "cannot be encoded as UTF-8 (a lone surrogate)",
-        ) from None
+        raise InvalidMessage(name, _not_utf8(value, exc)) from None
 
 
 def _epoch_seconds(value: _dt.datetime) -> int:

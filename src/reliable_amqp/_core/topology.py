@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
-from reliable_amqp._core.message import SHORTSTR_MAX
+from reliable_amqp._core.message import shortstr_problem
 
 #: The AMQP method (as named by pika and aiormq) each operation kind maps to.
 METHODS = {"exchange": "exchange_declare", "queue": "queue_declare", "bind": "queue_bind"}
@@ -134,5 +134,6 @@ def _name(what: str, value: object, *, allow_empty: bool) -> None:
         raise ConfigurationError(f"{what} must be a str, not {type(value).__name__}")
     if not value and not allow_empty:
         raise ConfigurationError(f"{what} must not be empty")
-    if len(value.encode("utf-8")) > SHORTSTR_MAX:
-        raise ConfigurationError(f"{what} is longer than {SHORTSTR_MAX} bytes")
+    problem = shortstr_problem(value)
+    if problem is not None:
+        raise ConfigurationError(f"{what} {problem}")
