@@ -347,8 +347,9 @@ def _check_table(path: str, table: Mapping[Any, Any], depth: int) -> dict[str, A
     for key, value in table.items():
         if not isinstance(key, str):
             raise InvalidMessage(f"{path}[{key!r}]", "field table keys must be str")
-        if len(_utf8(f"{path}[{key!r}]", key)) > SHORTSTR_MAX:
-            raise InvalidMessage(f"{path}[{key!r}]", f"key longer than {SHORTSTR_MAX} bytes")
+        problem = shortstr_problem(key)
+        if problem is not None:
+            raise InvalidMessage(f"{path}[{key!r}]", f"key {problem}")
         checked[key] = _check_value(f"{path}[{key!r}]", value, depth + 1)
     return checked
 
