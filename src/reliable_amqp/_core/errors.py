@@ -224,6 +224,42 @@ class RecoveryFailed(AmqpConnectionError):
     retriable = False
 
 
+#: What went wrong with a connection, as each client library's exceptions are sorted into it by
+#: the compat layer: ``credentials`` (refused login), ``vhost`` (no access to the virtual host),
+#: ``closed`` (the broker sent connection.close with a reply code), ``timeout`` (connecting took
+#: too long), ``lost`` (anything else: a reset socket, a refused port, a stalled link).
+CONNECTION_FAILURES = ("credentials", "vhost", "closed", "timeout", "lost")
+
+
+def connection_failure(
+    kind: str, detail: str, reply_code: int | None = None, reply_text: str = ""
+) -> AmqpConnectionError:
+    """The one translation of a failed or lost connection into this library's errors.
+
+    Wrong credentials, a refused virtual host and a broker close with 403/530 are not retriable
+    (:class:`AuthenticationFailed`); everything else is a retriable :class:`AmqpConnectionError`.
+    ``detail`` is the client library's own description (never a URL: it may hold a password).
+    """
+    if kind == "credentials":
+        return AuthenticationFailed(
+            f"the broker refused the credentials (wrong user or password): {detail}"
+        )
+    if kind == "vhost":
+        return AuthenticationFailed(
+            "the broker refused access to the virtual host (missing vhost or no permission)"
+        )
+    if kind == "closed" and reply_code in (403, 530):
+        broker = broker_error(reply_code, reply_text)
+        return AuthenticationFailed(f"the broker refused the connection: {broker}")
+    if kind == "closed" and reply_code is not None:
+        return AmqpConnectionError(f"the broker closed the connection: {reply_code} {reply_text}")
+    if kind == "timeout":
+        return AmqpConnectionError(f"timed out connecting to the broker: {detail}")
+    if kind not in CONNECTION_FAILURES:
+        raise ValueError(f"unknown connection failure kind {kind!r}")
+    return AmqpConnectionError(detail)
+
+
 # --- per-message outcomes -------------------------------------------------------------------------
 
 

@@ -152,6 +152,10 @@ class PublisherOptions:
         shown = ", ".join(redact_url(u) for u in self.urls)
         return f"PublisherOptions(urls=[{shown}], max_in_flight={self.max_in_flight}, ...)"
 
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword options that rebuild these: ``Publisher(list(o.urls), **o.kwargs())``."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "urls"}
+
     @classmethod
     def create(cls, url: str | Sequence[str], **options: Any) -> PublisherOptions:
         """Options from a URL (or list of URLs) and keyword options; policies may be dicts."""

@@ -35,7 +35,6 @@ from reliable_amqp.cli._parse import (
     check_options,
     count,
     count_at_least_one,
-    publisher_kwargs,
 )
 
 #: mode -> what it does, in the order they run (slowest first).
@@ -250,7 +249,7 @@ def _confirm_each(
 def _streaming(
     connection: Any, options: PublisherOptions, queue: str, body: bytes, count: int
 ) -> float:
-    with Publisher(list(options.urls), **publisher_kwargs(options)) as publisher:
+    with Publisher(list(options.urls), **options.kwargs()) as publisher:
         publish = publisher.publish
         started = time.perf_counter()
         futures = [publish("", queue, body) for _ in range(count)]

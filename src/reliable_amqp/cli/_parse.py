@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.options import (
@@ -240,11 +240,6 @@ def _complete_policy(strings: dict[str, str], name: str, default: RetryPolicy) -
         return
     for field, value in default.to_dict().items():
         strings.setdefault(f"{name}.{field}", "none" if value is None else str(value))
-
-
-def publisher_kwargs(options: PublisherOptions) -> dict[str, object]:
-    """``Publisher(urls, **kwargs)`` arguments equal to ``options``."""
-    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "urls"}
 
 
 def check_options(args: argparse.Namespace) -> PublisherOptions:

@@ -48,7 +48,6 @@ from reliable_amqp.cli._parse import (
     UsageError,
     add_connection_arguments,
     check_options,
-    publisher_kwargs,
 )
 
 #: Summary lines, in order: label, the outcome it counts, and what to do about it.
@@ -225,7 +224,7 @@ def _publish_all(
     """Publish every item, wait for every outcome; returns the exit code so far."""
     if not items:
         return EXIT_OK
-    publisher = Publisher(list(options.urls), **publisher_kwargs(options))
+    publisher = Publisher(list(options.urls), **options.kwargs())
     published = 0
     code = EXIT_OK
     try:

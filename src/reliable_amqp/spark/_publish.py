@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from pyspark.sql.types import StructType
@@ -181,11 +181,6 @@ class SinkConfig:
         return cls(publisher=publisher, **sink)
 
 
-def publisher_kwargs(options: PublisherOptions) -> dict[str, Any]:
-    """``Publisher(url, **kwargs)`` arguments that rebuild ``options``."""
-    return {f.name: getattr(options, f.name) for f in fields(options) if f.name != "urls"}
-
-
 # --- per-process publisher cache (like Spark's Kafka producer cache) ---------------------------
 
 _cache: dict[PublisherOptions, Publisher] = {}
@@ -207,7 +202,7 @@ def cached_publisher(options: PublisherOptions) -> Publisher:
             del _cache[options]
             publisher = None
         if publisher is None:
-            publisher = Publisher(list(options.urls), **publisher_kwargs(options))
+            publisher = Publisher(list(options.urls), **options.kwargs())
             _cache[options] = publisher
             _built[0] += 1
             _tags[options] = (publisher, f"{os.getpid()}:{_built[0]}")
