@@ -1,22 +1,22 @@
-"""The async publisher's tasks: a supervisor that (re)connects, a writer and a ticker.
+"""The async publisher's tasks: one that keeps a connection and channel, a writer, and a timer.
 
-- The supervisor obtains a connection (its own, or a borrowed one), replays declared topology on
-  a new connection, opens the confirm channel, and when the channel or connection is lost tells
-  the engine (``on_channel_lost``: the unconfirmed go out again) and recovers under the connect
-  policy.
-- The writer marshals what the engine has to send and puts it on aiormq's write queue in
-  batches, one batch per socket drain, so publishes that arrive meanwhile share the next write.
-- The ticker expires deadlines and releases nack retries.
+Every decision is the core :class:`Supervisor`'s (which URL next and when, give up or not, what a
+closed channel means, when to wake up); this module carries them out on aiormq:
+
+- the connection task obtains a connection (its own, or a borrowed one), replays declared
+  topology on a new connection, opens the confirm channel, and reports every loss;
+- the writer puts the frames of what the engine has to send on aiormq's write queue in batches,
+  one batch per socket drain, so publishes that arrive meanwhile share the next write;
+- one timer, set for the supervisor's next wake-up, expires deadlines and releases nack retries.
 
 Confirms and returns arrive through :class:`ConfirmChannel`'s reader and are settled at once.
-All of this runs on one event loop, so the engine is never touched concurrently.
+All of this runs on one event loop, so the supervisor is never touched concurrently.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -32,20 +32,9 @@ from reliable_amqp._async._channel import (
     translate_connection_error,
 )
 from reliable_amqp._async._connect import ConnectionSource
-from reliable_amqp._core.engine import PublishEngine, Resolution, is_permanent_channel_close
-from reliable_amqp._core.errors import (
-    AmqpConnectionError,
-    InvalidMessage,
-    MessageRejected,
-    PublishError,
-    RecoveryFailed,
-    ReliableAmqpError,
-)
-from reliable_amqp._core.frames import publish_frames
-from reliable_amqp._core.lifecycle import Lifecycle
-from reliable_amqp._core.options import PublisherOptions
-from reliable_amqp._core.state import State, StateMachine
-from reliable_amqp._core.stats import EventKind
+from reliable_amqp._core.engine import Resolution
+from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
+from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
 from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
@@ -53,50 +42,50 @@ H = TypeVar("H")
 
 log = logging.getLogger("reliable_amqp")
 
-_TICK = 0.05  # deadline and nack-retry resolution
-_BATCH = 2000  # publishes per write: confirms are read between batches
-_BATCH_BYTES = 1 << 20  # a large body goes out in a write of its own
 _QUEUE_POLL = 0.001  # aiormq's write queue is full only while other channels write a lot
-_CLOSE_GRACE = 5.0  # seconds to close our channel after the last confirm
 
 
 class Pump(Generic[H]):
-    """Moves messages between a :class:`PublishEngine` and the broker, and keeps a link up."""
+    """Moves messages between a :class:`Supervisor` and the broker, and keeps a link up."""
 
     def __init__(
         self,
-        options: PublisherOptions,
-        engine: PublishEngine[H],
+        supervisor: Supervisor[H],
         source: ConnectionSource,
         topology: Topology,
         *,
         settle: Callable[[list[Resolution[H]]], None],
         on_end: Callable[[], None],
     ) -> None:
-        self.options = options
-        self.engine = engine
+        self.supervisor = supervisor
+        self.options = supervisor.options
+        self.engine = supervisor.engine
         self.source = source
         self.topology = topology
         self.settle = settle
         self.on_end = on_end
-        self.state = StateMachine()
         #: set once the first channel opened, or the publisher failed or closed
         self.ready = asyncio.Event()
-        #: why the publisher gave up for good (wrong credentials, connect policy spent)
-        self.fatal: ReliableAmqpError | None = None
         #: the connection the channel is on, while it is open (declarations use it)
         self.connection: aiormq.abc.AbstractConnection | None = None
         #: set while the channel is open
         self.opened = asyncio.Event()
-        self.stopping = False
         self._wakeup = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._ticker: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._channel: ConfirmChannel | None = None
-        self._channel_failures = 0
-        self._events = Lifecycle(self.options.on_event, self.engine.counters)
+
+    @property
+    def fatal(self) -> ReliableAmqpError | None:
+        """Why the publisher gave up for good (wrong credentials, connect policy spent)."""
+        return self.supervisor.fatal
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` was called or the publisher gave up."""
+        return self.supervisor.stopping
 
     @property
     def started(self) -> bool:
@@ -110,42 +99,61 @@ class Pump(Generic[H]):
         return self._loop
 
     def start(self) -> None:
-        """Start the tasks on the running loop."""
+        """Start the connection task on the running loop."""
         loop = self._loop = asyncio.get_running_loop()
         self._stop = loop.create_future()
         self._task = loop.create_task(self._run(), name="reliable-amqp-supervisor")
-        self._ticker = loop.create_task(self._tick_loop(), name="reliable-amqp-ticker")
 
     def wake(self) -> None:
-        """Tell the writer there is something to send."""
+        """Tell the writer there is something to send (and make sure deadlines have a timer)."""
         if not self._wakeup.is_set():
             self._wakeup.set()
+        if self._timer is None:
+            self.schedule()
 
     def stop(self) -> None:
-        """Ask the supervisor to tear down (the caller has settled or will settle messages)."""
-        self.stopping = True
-        if self.state.state not in (State.CLOSING, State.CLOSED):
-            self.state.transition(State.CLOSING)
+        """Ask the connection task to tear down (the caller has settled or will settle
+        messages)."""
+        self.supervisor.begin_close()
         if self._stop is not None and not self._stop.done():
             self._stop.set_result(None)
         self.ready.set()
 
     async def join(self) -> None:
-        """Wait until the supervisor has closed the channel and its connection."""
+        """Wait until the connection task has closed the channel and its connection."""
         if self._task is not None:
             # shield: cancelling the waiter must not interrupt the close handshake half-way
             await asyncio.shield(self._task)
+
+    # --- the timer -----------------------------------------------------------------------------
+
+    def schedule(self) -> None:
+        """Make sure the timer fires when the supervisor next has work."""
+        due = self.supervisor.next_wakeup()
+        timer = self._timer
+        if due is None or self._loop is None or (timer is not None and timer.when() <= due):
+            return
+        if timer is not None:
+            timer.cancel()
+        # call_at takes the loop's clock; the supervisor's is time.monotonic (the same on every
+        # platform asyncio supports, but convert the difference rather than assume it).
+        loop = self._loop
+        self._timer = loop.call_at(loop.time() + max(0.0, due - time.monotonic()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.settle(self.supervisor.tick(time.monotonic()))
+        if self.engine.has_sendable():
+            self._wakeup.set()
+        self.schedule()
 
     # --- FrameSink: called by the channel's reader task ----------------------------------------
 
     def on_confirm(self, generation: int, ack: bool, tag: int, multiple: bool) -> None:
         """``basic.ack``/``basic.nack`` from the channel of ``generation``."""
-        self._channel_failures = 0
-        now = time.monotonic()
-        if ack:
-            self.settle(self.engine.on_ack(generation, tag, multiple, now))
-        else:
-            self.settle(self.engine.on_nack(generation, tag, multiple, now))
+        self.settle(self.supervisor.on_confirm(generation, ack, tag, multiple, time.monotonic()))
+        if not ack:
+            self.schedule()  # a nack retry may come due before anything else
 
     def on_return(self, headers: Any, reply_code: int, text: str) -> None:
         """``basic.return``: the ack that follows settles the message as returned."""
@@ -153,14 +161,6 @@ class Pump(Generic[H]):
         self.engine.on_return(attempt, reply_code, text)
 
     # --- tasks ---------------------------------------------------------------------------------
-
-    async def _tick_loop(self) -> None:
-        engine = self.engine
-        while True:
-            await asyncio.sleep(_TICK)
-            self.settle(engine.tick(time.monotonic()))
-            if engine.has_sendable():
-                self.wake()
 
     async def _write(self, channel: ConfirmChannel) -> None:
         """Write what the engine has to send, in batches, for as long as ``channel`` is open."""
@@ -170,6 +170,7 @@ class Pump(Generic[H]):
         number = channel.number
         generation = channel.generation
         engine = self.engine
+        supervisor = self.supervisor
         wakeup = self._wakeup
         loop = asyncio.get_running_loop()
         while True:
@@ -183,27 +184,13 @@ class Pump(Generic[H]):
             # written to a channel that was open, so the tracker's seqs are the broker's tags.
             if not channel.writable or generation != engine.tracker.generation:
                 return
+            if not supervisor.writable:  # blocked: wait for unblocked (or the channel's end)
+                wakeup.clear()
+                await wakeup.wait()
+                continue
             parts: list[bytes | memoryview] = []
-            count = size = 0
-            while count < _BATCH and size < _BATCH_BYTES:
-                entry = engine.next_to_send()
-                if entry is None:
-                    break
-                headers = engine.mark_sent(entry)
-                try:
-                    publish_frames(number, entry.message, headers, frame_max, parts)
-                except (InvalidMessage, TypeError, ValueError, struct.error) as exc:
-                    # Checked at publish(), so this is a gap in those checks. Nothing of it
-                    # was appended: hand its delivery tag back and fail this message alone.
-                    if not engine.tracker.untrack(entry):
-                        raise
-                    error = MessageRejected(
-                        entry.message, entry.attempts, 0, f"could not be encoded: {exc!r}"
-                    )
-                    self.settle([engine.fail(entry, error)])
-                    continue
-                count += 1
-                size += entry.size
+            _count, failed = supervisor.write(number, frame_max, parts)
+            self.settle(failed)
             if not parts:
                 continue
             drained: asyncio.Future[None] = loop.create_future()
@@ -222,19 +209,17 @@ class Pump(Generic[H]):
         except Exception as exc:
             # A bug must not leave callers waiting on futures nobody settles.
             log.exception("reliable-amqp: async publisher supervisor failed")
-            self._fail(ReliableAmqpError(f"internal error in the publisher: {exc!r}"), 0)
+            self._give_up(ReliableAmqpError(f"internal error in the publisher: {exc!r}"))
         finally:
             await self._shutdown()
 
     async def _connect_loop(self) -> None:
-        failures = 0
-        first_failure = 0.0
-        attempt = 0
+        supervisor = self.supervisor
         source = self.source
         while not self.stopping:
-            opened = False
+            established = False
             try:
-                connection = await source.obtain(attempt, self._stop_signal())
+                connection = await source.obtain(supervisor.next_attempt(), self._stop_signal())
                 if len(self.topology):
                     # A restarted broker lost non-durable topology: declare it again first.
                     await _topology.replay(connection, self.topology, self.options.connect_timeout)
@@ -243,44 +228,25 @@ class Pump(Generic[H]):
             except Exception as exc:
                 loss = translate_connection_error(exc)
             else:
-                opened, loss = await self._serve(connection)
-                if not self.stopping:
-                    self._events.lost("connection", EventKind.CONNECTION_LOST, str(loss))
-            if self.stopping:
-                return
-            if opened:
-                failures = 0
-            if failures == 0:
-                first_failure = time.monotonic()
-            failures += 1
-            if self.state.state is not State.RECOVERING:
-                self.state.transition(State.RECOVERING)
-            policy = self.options.connect_policy
-            if not loss.retriable or not policy.allows(failures, time.monotonic() - first_failure):
-                self._fail(loss, failures)
-                return
-            urls = len(self.options.urls)
-            delay = policy.delay(failures) if urls == 1 or failures % urls == 0 else 0.0
-            if source.borrowed:
-                delay = 0.0  # the owner's connection reconnects by itself; obtain() waits for it
-            log.warning(
-                "reliable-amqp: connection to %s lost (%s); retry %d in %.2f s",
-                source.describe(attempt),
-                loss,
-                failures,
-                delay,
+                established = True
+                loss = await self._serve(connection)
+            resolutions, plan = supervisor.connection_lost(
+                loss, time.monotonic(), established=established
             )
-            attempt += 1
-            await self._sleep(delay)
+            self.settle(resolutions)
+            if plan is None:
+                return
+            if isinstance(plan, GiveUp):
+                self._gave_up()
+                return
+            await self._sleep(plan.delay)
 
-    async def _serve(
-        self, connection: aiormq.abc.AbstractConnection
-    ) -> tuple[bool, ReliableAmqpError]:
-        """Open channels on ``connection`` until it is lost; (whether one opened, the loss)."""
-        opened = False
+    async def _serve(self, connection: aiormq.abc.AbstractConnection) -> ReliableAmqpError:
+        """Open channels on ``connection`` until it is lost; returns the loss."""
+        supervisor = self.supervisor
         while not self.stopping:
             if connection.is_closed:
-                return opened, AmqpConnectionError("connection lost")
+                return AmqpConnectionError("connection lost")
             try:
                 channel = await open_confirm_channel(
                     connection, self, self.engine.tracker.generation, self.options.connect_timeout
@@ -289,16 +255,13 @@ class Pump(Generic[H]):
                 raise
             except Exception as exc:
                 if connection.is_closed or self.stopping:
-                    return opened, translate_connection_error(exc)
-                self._channel_failures += 1
+                    return translate_connection_error(exc)
                 log.warning("reliable-amqp: could not open a channel: %r", exc)
-                await self._sleep(self.options.connect_policy.delay(self._channel_failures))
+                await self._sleep(supervisor.channel_failed())
                 continue
-            opened = True
             self._channel = channel
             self.connection = connection
-            self.state.transition(State.OPEN)
-            self._events.opened()
+            supervisor.channel_opened()
             self.ready.set()
             self.opened.set()
             await self._pump(channel)
@@ -310,21 +273,12 @@ class Pump(Generic[H]):
                     await _close_quietly(channel)
                 break
             code, text = close_reason(channel)
-            log.warning("reliable-amqp: channel closed: %s %s", code, text)
-            if not connection.is_closed:  # else the connection is lost: reported as that
-                self._events.lost(
-                    "channel", EventKind.CHANNEL_LOST, f"channel closed: {code} {text}"
-                )
-            self.settle(self.engine.on_channel_lost(code, text, time.monotonic()))
-            self.state.transition(State.RECOVERING)
-            if connection.is_closed:
-                return opened, AmqpConnectionError(f"connection lost: {text}")
-            if is_permanent_channel_close(code, text):
-                continue  # the message that did it is out of the way: reopen at once
-            # A resource problem (LavinMQ's low disk, 506, 541): back off before the next one.
-            self._channel_failures += 1
-            await self._sleep(self.options.connect_policy.delay(self._channel_failures))
-        return opened, AmqpConnectionError("publisher closed")
+            if connection.is_closed:  # reported as the connection's loss
+                return AmqpConnectionError(f"connection lost: {text}")
+            resolutions, delay = supervisor.channel_closed(code, text, time.monotonic())
+            self.settle(resolutions)
+            await self._sleep(delay)
+        return AmqpConnectionError("publisher closed")
 
     async def _pump(self, channel: ConfirmChannel) -> None:
         """Run the writer for ``channel`` until the channel closes or the publisher stops."""
@@ -345,12 +299,6 @@ class Pump(Generic[H]):
             log.error("reliable-amqp: writer failed", exc_info=writer.exception())
             await _close_quietly(channel)
 
-    # --- events ------------------------------------------------------------------------------
-
-    def emit(self, kind: EventKind, detail: str, downtime: float | None = None) -> None:
-        """Call the ``on_event`` hook, if any; a hook that raises is logged, not propagated."""
-        self._events.emit(kind, detail, downtime)
-
     def _stop_signal(self) -> asyncio.Future[None]:
         assert self._stop is not None
         return self._stop
@@ -359,30 +307,22 @@ class Pump(Generic[H]):
         if delay > 0 and not self.stopping:
             await asyncio.wait({self._stop_signal()}, timeout=delay)
 
-    def _fail(self, error: ReliableAmqpError, failures: int) -> None:
-        fatal = error
-        if error.retriable:
-            fatal = RecoveryFailed(f"gave up connecting after {failures} attempts: {error}")
-            fatal.__cause__ = error
-        log.error("reliable-amqp: %s", fatal)
-        self.emit(EventKind.RECOVERY_FAILED, str(fatal))
-        self.fatal = fatal
+    def _give_up(self, error: ReliableAmqpError) -> None:
+        self.supervisor.give_up(error)
+        self._gave_up()
+
+    def _gave_up(self) -> None:
         self.ready.set()
         self.on_end()
 
     async def _shutdown(self) -> None:
-        reason = str(self.fatal) if self.fatal is not None else "publisher closed"
-        self.stopping = True
-        if self._ticker is not None:
-            self._ticker.cancel()
+        supervisor = self.supervisor
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self.on_end()  # no more publishes: release those waiting for room
-        resolutions = self.engine.close_all(reason)
-        for r in resolutions:
-            if self.fatal is not None and isinstance(r.result, PublishError):
-                r.result.__cause__ = self.fatal  # AuthenticationFailed, RecoveryFailed, ...
-        self.settle(resolutions)
-        if self.state.state not in (State.CLOSING, State.CLOSED):
-            self.state.transition(State.CLOSING)
+        supervisor.begin_close()
+        self.settle(supervisor.shutdown())
         self.ready.set()
         channel, self._channel = self._channel, None
         try:
@@ -390,12 +330,11 @@ class Pump(Generic[H]):
                 await _close_quietly(channel)
             await self.source.release()
         finally:
-            self.state.transition(State.CLOSED)
-            self.emit(EventKind.CLOSED, reason)
+            supervisor.closed()
 
 
 async def _close_quietly(channel: ConfirmChannel) -> None:
     try:
-        await asyncio.wait_for(channel.close(), _CLOSE_GRACE)
+        await asyncio.wait_for(channel.close(), CLOSE_GRACE)
     except Exception as exc:  # best effort, a timeout included: the broker may be gone
         log.debug("reliable-amqp: closing the channel failed: %r", exc)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -26,20 +26,19 @@ import aio_pika.abc
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._async._pump import Pump
-from reliable_amqp._core.engine import PublishEngine, Resolution
+from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import (
     ConfigurationError,
     OperationTimeout,
     PublisherClosed,
-    PublishTimeout,
     ReliableAmqpError,
 )
-from reliable_amqp._core.frames import encode_table
-from reliable_amqp._core.message import Confirmation, OutgoingMessage, build_message
-from reliable_amqp._core.options import PublisherOptions, redact_url
-from reliable_amqp._core.state import State
-from reliable_amqp._core.stats import Stats
-from reliable_amqp._core.topology import Topology, TopologyOp, bind_op, exchange_op, queue_op
+from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.supervisor import Supervisor
+from reliable_amqp._core.topology import Topology, TopologyOp
+from reliable_amqp._core.window import Window
+from reliable_amqp._surface import PublisherSurface
 
 
 class _Handle:
@@ -52,7 +51,7 @@ class _Handle:
         self.index = index
 
 
-class AsyncPublisher:
+class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, Any, str]]):
     """A confirming publisher for asyncio; share one between the tasks of one event loop.
 
     ``AsyncPublisher(url, **options)`` takes a broker URL (or a list to fail over between) and the
@@ -75,26 +74,19 @@ class AsyncPublisher:
             url = str(getattr(connection, "url", "") or "amqp://aio-pika-connection/")
         assert url is not None
         self.options = PublisherOptions.create(url, **options)
-        self._engine: PublishEngine[_Handle] = PublishEngine(
-            delivery_timeout=self.options.delivery_timeout,
-            nack_policy=self.options.nack_policy,
-            dedup_header=self.options.dedup_header,
+        self._supervisor: Supervisor[_Handle] = Supervisor(
+            self.options, borrowed=connection is not None
         )
+        self._engine = self._supervisor.engine
+        self._window = Window(self.options.max_in_flight, self.options.max_in_flight_bytes)
         self._topology = Topology()
         self._pump = Pump(
-            self.options,
-            self._engine,
+            self._supervisor,
             ConnectionSource(self.options, connection),
             self._topology,
             settle=self._resolve,
             on_end=self._release_room_waiters,
         )
-        self._count = 0
-        self._bytes = 0
-        self._issued = 0
-        self._unresolved: set[int] = set()
-        self._low = 1  # no index below this is unresolved (advanced lazily, for flush)
-        self._flushers: list[tuple[int, asyncio.Future[None]]] = []
         self._room_waiters: deque[asyncio.Future[None]] = deque()
         self._accepting = True
 
@@ -109,10 +101,6 @@ class AsyncPublisher:
         connection that is lost ends the publisher (pending messages fail with PublisherClosed).
         """
         return cls(connection=connection, **options)
-
-    def __repr__(self) -> str:
-        urls = ", ".join(redact_url(u) for u in self.options.urls)
-        return f"<AsyncPublisher [{urls}] {self.state.value}, {self._count} in flight>"
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -146,21 +134,6 @@ class AsyncPublisher:
     ) -> None:
         await self.aclose()
 
-    @property
-    def state(self) -> State:
-        """The connection state (see :class:`~reliable_amqp.State`)."""
-        return self._pump.state.state
-
-    def stats(self) -> Stats:
-        """Counters (published, confirmed, nacked, returned, rejected, republished, timed out,
-        ...), the in-flight gauge and a confirm-latency summary."""
-        return self._engine.stats()
-
-    @property
-    def in_flight(self) -> int:
-        """How many published messages are not resolved yet."""
-        return self._count
-
     async def aclose(self, timeout: float | None = None) -> int:
         """Flush (up to ``timeout``, default ``close_timeout``), then close.
 
@@ -187,66 +160,7 @@ class AsyncPublisher:
 
     # --- topology ----------------------------------------------------------------------------
 
-    async def declare_exchange(
-        self,
-        exchange: str,
-        exchange_type: str = "direct",
-        *,
-        durable: bool = True,
-        auto_delete: bool = False,
-        internal: bool = False,
-        arguments: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        """Declare an exchange now, and again after every reconnect.
-
-        Raises the broker's error (e.g. :class:`PreconditionFailed` for an exchange that exists
-        with other settings) without disturbing messages in flight.
-        """
-        op = exchange_op(
-            exchange,
-            exchange_type,
-            durable=durable,
-            auto_delete=auto_delete,
-            internal=internal,
-            arguments=arguments,
-        )
-        await self._declare(op, timeout)
-
-    async def declare_queue(
-        self,
-        queue: str,
-        *,
-        durable: bool = True,
-        exclusive: bool = False,
-        auto_delete: bool = False,
-        arguments: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> str:
-        """Declare a queue now, and again after every reconnect; returns its name."""
-        op = queue_op(
-            queue,
-            durable=durable,
-            exclusive=exclusive,
-            auto_delete=auto_delete,
-            arguments=arguments,
-        )
-        await self._declare(op, timeout)
-        return queue
-
-    async def bind_queue(
-        self,
-        queue: str,
-        exchange: str,
-        routing_key: str = "",
-        *,
-        arguments: dict[str, Any] | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        """Bind a queue to an exchange now, and again after every reconnect."""
-        await self._declare(bind_op(queue, exchange, routing_key, arguments=arguments), timeout)
-
-    async def _declare(self, op: TopologyOp, timeout: float | None) -> None:
+    async def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
         pump = self._pump
         if not pump.ready.is_set():
             await self.connect()
@@ -262,8 +176,9 @@ class AsyncPublisher:
         self._check_usable()
         connection = pump.connection
         assert connection is not None
-        await _topology.declare(connection, op, wait)
+        name = await _topology.declare(connection, op, wait)
         self._topology.record(op)
+        return name
 
     def _check_usable(self) -> None:
         if self._pump.fatal is not None:
@@ -293,24 +208,15 @@ class AsyncPublisher:
         ``publish_timeout``. Cancelling the returned future only means the caller stopped
         caring: the message stays tracked until the broker settles it.
         """
-        message = build_message(
-            exchange, routing_key, body, mandatory=mandatory, properties=properties
-        )
-        if message.properties.headers:
-            # A table that cannot be encoded must fail here, not in the writer mid-batch.
-            encode_table(message.properties.headers)
+        message = self._message(exchange, routing_key, body, mandatory, properties)
         if not self._pump.ready.is_set():
             await self.connect()
         self._check_accepting(message)
         size = len(message.body)
-        if self._room_waiters or not self._fits(size):
+        if self._room_waiters or not self._window.fits(size):
             await self._wait_for_room(size, message)
         future: asyncio.Future[Confirmation] = self._pump.loop.create_future()
-        self._issued += 1
-        handle = _Handle(future, self._issued)
-        self._unresolved.add(handle.index)
-        self._count += 1
-        self._bytes += size
+        handle = _Handle(future, self._window.take(size))
         self._engine.accept(message, handle, time.monotonic())
         self._pump.wake()
         return future
@@ -343,24 +249,15 @@ class AsyncPublisher:
 
         Messages published by other tasks after this call started are not waited for.
         """
-        mark = self._issued
-        if self._pending_upto(mark):
-            loop = asyncio.get_running_loop()
-            waiter: asyncio.Future[None] = loop.create_future()
-            entry = (mark, waiter)
-            self._flushers.append(entry)
+        barrier = self._window.barrier()
+        if barrier.remaining > 0:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            barrier.waiter = waiter
             try:
                 await asyncio.wait({waiter}, timeout=timeout)
             finally:
-                if entry in self._flushers:
-                    self._flushers.remove(entry)
-        return sum(1 for index in self._unresolved if index <= mark)
-
-    def _fits(self, size: int) -> bool:
-        options = self.options
-        return self._count < options.max_in_flight and (
-            self._bytes + size <= options.max_in_flight_bytes or self._count == 0
-        )
+                self._window.end_barrier(barrier)
+        return max(0, barrier.remaining)
 
     async def _wait_for_room(self, size: int, message: OutgoingMessage) -> None:
         # FIFO: a publish that finds others waiting queues behind them even if it would fit.
@@ -383,20 +280,15 @@ class AsyncPublisher:
                 raise
             if not waiter.done():
                 self._room_waiters.remove(waiter)
-                raise PublishTimeout(
-                    f"in-flight window full for {self.options.publish_timeout:g} s "
-                    f"({self._count} messages, {self._bytes} bytes unconfirmed; "
-                    f"max_in_flight={self.options.max_in_flight}, "
-                    f"max_in_flight_bytes={self.options.max_in_flight_bytes})"
-                )
+                raise self._window.full_error(self.options.publish_timeout)
             self._check_accepting(message)
-            if self._fits(size):
+            if self._window.fits(size):
                 self._wake_room()  # more room may be left for the next in line
                 return
             retry = True
 
     def _wake_room(self) -> None:
-        free = self.options.max_in_flight - self._count
+        free = self._window.free_slots()
         waiters = self._room_waiters
         while waiters and free > 0:
             waiter = waiters.popleft()
@@ -417,42 +309,24 @@ class AsyncPublisher:
         if not self._accepting:
             raise PublisherClosed(message, 0, "publisher is closed")
 
-    def _pending_upto(self, mark: int) -> bool:
-        low, issued, unresolved = self._low, self._issued, self._unresolved
-        while low <= issued and low not in unresolved:
-            low += 1
-        self._low = low
-        return low <= mark
-
     # --- settling ----------------------------------------------------------------------------
 
     def _resolve(self, resolutions: list[Resolution[_Handle]]) -> None:
         if not resolutions:
             return
-        unresolved = self._unresolved
-        freed = 0
         for r in resolutions:
-            handle = r.entry.handle
-            future = handle.future
+            future = r.entry.handle.future
             if not future.done():  # done: the caller cancelled it; the message was settled
                 if isinstance(r.result, Confirmation):
                     future.set_result(r.result)
                 else:
                     future.set_exception(r.result)
-            unresolved.discard(handle.index)
-            freed += r.entry.size
-        self._count -= len(resolutions)
-        self._bytes -= freed
+        for barrier in self._window.release(resolutions):
+            waiter = barrier.waiter
+            if isinstance(waiter, asyncio.Future) and not waiter.done():
+                waiter.set_result(None)
         if self._room_waiters:
             self._wake_room()
-        if self._flushers:
-            self._wake_flushers()
-
-    def _wake_flushers(self) -> None:
-        self._pending_upto(self._issued)
-        for mark, waiter in list(self._flushers):
-            if self._low > mark and not waiter.done():
-                waiter.set_result(None)
 
 
 def _discard_outcome(future: asyncio.Future[Confirmation]) -> None:

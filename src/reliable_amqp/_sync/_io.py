@@ -1,7 +1,9 @@
-"""The sync publisher's I/O thread: the pika connection loop, its callbacks, writing, settling.
+"""The sync publisher's I/O thread: moves bytes between pika and the supervisor, runs its timers.
 
-Everything here runs on the one thread that owns the pika connection and the PublishEngine; the
-caller-facing half of :class:`~reliable_amqp.Publisher` lives in ``publisher.py``.
+Everything here runs on the one thread that owns the pika connection and the
+:class:`~reliable_amqp._core.supervisor.Supervisor`. What a frame or a loss means, which URL to
+try next and when, and when to wake up are the supervisor's decisions; this module only carries
+them out on a pika ``SelectConnection`` and hands resolutions to the :class:`Handoff`.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ import functools
 import logging
 import threading
 import time
-from collections import deque
-from concurrent.futures import InvalidStateError
 from typing import Any
 
 import pika
@@ -20,107 +20,91 @@ from pika.adapters.select_connection import SelectConnection
 from pika.channel import Channel
 from pika.spec import Basic, BasicProperties
 
-from reliable_amqp._core.engine import PublishEngine, Resolution, is_permanent_channel_close
-from reliable_amqp._core.errors import (
-    AmqpConnectionError,
-    InvalidMessage,
-    MessageRejected,
-    PublishError,
-    RecoveryFailed,
-    ReliableAmqpError,
-)
-from reliable_amqp._core.frames import publish_frames
-from reliable_amqp._core.lifecycle import Lifecycle
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
-from reliable_amqp._core.options import PublisherOptions, redact_url
-from reliable_amqp._core.state import State, StateMachine
-from reliable_amqp._core.stats import EventKind
+from reliable_amqp._core.errors import ReliableAmqpError
+from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
 from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 from reliable_amqp._sync._future import PublishFuture
-from reliable_amqp._sync._pika import CoalescingConnection, translate_connection_error
-from reliable_amqp._sync.topology import Request, apply_topology
+from reliable_amqp._sync._handoff import Handoff
+from reliable_amqp._sync._pika import (
+    CoalescingConnection,
+    call_threadsafe,
+    translate_connection_error,
+)
+from reliable_amqp._sync.topology import apply_topology
 
 log = logging.getLogger("reliable_amqp")
 
-_TICK = 0.05  # deadline and retry resolution on the I/O thread
-_DRAIN_BATCH = 2000  # publishes per I/O-loop turn, so confirms are read between batches
-_CLOSE_GRACE = 2.0  # seconds to wait for the broker's close-ok
-
 
 class IOThread:
-    """The I/O-thread half of Publisher (a mixin: Publisher sets these attributes up)."""
+    """The thread that owns one publisher's pika connection and its supervisor."""
 
-    options: PublisherOptions
-    _params: list[pika.URLParameters]
-    _room: threading.Condition
-    _count: int
-    _bytes: int
-    _barriers: list[list[int]]
-    _outbox: deque[tuple[OutgoingMessage, PublishFuture]]
-    _wake_pending: bool
-    _topology_requests: deque[Request]
-    _fatal: ReliableAmqpError | None
-    _engine: PublishEngine[PublishFuture]
-    _state: StateMachine
-    _ioloop: Any
-    _connection: CoalescingConnection | None
-    _channel: Channel | None
-    _loss: ReliableAmqpError | None
-    _round_opened: bool
-    _channel_failures: int
-    _topology: Topology
-    _last_rx: tuple[int, float]
-    _events: Lifecycle
-    _stopping: threading.Event
-    _opened: threading.Event
-    _io_ident: int | None
+    def __init__(
+        self,
+        params: list[pika.URLParameters],
+        handoff: Handoff,
+        supervisor: Supervisor[PublishFuture],
+        topology: Topology,
+    ) -> None:
+        self._params = params
+        self._handoff = handoff
+        self._supervisor = supervisor
+        self._engine = supervisor.engine
+        self._topology = topology
+        self.stopping = threading.Event()
+        self.opened = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        # I/O-thread state below
+        self._connection: CoalescingConnection | None = None
+        self._channel: Channel | None = None
+        self._loss: ReliableAmqpError | None = None
+        self._established = False
+        self._timer: Any = None  # pika timeout handle of the next wake-up
+        self._timer_due: float | None = None
 
-    # --- settling (any thread that holds the engine: the I/O thread) -------------------------
+    # --- the caller's side ------------------------------------------------------------------
 
-    def _resolve(self, resolutions: list[Resolution[PublishFuture]]) -> None:
-        if not resolutions:
-            return
-        for r in resolutions:
-            future = r.entry.handle
-            try:
-                if isinstance(r.result, Confirmation):
-                    future.set_result(r.result)
-                else:
-                    future.set_exception(r.result)
-            except InvalidStateError:
-                pass  # the caller cancelled it; the message was still settled
-        size = sum(r.entry.size for r in resolutions)
-        with self._room:  # held briefly: publishing threads wait on this lock
-            self._count -= len(resolutions)
-            self._bytes -= size
-            for barrier in self._barriers:
-                mark = barrier[0]
-                barrier[1] -= sum(1 for r in resolutions if r.entry.handle.index <= mark)
-            self._room.notify_all()
+    def start(self) -> None:
+        """Start the thread (once)."""
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="reliable-amqp-io", daemon=True
+                )
+                self._thread.start()
 
-    # --- the I/O thread ----------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        """True once :meth:`start` ran."""
+        return self._thread is not None
+
+    def stop(self) -> None:
+        """Ask the thread to close the connection and end; wait until it has."""
+        self.stopping.set()
+        self._handoff.wake(force=True)
+        if self._thread is not None:
+            self._thread.join()
+
+    # --- the thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        self._io_ident = threading.get_ident()
+        self._handoff.io_ident = threading.get_ident()
         try:
             self._connect_loop()
         except BaseException as exc:
             # A bug must not leave callers publishing into an outbox nobody reads.
             log.exception("reliable-amqp: I/O thread failed")
-            self._fail(ReliableAmqpError(f"internal error in the I/O thread: {exc!r}"), 0)
+            self._give_up(ReliableAmqpError(f"internal error in the I/O thread: {exc!r}"))
         finally:
             self._shutdown()
 
     def _connect_loop(self) -> None:
-        failures = 0
-        first_failure = 0.0
-        attempt = 0
-        while not self._stopping.is_set():
-            params = self._params[attempt % len(self._params)]
-            attempt += 1
+        supervisor = self._supervisor
+        while not self.stopping.is_set():
+            params = self._params[supervisor.next_attempt()]
             self._loss = None
-            self._round_opened = False
+            self._established = False
             connection = CoalescingConnection(
                 params,
                 on_open_callback=self._on_connection_open,
@@ -128,115 +112,122 @@ class IOThread:
                 on_close_callback=self._on_connection_closed,
             )
             self._connection = connection
-            with self._room:
-                self._ioloop = connection.ioloop
-                self._wake_pending = False
-            connection.ioloop.call_later(_TICK, self._on_tick)
+            loop = connection.ioloop
+            with self._handoff.lock:
+                self._handoff.wake_loop = functools.partial(call_threadsafe, loop, self._drain)
+                self._handoff.wake_pending = False
+            self._timer = self._timer_due = None
+            self._schedule()
             try:
-                connection.ioloop.start()
+                loop.start()
             except Exception as exc:
                 # pika lets some socket errors escape its loop (a peer reset right after
                 # connect: "getpeername() failed"); that is a lost connection, not a crash.
                 log.warning("reliable-amqp: I/O loop failed: %r", exc, exc_info=True)
                 if self._loss is None:
-                    self._loss = AmqpConnectionError(f"I/O loop failed: {exc!r}")
-                    self._events.lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
-            with self._room:
-                self._ioloop = None
-            connection.ioloop.close()  # each connection has its own loop: free its fds
+                    self._loss = translate_connection_error(exc)
+            with self._handoff.lock:
+                self._handoff.wake_loop = None
+            loop.close()  # each connection has its own loop: free its fds
             self._connection = None
             self._channel = None
             # Whatever was on the wire goes out again on the next connection, in order.
-            self._resolve(self._engine.on_channel_lost(None, "connection lost", time.monotonic()))
-            if self._stopping.is_set():
+            resolutions, plan = supervisor.connection_lost(
+                self._loss, time.monotonic(), established=self._established
+            )
+            self._handoff.resolve(resolutions)
+            if plan is None:
                 break
-            loss = self._loss or AmqpConnectionError("connection lost")
-            if self._round_opened:
-                failures = 0
-            if failures == 0:
-                first_failure = time.monotonic()
-            failures += 1
-            self._state.transition(State.RECOVERING)
-            policy = self.options.connect_policy
-            if not loss.retriable or not policy.allows(failures, time.monotonic() - first_failure):
-                self._fail(loss, failures)
+            if isinstance(plan, GiveUp):
+                self._handoff.fail(plan.error)
                 return
-            delay = (
-                policy.delay(failures)
-                if len(self._params) == 1 or (failures % len(self._params) == 0)
-                else 0.0
-            )
-            log.warning(
-                "reliable-amqp: connection to %s lost (%s); retry %d in %.2f s",
-                redact_url(self.options.urls[(attempt - 1) % len(self._params)]),
-                loss,
-                failures,
-                delay,
-            )
-            self._sleep(delay)
+            self._wait(plan.delay)
 
-    def _sleep(self, delay: float) -> None:
-        # Deadlines keep running while no connection is up: tick the engine while waiting.
+    def _wait(self, delay: float) -> None:
+        """Between connections: accept publishes and keep deadlines running for ``delay``."""
         end = time.monotonic() + delay
-        while not self._stopping.is_set():
+        idle = self._handoff.idle
+        while not self.stopping.is_set():
             now = time.monotonic()
             self._accept_outbox(now)
-            self._resolve(self._engine.tick(now))
+            self._handoff.resolve(self._supervisor.tick(now))
             if now >= end:
                 return
-            self._stopping.wait(min(_TICK, end - now))
+            due = self._supervisor.next_wakeup()
+            until = end if due is None else min(end, due)
+            idle.wait(max(0.0, until - now))
+            idle.clear()
 
-    def _fail(self, error: ReliableAmqpError, failures: int) -> None:
-        fatal = (
-            error
-            if not error.retriable
-            else RecoveryFailed(f"gave up connecting after {failures} attempts: {error}")
-        )
-        if fatal is not error:
-            fatal.__cause__ = error
-        log.error("reliable-amqp: %s", fatal)
-        self._events.emit(EventKind.RECOVERY_FAILED, str(fatal))
-        with self._room:
-            self._fatal = fatal
-            self._room.notify_all()
+    def _give_up(self, error: ReliableAmqpError) -> None:
+        self._handoff.fail(self._supervisor.give_up(error))
 
     def _shutdown(self) -> None:
-        with self._room:
-            requests = list(self._topology_requests)
-            self._topology_requests.clear()
-        for op, future in requests:
+        for op, future in self._handoff.take_requests():
             if future is not None and not future.done():
                 future.set_exception(ReliableAmqpError(f"publisher closed before {op.describe()}"))
         self._accept_outbox(time.monotonic())
-        reason = str(self._fatal) if self._fatal is not None else "publisher closed"
-        resolutions = self._engine.close_all(reason)
-        for r in resolutions:
-            if isinstance(r.result, PublishError):
-                r.result.__cause__ = self._fatal  # e.g. AuthenticationFailed, RecoveryFailed
-        self._resolve(resolutions)
-        if self._state.state is not State.CLOSING:
-            self._state.transition(State.CLOSING)
-        self._state.transition(State.CLOSED)
-        self._events.emit(EventKind.CLOSED, reason)
+        self._handoff.resolve(self._supervisor.shutdown())
+        self._supervisor.closed()
 
     def _accept_outbox(self, now: float) -> None:
-        with self._room:
-            if not self._outbox:
-                return
-            items = self._outbox
-            self._outbox = deque()
+        items = self._handoff.take_outbox()
+        if items is None:
+            return
         accept = self._engine.accept
-        for message, handle in items:
-            accept(message, handle, now)
+        for message, future in items:
+            accept(message, future, now)
+        self._schedule()  # their deadlines may come before the timer set (for liveness, say)
 
-    # pika callbacks (I/O thread) ---------------------------------------------------------
+    # --- timers -----------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        """Make sure a timer fires when the supervisor next has work."""
+        due = self._supervisor.next_wakeup()
+        if due is None or (self._timer_due is not None and self._timer_due <= due):
+            return
+        connection = self._connection
+        if connection is None:
+            return
+        loop = connection.ioloop
+        if self._timer is not None:
+            loop.remove_timeout(self._timer)
+        self._timer_due = due
+        self._timer = loop.call_later(max(0.0, due - time.monotonic()), self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_due = None
+        now = time.monotonic()
+        connection = self._connection
+        if connection is not None and connection.is_open and self._loss is None:
+            loss = self._supervisor.check_liveness(connection.bytes_received, now)
+            if loss is not None:
+                self._lose(connection, loss)
+                return
+        self._accept_outbox(now)
+        self._handoff.resolve(self._supervisor.tick(now))
+        if self._engine.has_sendable():
+            self._drain()
+        self._schedule()
+
+    def _lose(self, connection: CoalescingConnection, loss: ReliableAmqpError) -> None:
+        self._loss = loss
+        terminate = getattr(connection, "_terminate_stream", None)
+        if terminate is not None:  # pika's own path for a dead stream: closes the socket
+            terminate(loss)
+        else:
+            connection.ioloop.stop()
+
+    # --- pika callbacks (I/O thread) --------------------------------------------------------
 
     def _on_connection_open(self, connection: SelectConnection) -> None:
-        if self._stopping.is_set():
+        self._established = True
+        if self.stopping.is_set():
             connection.close()
             return
         connection.add_on_connection_blocked_callback(self._on_blocked)
         connection.add_on_connection_unblocked_callback(self._on_unblocked)
+        self._supervisor.check_liveness(connection.bytes_received, time.monotonic())
+        self._schedule()
         # Declare again what the user declared (a restarted broker lost non-durable topology)
         # before any message is written.
         apply_topology(
@@ -247,8 +238,11 @@ class IOThread:
         )
 
     def _open_channel(self, connection: SelectConnection) -> None:
+        current = self._connection
+        if current is None or current is not connection or not current.is_open:
+            return  # a stale reopen: that connection is gone
         generation = self._engine.tracker.generation
-        connection.channel(on_open_callback=functools.partial(self._on_channel_open, generation))
+        current.channel(on_open_callback=functools.partial(self._on_channel_open, generation))
 
     def _on_channel_open(self, generation: int, channel: Channel) -> None:
         channel.add_on_close_callback(functools.partial(self._on_channel_closed, generation))
@@ -259,13 +253,11 @@ class IOThread:
         )
 
     def _on_confirm_mode(self, generation: int, channel: Channel) -> None:
-        if generation != self._engine.tracker.generation or self._stopping.is_set():
+        if generation != self._engine.tracker.generation or self.stopping.is_set():
             return
         self._channel = channel
-        self._round_opened = True
-        self._state.transition(State.OPEN)
-        self._events.opened()
-        self._opened.set()
+        self._supervisor.channel_opened()
+        self.opened.set()
         self._drain()
 
     def _on_channel_closed(self, generation: int, channel: Channel, reason: Exception) -> None:
@@ -274,62 +266,40 @@ class IOThread:
             return
         self._channel = None
         connection = self._connection
-        if connection is None or not connection.is_open or self._stopping.is_set():
-            return  # the connection callback recovers
+        if connection is None or not connection.is_open or self.stopping.is_set():
+            return  # the connection's loss recovers it
         code = getattr(reason, "reply_code", None)
         text = getattr(reason, "reply_text", str(reason))
-        log.warning("reliable-amqp: channel closed: %s %s", code, text)
-        self._events.lost("channel", EventKind.CHANNEL_LOST, f"channel closed: {code} {text}")
-        self._resolve(self._engine.on_channel_lost(code, text, time.monotonic()))
-        if self._state.state is State.OPEN:
-            self._state.transition(State.RECOVERING)
-        if is_permanent_channel_close(code, text):
-            self._open_channel(connection)  # the message that did it is out of the way
-            return
-        # A resource problem (LavinMQ's low disk, 506): back off before the next channel.
-        self._channel_failures += 1
-        delay = self.options.connect_policy.delay(self._channel_failures)
-        connection.ioloop.call_later(delay, lambda: self._reopen_channel(connection))
-
-    def _reopen_channel(self, connection: SelectConnection) -> None:
-        current = self._connection
-        if current is connection and current.is_open and self._channel is None:
-            self._open_channel(current)
+        resolutions, delay = self._supervisor.channel_closed(code, text, time.monotonic())
+        self._handoff.resolve(resolutions)
+        connection.ioloop.call_later(delay, functools.partial(self._open_channel, connection))
 
     def _on_connection_open_error(self, connection: SelectConnection, error: Any) -> None:
         self._loss = translate_connection_error(error)
         connection.ioloop.stop()
 
     def _on_connection_closed(self, connection: SelectConnection, reason: Exception) -> None:
-        if not self._stopping.is_set() and self._loss is None:
+        if self._loss is None:
             self._loss = translate_connection_error(reason)
-            self._events.lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
         connection.ioloop.stop()
 
     def _on_blocked(self, connection: SelectConnection, frame: Any) -> None:
-        log.warning("reliable-amqp: broker blocked the connection: %s", frame.method.reason)
-        self._events.emit(EventKind.BLOCKED, str(frame.method.reason))
-        if self._state.state is State.OPEN:
-            self._state.transition(State.BLOCKED)
+        self._supervisor.blocked(str(frame.method.reason))
 
     def _on_unblocked(self, connection: SelectConnection, frame: Any) -> None:
-        self._events.emit(EventKind.UNBLOCKED, "connection unblocked")
-        if self._state.state is State.BLOCKED:
-            self._state.transition(State.OPEN)
+        if self._supervisor.unblocked():
             self._drain()
 
     def _on_confirm(self, generation: int, frame: Any) -> None:
         method = frame.method
-        now = time.monotonic()
-        self._channel_failures = 0
-        if isinstance(method, Basic.Ack):
-            self._resolve(
-                self._engine.on_ack(generation, method.delivery_tag, method.multiple, now)
+        ack = isinstance(method, Basic.Ack)
+        self._handoff.resolve(
+            self._supervisor.on_confirm(
+                generation, ack, method.delivery_tag, method.multiple, time.monotonic()
             )
-        else:
-            self._resolve(
-                self._engine.on_nack(generation, method.delivery_tag, method.multiple, now)
-            )
+        )
+        if not ack:
+            self._schedule()  # a nack retry may come due before anything else
 
     def _on_return(
         self, channel: Channel, method: Basic.Return, properties: BasicProperties, body: bytes
@@ -337,126 +307,56 @@ class IOThread:
         attempt = (properties.headers or {}).get(ATTEMPT_HEADER)
         self._engine.on_return(attempt, method.reply_code, method.reply_text)
 
-    def _on_tick(self) -> None:
-        now = time.monotonic()
-        self._check_liveness(now)
-        self._accept_outbox(now)
-        self._resolve(self._engine.tick(now))
-        if self._stopping.is_set():
-            self._begin_close()
-            return
-        if self._engine.has_sendable():
-            self._drain()
-        ioloop = self._ioloop
-        if ioloop is not None:
-            ioloop.call_later(_TICK, self._on_tick)
-
-    def _check_liveness(self, now: float) -> None:
-        """Notice a stalled link after 2 heartbeats of silence (pika alone waits 2x(hb+5) s)."""
-        connection = self._connection
-        heartbeat = self.options.heartbeat
-        if connection is None or not heartbeat or not connection.is_open:
-            self._last_rx = (-1, now)
-            return
-        received = connection.bytes_received
-        if received != self._last_rx[0]:
-            self._last_rx = (received, now)
-            return
-        silent = now - self._last_rx[1]
-        if silent > 2 * heartbeat:
-            self._loss = AmqpConnectionError(
-                f"no data from the broker for {silent:.1f} s (heartbeat {heartbeat} s)"
-            )
-            self._events.lost("connection", EventKind.CONNECTION_LOST, str(self._loss))
-            self._last_rx = (-1, now)
-            terminate = getattr(connection, "_terminate_stream", None)
-            if terminate is not None:  # pika's own path for a dead stream: closes the socket
-                terminate(self._loss)
-            elif self._ioloop is not None:
-                self._ioloop.stop()
-
-    def _begin_close(self) -> None:
-        if self._state.state is State.CLOSING:
-            return
-        self._state.transition(State.CLOSING)
-        self._accept_outbox(time.monotonic())
-        self._resolve(self._engine.close_all("publisher closed"))
-        connection = self._connection
-        ioloop = self._ioloop
-        if connection is not None and not (connection.is_closing or connection.is_closed):
-            try:
-                connection.close()
-                if ioloop is not None:
-                    # A stalled broker never answers close-ok: do not wait for it forever.
-                    ioloop.call_later(_CLOSE_GRACE, ioloop.stop)
-                return
-            except pika.exceptions.ConnectionWrongStateError:
-                pass
-        if ioloop is not None:
-            ioloop.stop()
+    # --- writing and closing ----------------------------------------------------------------
 
     def _drain(self) -> None:
-        with self._room:
-            self._wake_pending = False
         now = time.monotonic()
         self._accept_outbox(now)
-        if self._stopping.is_set():
-            if self._state.state is not State.CLOSING:
-                self._begin_close()
+        if self.stopping.is_set():
+            self._begin_close()
             return
         self._apply_requested_topology()
         channel = self._channel
-        if channel is None or not self._state.writable:
+        if channel is None or not self._supervisor.writable:
             return
-        engine = self._engine
         connection = self._connection
         assert connection is not None
-        # Frames are marshalled here, straight to bytes (pika's own path costs ~3x the CPU), and
-        # gathered into one write per batch; pika still owns the socket and everything else.
+        # Frames are marshalled by the core straight to bytes (pika's own path costs ~3x the
+        # CPU) and gathered into one write per batch; pika still owns the socket.
         out = connection.begin_gather()
-        number = channel.channel_number
-        frame_max = connection.params.frame_max
         try:
-            for _ in range(_DRAIN_BATCH):
-                entry = engine.next_to_send()
-                if entry is None:
-                    return
-                headers = engine.mark_sent(entry)
-                mark = len(out)
-                try:
-                    publish_frames(number, entry.message, headers, frame_max, out)
-                except InvalidMessage as exc:
-                    # Drop what was gathered of this message: nothing of it is written, so its
-                    # delivery tag is handed back and it fails alone.
-                    del out[mark:]
-                    engine.tracker.untrack(entry)
-                    error = MessageRejected(
-                        entry.message, entry.attempts, 0, f"could not be encoded: {exc}"
-                    )
-                    self._resolve([engine.fail(entry, error)])
-            ioloop = self._ioloop
-            if ioloop is not None:
-                ioloop.call_later(0, self._drain)  # let confirms in between batches
+            count, failed = self._supervisor.write(
+                channel.channel_number, connection.params.frame_max, out
+            )
         finally:
             connection.emit_gathered()
+        self._handoff.resolve(failed)
+        if count and self._engine.has_sendable():
+            connection.ioloop.call_later(0, self._drain)  # let confirms in between batches
+
+    def _begin_close(self) -> None:
+        supervisor = self._supervisor
+        if supervisor.stopping:
+            return
+        supervisor.begin_close()
+        self._handoff.resolve(supervisor.shutdown())
+        connection = self._connection
+        if connection is None:
+            return
+        loop = connection.ioloop
+        if not (connection.is_closing or connection.is_closed):
+            try:
+                connection.close()
+                # A stalled broker never answers close-ok: do not wait for it forever.
+                loop.call_later(CLOSE_GRACE, loop.stop)
+                return
+            except pika.exceptions.ConnectionWrongStateError:
+                pass
+        loop.stop()
 
     def _apply_requested_topology(self) -> None:
         connection = self._connection
-        if not self._topology_requests or connection is None or not connection.is_open:
+        if not self._handoff.requests or connection is None or not connection.is_open:
             return
-        with self._room:
-            requests = list(self._topology_requests)
-            self._topology_requests.clear()
+        requests = self._handoff.take_requests()
         apply_topology(connection, requests, on_applied=self._topology.record, then=lambda: None)
-
-    def _abandon_channel(self, channel: Channel) -> None:
-        self._channel = None
-        self._resolve(self._engine.on_channel_lost(None, "publish failed", time.monotonic()))
-        try:
-            if channel.is_open:
-                channel.close()
-        except pika.exceptions.AMQPError:
-            pass
-        connection = self._connection
-        if connection is not None and connection.is_open:
-            self._open_channel(connection)

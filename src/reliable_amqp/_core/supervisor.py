@@ -1,0 +1,317 @@
+"""Supervisor: every decision about a publisher's connection, with no I/O (the h11 way).
+
+Both adapters feed it what happened (a connection attempt failed, a channel opened, the broker
+closed a channel, a confirm arrived, the link went silent, the clock moved) and do what it answers:
+which URL to try next and after how long, whether to give up and with what error, whether a
+closed channel is reopened at once or after a backoff, when to wake up next. It owns the
+:class:`PublishEngine` (what becomes of each message), the :class:`StateMachine` (where the
+connection is) and the :class:`Lifecycle` (events for ``on_event``). The adapters move bytes, run
+the timers it asks for, and turn the :class:`Resolution` objects it returns into futures.
+
+Not thread-safe: called from the I/O thread or the event loop only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from reliable_amqp._core.engine import PublishEngine, Resolution, is_permanent_channel_close
+from reliable_amqp._core.errors import (
+    AmqpConnectionError,
+    InvalidMessage,
+    MessageRejected,
+    PublishError,
+    RecoveryFailed,
+    ReliableAmqpError,
+)
+from reliable_amqp._core.frames import publish_frames
+from reliable_amqp._core.lifecycle import Lifecycle
+from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._core.state import State, StateMachine
+from reliable_amqp._core.stats import EventKind
+
+H = TypeVar("H")
+
+log = logging.getLogger("reliable_amqp")
+
+#: seconds to wait for the broker's close-ok (a stalled broker never sends one)
+CLOSE_GRACE = 2.0
+#: publishes written per batch: confirms are read between batches
+BATCH_COUNT = 2000
+#: body bytes per batch: a large body goes out in a write of its own
+BATCH_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    """Try ``urls[url_index]`` after ``delay`` seconds."""
+
+    url_index: int
+    delay: float
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """Recovery is over: every pending message fails, ``error`` is what callers see."""
+
+    error: ReliableAmqpError
+
+
+class Supervisor(Generic[H]):
+    """The connection's life and the engine's clock, for one publisher."""
+
+    def __init__(self, options: PublisherOptions, *, borrowed: bool = False) -> None:
+        self.options = options
+        self.engine: PublishEngine[H] = PublishEngine(
+            delivery_timeout=options.delivery_timeout,
+            nack_policy=options.nack_policy,
+            dedup_header=options.dedup_header,
+        )
+        self.state = StateMachine()
+        self.events = Lifecycle(options.on_event, self.engine.counters)
+        #: True when the connection is lent by the caller and reconnects by itself
+        self.borrowed = borrowed
+        #: why the publisher gave up for good (wrong credentials, connect policy spent)
+        self.fatal: ReliableAmqpError | None = None
+        #: close() was asked for: no more recovery
+        self.stopping = False
+        self._attempts = 0  # connection attempts started
+        self._failures = 0  # consecutive losses since a connection last opened a channel
+        self._first_failure = 0.0
+        self._round_opened = False
+        self._channel_failures = 0
+        self._rx = (-1, 0.0)  # (bytes received, when that count last changed)
+        self._check_at: float | None = None  # next liveness check, while a connection is up
+
+    # --- connecting ---------------------------------------------------------------------------
+
+    def next_attempt(self) -> int:
+        """Start a connection attempt; returns the index of the URL to try."""
+        index = self._attempts % len(self.options.urls)
+        self._attempts += 1
+        self._round_opened = False
+        self._rx = (-1, 0.0)
+        self._check_at = None
+        return index
+
+    def describe(self, url_index: int) -> str:
+        """The URL of ``url_index``, password redacted (for logs)."""
+        return redact_url(self.options.urls[url_index])
+
+    def channel_opened(self) -> None:
+        """The confirm-mode channel is open: messages may be written."""
+        self._round_opened = True
+        self.state.transition(State.OPEN)
+        self.events.opened()
+
+    def connection_lost(
+        self, loss: ReliableAmqpError | None, now: float, *, established: bool
+    ) -> tuple[list[Resolution[H]], Reconnect | GiveUp | None]:
+        """The connection is gone, or an attempt failed (``established`` False).
+
+        Whatever was on the wire is queued to go out again, in order. Returns those messages'
+        resolutions (none, unless the engine failed some) and what to do next: reconnect (to
+        which URL, after how long), give up, or nothing (the publisher is closing).
+        """
+        resolutions = self.engine.on_channel_lost(None, "connection lost", now)
+        if self.stopping:
+            return resolutions, None
+        if loss is None:
+            loss = AmqpConnectionError("connection lost")
+        if established:
+            self.events.lost("connection", EventKind.CONNECTION_LOST, str(loss))
+        if self._round_opened:
+            self._failures = 0
+        if self._failures == 0:
+            self._first_failure = now
+        self._failures += 1
+        self.state.transition(State.RECOVERING)
+        policy = self.options.connect_policy
+        failures = self._failures
+        if not loss.retriable or not policy.allows(failures, now - self._first_failure):
+            return resolutions, GiveUp(self.give_up(loss, failures))
+        urls = len(self.options.urls)
+        # Fail over through the other URLs at once; back off after each full round.
+        delay = policy.delay(failures) if urls == 1 or failures % urls == 0 else 0.0
+        if self.borrowed:
+            delay = 0.0  # the owner's connection reconnects by itself; the adapter waits for it
+        index = self._attempts % urls
+        log.warning(
+            "reliable-amqp: connection to %s lost (%s); retry %d in %.2f s",
+            self.describe((self._attempts - 1) % urls),
+            loss,
+            failures,
+            delay,
+        )
+        return resolutions, Reconnect(index, delay)
+
+    def give_up(self, error: ReliableAmqpError, failures: int = 0) -> ReliableAmqpError:
+        """End recovery with ``error`` (a retriable one becomes :class:`RecoveryFailed`)."""
+        fatal = error
+        if error.retriable:
+            fatal = RecoveryFailed(f"gave up connecting after {failures} attempts: {error}")
+            fatal.__cause__ = error
+        log.error("reliable-amqp: %s", fatal)
+        self.events.emit(EventKind.RECOVERY_FAILED, str(fatal))
+        self.fatal = fatal
+        return fatal
+
+    # --- the channel ----------------------------------------------------------------------------
+
+    def channel_closed(
+        self, reply_code: int | None, reply_text: str, now: float
+    ) -> tuple[list[Resolution[H]], float]:
+        """The broker closed the publishing channel while its connection stays open.
+
+        The message that caused a permanent close (404, 406, ...) fails alone; the others go out
+        again on a new channel. Returns those resolutions and the delay before the next channel:
+        0 after a permanent close (the culprit is out of the way), a backoff after a resource
+        problem (LavinMQ's low disk, 506) so the broker is not hammered.
+        """
+        log.warning("reliable-amqp: channel closed: %s %s", reply_code, reply_text)
+        self.events.lost(
+            "channel", EventKind.CHANNEL_LOST, f"channel closed: {reply_code} {reply_text}"
+        )
+        resolutions = self.engine.on_channel_lost(reply_code, reply_text, now)
+        if self.state.state is not State.CLOSING:
+            self.state.transition(State.RECOVERING)
+        if is_permanent_channel_close(reply_code, reply_text):
+            return resolutions, 0.0
+        return resolutions, self.channel_failed()
+
+    def channel_failed(self) -> float:
+        """A channel could not be opened or was closed for a resource problem: the backoff."""
+        self._channel_failures += 1
+        return self.options.connect_policy.delay(self._channel_failures)
+
+    def on_confirm(
+        self, generation: int, ack: bool, tag: int, multiple: bool, now: float
+    ) -> list[Resolution[H]]:
+        """``basic.ack`` (``ack``) or ``basic.nack`` from the channel of ``generation``."""
+        self._channel_failures = 0
+        if ack:
+            return self.engine.on_ack(generation, tag, multiple, now)
+        return self.engine.on_nack(generation, tag, multiple, now)
+
+    def blocked(self, reason: str) -> None:
+        """``connection.blocked``: nothing is written until unblocked; deadlines run on."""
+        log.warning("reliable-amqp: broker blocked the connection: %s", reason)
+        self.events.emit(EventKind.BLOCKED, reason)
+        if self.state.state is State.OPEN:
+            self.state.transition(State.BLOCKED)
+
+    def unblocked(self) -> bool:
+        """``connection.unblocked``; True when writing may resume now."""
+        self.events.emit(EventKind.UNBLOCKED, "connection unblocked")
+        if self.state.state is State.BLOCKED:
+            self.state.transition(State.OPEN)
+            return True
+        return False
+
+    @property
+    def writable(self) -> bool:
+        """Whether messages may be written now (channel open, not blocked, not closing)."""
+        return self.state.writable and not self.stopping
+
+    def write(
+        self, channel: int, frame_max: int, out: list[bytes | memoryview]
+    ) -> tuple[int, list[Resolution[H]]]:
+        """Append the frames of the next batch to ``out``: (messages written, resolutions).
+
+        A message whose frames cannot be encoded (a gap in ``publish()``'s checks) is taken
+        back and fails alone with :class:`MessageRejected`; the batch goes on.
+        """
+        engine = self.engine
+        count = size = 0
+        failed: list[Resolution[H]] = []
+        while count < BATCH_COUNT and size < BATCH_BYTES:
+            entry = engine.next_to_send()
+            if entry is None:
+                break
+            headers = engine.mark_sent(entry)
+            mark = len(out)
+            try:
+                publish_frames(channel, entry.message, headers, frame_max, out)
+            except (InvalidMessage, TypeError, ValueError, OverflowError) as exc:
+                del out[mark:]
+                engine.tracker.untrack(entry)
+                error = MessageRejected(
+                    entry.message, entry.attempts, 0, f"could not be encoded: {exc}"
+                )
+                failed.append(engine.fail(entry, error))
+                continue
+            count += 1
+            size += entry.size
+        return count, failed
+
+    # --- time -----------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Resolution[H]]:
+        """Release due nack retries and expire messages past their deadline."""
+        return self.engine.tick(now)
+
+    def next_wakeup(self) -> float | None:
+        """When :meth:`tick` or :meth:`check_liveness` next has work (None: nothing pending)."""
+        due = self.engine.next_wakeup()
+        check = self._check_at
+        if check is not None:
+            due = check if due is None else min(due, check)
+        return due
+
+    def check_liveness(self, received: int, now: float) -> AmqpConnectionError | None:
+        """Watch the byte count of an open connection; an error once the link is silent.
+
+        Call it when the connection opens and whenever :meth:`next_wakeup` comes due.
+
+        A broker sends heartbeats, so more than two heartbeat intervals without a byte means
+        the link is dead, although no socket error says so (pika alone waits 2x(hb+5) s).
+        """
+        heartbeat = self.options.heartbeat
+        if not heartbeat:
+            return None
+        last, since = self._rx
+        if received != last:
+            self._rx = (received, now)
+            self._check_at = now + heartbeat / 2
+            return None
+        silent = now - since
+        if silent <= 2 * heartbeat:
+            self._check_at = now + heartbeat / 2
+            return None
+        self._rx = (-1, now)
+        self._check_at = None
+        return AmqpConnectionError(
+            f"no data from the broker for {silent:.1f} s (heartbeat {heartbeat} s)"
+        )
+
+    # --- closing --------------------------------------------------------------------------------
+
+    def begin_close(self) -> None:
+        """``close()`` was called: no more recovery."""
+        self.stopping = True
+        if self.state.state not in (State.CLOSING, State.CLOSED):
+            self.state.transition(State.CLOSING)
+
+    def shutdown(self) -> list[Resolution[H]]:
+        """The end: fail what is left (with the fatal error as cause), state CLOSED."""
+        reason = str(self.fatal) if self.fatal is not None else "publisher closed"
+        self.stopping = True
+        resolutions = self.engine.close_all(reason)
+        if self.fatal is not None:
+            for r in resolutions:
+                if isinstance(r.result, PublishError):
+                    r.result.__cause__ = self.fatal  # AuthenticationFailed, RecoveryFailed, ...
+        if self.state.state not in (State.CLOSING, State.CLOSED):
+            self.state.transition(State.CLOSING)
+        return resolutions
+
+    def closed(self) -> None:
+        """The connection is torn down: report it."""
+        reason = str(self.fatal) if self.fatal is not None else "publisher closed"
+        if self.state.state is not State.CLOSED:
+            if self.state.state is not State.CLOSING:
+                self.state.transition(State.CLOSING)
+            self.state.transition(State.CLOSED)
+            self.events.emit(EventKind.CLOSED, reason)

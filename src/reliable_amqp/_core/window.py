@@ -1,0 +1,106 @@
+"""The in-flight window and ``flush()`` accounting, one algorithm for both publishers.
+
+The window bounds what a publisher holds unresolved (``max_in_flight`` messages,
+``max_in_flight_bytes`` body bytes, one larger message let through alone). ``flush()`` waits on a
+:class:`Barrier`: the number of messages issued up to the moment it was called that are still
+unresolved, counted down as they resolve, so a flush never waits for publishes that came after it.
+
+Not locked: the sync publisher holds its window lock around every call, the async publisher runs
+on one event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from reliable_amqp._core.engine import Resolution
+from reliable_amqp._core.errors import PublishTimeout
+
+
+class Indexed(Protocol):
+    """What the engine holds per message for the window: its issue number (1, 2, ...)."""
+
+    index: int
+
+
+class Barrier:
+    """One ``flush()`` under way: messages issued up to ``mark`` not yet resolved."""
+
+    __slots__ = ("mark", "remaining", "waiter")
+
+    def __init__(self, mark: int, remaining: int) -> None:
+        self.mark = mark
+        self.remaining = remaining
+        #: the adapter's wake-up for this flush (an asyncio future); unused by the core
+        self.waiter: object = None
+
+
+class Window:
+    """Counts of unresolved messages and bytes, issue numbers, and the flushes waiting."""
+
+    __slots__ = ("_barriers", "bytes", "count", "issued", "max_bytes", "max_count")
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        #: unresolved messages and their body bytes
+        self.count = 0
+        self.bytes = 0
+        #: messages issued so far; a message's index is the value after its own issue
+        self.issued = 0
+        self._barriers: list[Barrier] = []
+
+    def fits(self, size: int) -> bool:
+        """Whether a message of ``size`` body bytes may be taken in now."""
+        return self.count < self.max_count and (
+            self.bytes + size <= self.max_bytes or self.count == 0
+        )
+
+    def take(self, size: int) -> int:
+        """Count one more unresolved message; return its index."""
+        self.count += 1
+        self.bytes += size
+        self.issued += 1
+        return self.issued
+
+    def free_slots(self) -> int:
+        """How many more messages the count bound admits (the byte bound aside)."""
+        return self.max_count - self.count
+
+    def release(self, resolutions: Sequence[Resolution[Any]]) -> list[Barrier]:
+        """Messages resolved (their handles are :class:`Indexed`); returns the barriers that
+        reached zero with them."""
+        self.count -= len(resolutions)
+        self.bytes -= sum(r.entry.size for r in resolutions)
+        if not self._barriers:
+            return []
+        cleared: list[Barrier] = []
+        for barrier in self._barriers:
+            if barrier.remaining <= 0:
+                continue
+            mark = barrier.mark
+            barrier.remaining -= sum(1 for r in resolutions if r.entry.handle.index <= mark)
+            if barrier.remaining <= 0:
+                cleared.append(barrier)
+        return cleared
+
+    def barrier(self) -> Barrier:
+        """Start a flush: every message unresolved now was issued before it."""
+        barrier = Barrier(self.issued, self.count)
+        if barrier.remaining > 0:
+            self._barriers.append(barrier)
+        return barrier
+
+    def end_barrier(self, barrier: Barrier) -> None:
+        """The flush is over (done or timed out); stop counting for it."""
+        if barrier in self._barriers:
+            self._barriers.remove(barrier)
+
+    def full_error(self, waited: float) -> PublishTimeout:
+        """The error ``publish()`` raises after waiting ``waited`` seconds for room."""
+        return PublishTimeout(
+            f"in-flight window full for {waited:g} s "
+            f"({self.count} messages, {self.bytes} bytes unconfirmed; "
+            f"max_in_flight={self.max_count}, max_in_flight_bytes={self.max_bytes})"
+        )

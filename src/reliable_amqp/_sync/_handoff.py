@@ -1,0 +1,100 @@
+"""What the caller's threads and the I/O thread share, under one lock.
+
+Callers put messages in the outbox and take room in the window; the I/O thread takes the outbox,
+settles futures and frees room. Everything here is guarded by ``lock`` (``room`` is a Condition on
+it for callers waiting for room or for a flush); the engine and the pika objects are not here:
+only the I/O thread touches those.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import InvalidStateError
+
+from reliable_amqp._core.engine import Resolution
+from reliable_amqp._core.errors import ReliableAmqpError
+from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.window import Window
+from reliable_amqp._sync._future import PublishFuture
+from reliable_amqp._sync.topology import Request
+
+
+class Handoff:
+    """The shared state of one sync publisher (see the module docstring)."""
+
+    def __init__(self, options: PublisherOptions) -> None:
+        self.lock = threading.Lock()  # publish() takes it bare: cheaper than the Condition
+        self.room = threading.Condition(self.lock)
+        self.window = Window(options.max_in_flight, options.max_in_flight_bytes)
+        self.outbox: deque[tuple[OutgoingMessage, PublishFuture]] = deque()
+        self.requests: deque[Request] = deque()
+        self.future_lock = threading.RLock()  # shared by this publisher's futures
+        #: set while a wake-up of the I/O thread is on its way (publishers need not send more)
+        self.wake_pending = False
+        #: how to wake the I/O thread while its loop runs (None: it is between connections)
+        self.wake_loop: Callable[[], None] | None = None
+        #: wakes the I/O thread while it waits between connections
+        self.idle = threading.Event()
+        self.accepting = True
+        self.fatal: ReliableAmqpError | None = None
+        #: the I/O thread's ident: waiting on a future there would deadlock
+        self.io_ident: int | None = None
+
+    def wake(self, force: bool = False) -> None:
+        """Make the I/O thread look at the outbox (once, however many publishes ask)."""
+        with self.lock:
+            if self.wake_pending and not force:
+                return
+            self.wake_pending = True
+            wake = self.wake_loop
+        if wake is not None:
+            wake()
+        else:
+            self.idle.set()
+
+    def take_outbox(self) -> deque[tuple[OutgoingMessage, PublishFuture]] | None:
+        """Everything published since the last call (None when nothing was)."""
+        with self.lock:
+            self.wake_pending = False
+            if not self.outbox:
+                return None
+            items = self.outbox
+            self.outbox = deque()
+            return items
+
+    def take_requests(self) -> list[Request]:
+        """The declarations callers asked for since the last call."""
+        with self.lock:
+            requests = list(self.requests)
+            self.requests.clear()
+            return requests
+
+    def resolve(self, resolutions: list[Resolution[PublishFuture]]) -> None:
+        """Turn resolutions into settled futures and free their room in the window."""
+        if not resolutions:
+            return
+        for r in resolutions:
+            future = r.entry.handle
+            try:
+                if isinstance(r.result, Confirmation):
+                    future.set_result(r.result)
+                else:
+                    future.set_exception(r.result)
+            except InvalidStateError:
+                pass  # the caller cancelled it; the message was still settled
+        with self.room:  # held briefly: publishing threads wait on this lock
+            self.window.release(resolutions)
+            self.room.notify_all()
+
+    def fail(self, fatal: ReliableAmqpError) -> None:
+        """The publisher gave up: callers waiting for room or a connection learn it now."""
+        with self.room:
+            self.fatal = fatal
+            self.room.notify_all()
+
+    def on_io_thread(self) -> bool:
+        """True when called from the I/O thread (where waiting on a future deadlocks)."""
+        return threading.get_ident() == self.io_ident
