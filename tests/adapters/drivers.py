@@ -37,6 +37,9 @@ class BlockingAsync:
         return AsyncPublisher(url, **options)
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        if self._loop.is_closed():
+            # Closed: the loop is gone, and all a call can still do is raise PublisherClosed.
+            return asyncio.run(coroutine)
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def connect(self) -> BlockingAsync:

@@ -180,6 +180,8 @@ class FakeConnection:
         self.closed = False
         self.stalled = False
         self.blocked = False
+        #: heartbeat frames the client sent
+        self.heartbeats_received = 0
         #: why the socket ended (for debugging a test)
         self.ended: str | None = None
         self._state = "protocol-header"
@@ -435,6 +437,8 @@ class FakeConnection:
         if isinstance(value, Heartbeat):
             if channel != 0:
                 raise ProtocolViolation(501, "FRAME_ERROR - heartbeat on a non-zero channel")
+            self.heartbeats_received += 1
+            broker._changed.notify_all()
             return
         if self._state == "closing":
             # After connection.close, only close/close-ok count.
