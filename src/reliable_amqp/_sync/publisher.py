@@ -163,16 +163,13 @@ class Publisher(PublisherSurface[None, str]):
         return future
 
     def publish_and_wait(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        *,
-        mandatory: bool = False,
-        **properties: Any,
+        self, exchange: str, routing_key: str, body: bytes, **options: Any
     ) -> Confirmation:
-        """Publish one message and wait for its outcome (slow: prefer ``publish`` + ``flush``)."""
-        return self.publish(exchange, routing_key, body, mandatory=mandatory, **properties).result()
+        """Publish one message and wait for its outcome (slow: prefer ``publish`` + ``flush``).
+
+        ``options`` are :meth:`publish`'s keywords: ``mandatory`` and the message properties.
+        """
+        return self.publish(exchange, routing_key, body, **options).result()
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every message published so far is resolved; return how many are not.
