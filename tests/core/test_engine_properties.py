@@ -207,22 +207,18 @@ class EngineMachine(RuleBasedStateMachine):
             self.entries[handle] = entry
             self.queue.append(msg)
 
-    @rule(count=st.integers(1, 8), unsend=st.booleans())
-    def send(self, count: int, unsend: bool) -> None:
-        for i in range(count):
-            self._send_one(unsend and i == count - 1)
+    @rule(count=st.integers(1, 8))
+    def send(self, count: int) -> None:
+        for _ in range(count):
+            self._send_one()
 
-    def _send_one(self, unsend: bool) -> None:
+    def _send_one(self) -> None:
         entry = self.engine.next_to_send()
         expected = self.queue.popleft() if self.queue else None
         if expected is None:
             assert entry is None
             return
         assert entry is self.entries[expected.handle]
-        if unsend:  # could not be written: it goes back to the front
-            self.engine.unsend(entry)
-            self.queue.appendleft(expected)
-            return
         headers = self.engine.mark_sent(entry)
         self.seq += 1
         self.wire[self.seq] = expected
