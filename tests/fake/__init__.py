@@ -1,16 +1,8 @@
 """A scripted, in-process AMQP 0-9-1 peer for tests that need no broker (see :mod:`fake.peer`)."""
 
-from fake.peer import (
-    ACK,
-    HOLD,
-    NACK,
-    RETURN,
-    Declaration,
-    FakeBroker,
-    FakeConnection,
-    Message,
-    SentConfirm,
-)
+from fake.connection import FakeConnection, ProtocolViolation
+from fake.peer import FakeBroker
+from fake.records import ACK, HOLD, NACK, RETURN, Declaration, Message, SentConfirm
 
 __all__ = [
     "ACK",
@@ -21,5 +13,6 @@ __all__ = [
     "FakeBroker",
     "FakeConnection",
     "Message",
+    "ProtocolViolation",
     "SentConfirm",
 ]
