@@ -44,14 +44,14 @@ def test_summarize_p99_of_many_samples_ignores_the_slowest_one_percent() -> None
     assert summary is not None and (summary.p99, summary.max) == (1.0, 50.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug (minor): p99 takes index int(n * 0.99), one rank too high when n is a "
-    "multiple of 100 (p99 of 100 samples is their max), while p50 uses the nearest rank",
+@pytest.mark.parametrize(
+    "n, rank",
+    [(1, 1), (2, 2), (99, 99), (100, 99), (101, 100), (200, 198), (1000, 990), (10_000, 9900)],
 )
-def test_summarize_p99_of_a_hundred_samples_is_the_99th() -> None:
-    summary = summarize([float(n) for n in range(1, 101)])
-    assert summary is not None and summary.p99 == 99.0
+def test_summarize_p99_is_the_nearest_rank(n: int, rank: int) -> None:
+    # nearest rank: the ceil(0.99 n)-th smallest sample (p99 of 100 samples is the 99th)
+    summary = summarize([float(k) for k in range(n, 0, -1)])
+    assert summary is not None and summary.p99 == float(rank)
 
 
 def test_snapshot_copies_every_counter() -> None:

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.policy import RetryPolicy
@@ -30,29 +30,49 @@ DEFAULT_NACK_POLICY = RetryPolicy(
 def redact_url(url: str) -> str:
     """The URL with its password replaced by ``***`` (for reprs, logs and errors).
 
-    A password a URL parser sees is replaced exactly; when the parser sees none although the
-    text has a ``user:...@`` part (a password holding ``/``, ``?`` or ``#`` looks to a parser
-    like a path, query or fragment), everything up to the last ``@`` is hidden instead.
+    RFC 3986 forbids a raw ``@``, ``/``, ``?`` or ``#`` in a password, but users write them, so
+    where the user info ends is ambiguous and the answer always hides more:
+
+    - when an ``@`` comes before the first ``/``, ``?`` or ``#`` there is user info, and it may
+      run on to any later ``@``: everything from the first ``:`` up to the *last* ``@`` is hidden
+      (``amqp://u:p@x/y@h/`` -> ``amqp://u:***@h/``), so no reading shows part of a password;
+    - when no ``@`` comes before it, the text up to it is what a URL parser (and so the
+      connection) takes as ``host[:port]``: if that is a valid one, an ``@`` further on is in the
+      path, query or fragment and the URL has no password (``amqp://h:5672/v@x`` is shown as it
+      is); if not (``amqp://u:p/w@h/``: ``p/w`` is no port), it is the start of a password
+      holding ``/``, ``?`` or ``#``, hidden up to the last ``@``.
     """
     if not isinstance(url, str):
         return "<not a url>"
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    try:
-        parts = urlsplit(url)
-        if parts.password is not None:
-            userinfo, _, hostinfo = parts.netloc.rpartition("@")
-            user = userinfo.partition(":")[0]
-            return urlunsplit(parts._replace(netloc=f"{user}:***@{hostinfo}"))
-    except ValueError:
-        pass
     at = rest.rfind("@")
     if at < 0:
         return url
+    end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
+    authority = rest[:end]
+    if "@" not in authority:
+        # A valid host[:port] (port: ASCII digits) is what the connection uses, and then the
+        # '@' is in the path, query or fragment, unless a ':' after the host and before the last
+        # '@' could start a password (of a user name holding '/', '?' or '#').
+        if authority.startswith("["):
+            host_end = authority.find("]") + 1
+            valid = host_end > 0 and "[" not in authority[1:host_end]
+        else:
+            host_end = authority.find(":")
+            host_end = len(authority) if host_end < 0 else host_end
+            valid = host_end > 0 and "[" not in authority[:host_end] and "]" not in authority
+        port = authority[host_end + 1 :]
+        if host_end < len(authority):
+            valid = valid and authority[host_end] == ":" and port.isascii() and port.isdigit()
+            valid = valid and len(port) <= 5 and int(port) < 65536
+        first_colon = rest.find(":", host_end, at)
+        if valid and (first_colon < 0 or first_colon == host_end < len(authority)):
+            return url
     user, colon, _password = rest[:at].partition(":")
     if not colon:
-        return url
+        return url  # no ':' before the last '@': a user name at most, no password
     return f"{scheme}{sep}{user}:***@{rest[at + 1 :]}"
 
 

@@ -111,10 +111,12 @@ def summarize(samples: list[float]) -> LatencySummary | None:
         return None
     ordered = sorted(samples)
     n = len(ordered)
+    # nearest rank: the ceil(0.99 n)-th sample, in integers (0.99 * n rounds both ways as a float)
+    p99_rank = (99 * n + 99) // 100
     return LatencySummary(
         count=n,
         mean=sum(ordered) / n,
         p50=ordered[(n - 1) // 2],
-        p99=ordered[min(n - 1, int(n * 0.99))],
+        p99=ordered[p99_rank - 1],
         max=ordered[-1],
     )

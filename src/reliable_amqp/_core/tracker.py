@@ -105,7 +105,11 @@ def parse_attempt_tag(value: object) -> int | None:
     if not isinstance(value, str):
         return None
     generation, _, seq = value.partition(".")
-    if not (generation.isdigit() and seq.isdigit()):
+    # ASCII digits only (str.isdigit() also accepts superscripts, which int() refuses), and
+    # short enough for int() (it refuses 4300+ digits) and for the seq's bits in the key
+    if not (generation.isascii() and generation.isdigit() and seq.isascii() and seq.isdigit()):
+        return None
+    if len(generation) > 20 or len(seq) > 13 or int(seq) > _SEQ_MASK:
         return None
     return pack_key(int(generation), int(seq))
 
