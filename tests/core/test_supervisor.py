@@ -257,13 +257,6 @@ def test_giving_up_when_the_next_attempt_would_start_after_the_deadline() -> Non
     assert str(plan.error.__cause__) == "connection lost"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="supervisor bug: the connect deadline is judged with the backoff of a full round "
-    "(policy.allows(failures, elapsed) adds base_delay(failures)) even where the next attempt is "
-    "a failover with delay 0: with 3 URLs and deadline 3 s, the second failure 0.5 s in gives "
-    "up (GiveUp(RecoveryFailed)) although the third URL would be tried at once, at 0.5 s",
-)
 def test_the_deadline_does_not_cut_a_failover_round_short() -> None:
     policy = RetryPolicy(max_attempts=None, initial_delay=2.0, multiplier=2.0, jitter=0, deadline=3)
     sup, _ = make(URLS, policy)
@@ -389,14 +382,6 @@ def test_channel_failed_backs_off_until_a_confirm_arrives() -> None:
     assert sup.channel_failed() == 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=InvalidTransition,
-    reason="supervisor bug: channel_opened() after begin_close() raises InvalidTransition "
-    "('publisher cannot go from closing to open'); the async pump calls it right after awaiting "
-    "open_confirm_channel() without checking stopping, so aclose() while a channel is opening "
-    "ends in 'internal error in the publisher' (a give-up) instead of a clean close",
-)
 def test_a_channel_opened_while_closing_is_ignored() -> None:
     sup, _ = make()
     sup.next_attempt()
@@ -480,13 +465,6 @@ def test_a_blocked_connection_lost_recovers_unblocked() -> None:
     assert state_of(sup) is State.OPEN and sup.writable  # a new connection is not blocked
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="supervisor bug: connection.blocked that arrives while the channel is being "
-    "(re)opened (state CONNECTING or RECOVERING) is dropped: blocked() only moves OPEN to "
-    "BLOCKED, so channel_opened() makes the publisher writable on a blocked connection, and "
-    "the later connection.unblocked returns False",
-)
 def test_blocked_before_the_channel_opens_is_not_forgotten() -> None:
     sup, _ = make()
     opened(sup)
@@ -617,12 +595,6 @@ def test_next_wakeup_is_none_without_messages_and_without_a_heartbeat() -> None:
     assert sup.next_wakeup() is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="supervisor bug: connection_lost() keeps the lost connection's liveness check time, "
-    "so next_wakeup() returns it (soon in the past) between connections; the sync I/O thread's "
-    "_wait() then waits 0 s in a loop until the reconnect delay ends (a busy spin)",
-)
 def test_next_wakeup_forgets_the_liveness_check_of_a_lost_connection() -> None:
     sup, _ = make(URLS[:1], heartbeat=10)
     sup.next_attempt()

@@ -259,9 +259,11 @@ class Pump(Generic[H]):
                 log.warning("reliable-amqp: could not open a channel: %r", exc)
                 await self._sleep(supervisor.channel_failed())
                 continue
+            if not supervisor.channel_opened():  # closing meanwhile: leave it unused
+                await _close_quietly(channel)
+                break
             self._channel = channel
             self.connection = connection
-            supervisor.channel_opened()
             self.ready.set()
             self.opened.set()
             await self._pump(channel)

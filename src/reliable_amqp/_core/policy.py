@@ -69,11 +69,17 @@ class RetryPolicy:
         """The wait (with jitter) before trying again after ``failures`` failed attempts."""
         return self.base_delay(failures) + self.jitter * rng()
 
-    def allows(self, failures: int, elapsed: float = 0.0) -> bool:
-        """Whether another attempt may follow ``failures`` failures, ``elapsed`` s in."""
+    def allows(self, failures: int, elapsed: float = 0.0, wait: float | None = None) -> bool:
+        """Whether another attempt may follow ``failures`` failures, ``elapsed`` s in.
+
+        ``wait`` is how long the caller will wait before that attempt (default: the backoff,
+        :meth:`base_delay`); the attempt must start within the deadline.
+        """
         if self.max_attempts is not None and failures >= self.max_attempts:
             return False
-        return self.deadline is None or elapsed + self.base_delay(failures) <= self.deadline
+        if wait is None:
+            wait = self.base_delay(failures)
+        return self.deadline is None or elapsed + wait <= self.deadline
 
     # --- tenacity -----------------------------------------------------------------------------
 

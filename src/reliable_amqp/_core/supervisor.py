@@ -84,6 +84,7 @@ class Supervisor(Generic[H]):
         self._channel_failures = 0
         self._rx = (-1, 0.0)  # (bytes received, when that count last changed)
         self._check_at: float | None = None  # next liveness check, while a connection is up
+        self._blocked = False  # connection.blocked without unblocked, on this connection
 
     # --- connecting ---------------------------------------------------------------------------
 
@@ -94,17 +95,24 @@ class Supervisor(Generic[H]):
         self._round_opened = False
         self._rx = (-1, 0.0)
         self._check_at = None
+        self._blocked = False
         return index
 
     def describe(self, url_index: int) -> str:
         """The URL of ``url_index``, password redacted (for logs)."""
         return redact_url(self.options.urls[url_index])
 
-    def channel_opened(self) -> None:
-        """The confirm-mode channel is open: messages may be written."""
+    def channel_opened(self) -> bool:
+        """The confirm-mode channel is open; False when the publisher is closing (the adapter
+        then leaves it unused), True when messages may be written (unless blocked)."""
+        if self.stopping or self.state.state in (State.CLOSING, State.CLOSED):
+            return False
         self._round_opened = True
         self.state.transition(State.OPEN)
         self.events.opened()
+        if self._blocked:  # connection.blocked came while the channel was being opened
+            self.state.transition(State.BLOCKED)
+        return True
 
     def connection_lost(
         self, loss: ReliableAmqpError | None, now: float, *, established: bool
@@ -128,15 +136,18 @@ class Supervisor(Generic[H]):
             self._first_failure = now
         self._failures += 1
         self.state.transition(State.RECOVERING)
+        self._rx = (-1, now)
+        self._check_at = None  # no liveness checks until the next connection opens
         policy = self.options.connect_policy
         failures = self._failures
-        if not loss.retriable or not policy.allows(failures, now - self._first_failure):
-            return resolutions, GiveUp(self.give_up(loss, failures))
         urls = len(self.options.urls)
-        # Fail over through the other URLs at once; back off after each full round.
-        delay = policy.delay(failures) if urls == 1 or failures % urls == 0 else 0.0
-        if self.borrowed:
-            delay = 0.0  # the owner's connection reconnects by itself; the adapter waits for it
+        # Fail over through the other URLs at once; back off after each full round. A borrowed
+        # connection reconnects by itself (its owner's policy); the adapter waits for it.
+        in_round = self.borrowed or (urls > 1 and failures % urls != 0)
+        wait = 0.0 if in_round else policy.base_delay(failures)
+        if not loss.retriable or not policy.allows(failures, now - self._first_failure, wait):
+            return resolutions, GiveUp(self.give_up(loss, failures))
+        delay = 0.0 if in_round else policy.delay(failures)
         index = self._attempts % urls
         log.warning(
             "reliable-amqp: connection to %s lost (%s); retry %d in %.2f s",
@@ -199,12 +210,14 @@ class Supervisor(Generic[H]):
         """``connection.blocked``: nothing is written until unblocked; deadlines run on."""
         log.warning("reliable-amqp: broker blocked the connection: %s", reason)
         self.events.emit(EventKind.BLOCKED, reason)
+        self._blocked = True
         if self.state.state is State.OPEN:
             self.state.transition(State.BLOCKED)
 
     def unblocked(self) -> bool:
         """``connection.unblocked``; True when writing may resume now."""
         self.events.emit(EventKind.UNBLOCKED, "connection unblocked")
+        self._blocked = False
         if self.state.state is State.BLOCKED:
             self.state.transition(State.OPEN)
             return True

@@ -255,8 +255,9 @@ class IOThread:
     def _on_confirm_mode(self, generation: int, channel: Channel) -> None:
         if generation != self._engine.tracker.generation or self.stopping.is_set():
             return
+        if not self._supervisor.channel_opened():
+            return  # closing: the connection's close ends this channel too
         self._channel = channel
-        self._supervisor.channel_opened()
         self.opened.set()
         self._drain()
 
