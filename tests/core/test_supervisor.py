@@ -29,7 +29,7 @@ from reliable_amqp._core.message import (
 )
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.policy import RetryPolicy
-from reliable_amqp._core.state import InvalidTransition, State
+from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import EventKind, PublisherEvent
 from reliable_amqp._core.supervisor import (
     BATCH_BYTES,
