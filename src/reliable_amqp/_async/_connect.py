@@ -18,6 +18,7 @@ import aio_pika.abc
 import aiormq.abc
 from yarl import URL
 
+from reliable_amqp._compat.aiormq import close_called, close_connection, underlying_connection
 from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed
 from reliable_amqp._core.options import PublisherOptions, redact_url
 
@@ -67,25 +68,25 @@ class ConnectionSource:
             },
         )
         self._owned = connection
-        transport = connection.transport
-        if transport is None:  # connect() returned without a transport: treat as a failure
+        underlying = underlying_connection(connection)
+        if underlying is None:  # connect() returned without a transport: treat as a failure
             raise AmqpConnectionError("aio-pika returned a connection without a transport")
-        return transport.connection
+        return underlying
 
     async def _wait_for_borrowed(
         self, connection: aio_pika.abc.AbstractConnection, stop: asyncio.Future[None]
     ) -> aiormq.abc.AbstractConnection:
         robust = isinstance(connection, aio_pika.abc.AbstractRobustConnection)
         while True:
-            transport = connection.transport
+            underlying = underlying_connection(connection)
             if (
-                transport is not None
-                and not transport.connection.is_closed
+                underlying is not None
+                and not underlying.is_closed
                 and connection.connected.is_set()
             ):
                 self._seen_open = True
-                return transport.connection
-            if connection.is_closed or connection.close_called:
+                return underlying
+            if connection.is_closed or close_called(connection):
                 raise RecoveryFailed("the aio-pika connection lent to the publisher was closed")
             if not robust:
                 raise RecoveryFailed(
@@ -104,4 +105,4 @@ class ConnectionSource:
         owned, self._owned = self._owned, None
         if owned is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(owned.close(), self.options.connect_timeout)
+                await close_connection(owned, self.options.connect_timeout)
