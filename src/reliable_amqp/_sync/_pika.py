@@ -1,4 +1,8 @@
-"""pika specifics of the sync publisher: the connection class, properties, error translation."""
+"""pika specifics of the sync publisher: connection parameters and error translation.
+
+The hooks into pika internals (the coalescing connection class, ending a dead stream) are in
+:mod:`reliable_amqp._compat.pika`; they are re-exported here under their old names.
+"""
 
 from __future__ import annotations
 
@@ -8,54 +12,22 @@ from typing import Any
 
 import pika
 import pika.exceptions
-from pika.adapters.select_connection import SelectConnection
+from pika.adapters.utils.connection_workflow import AMQPConnectorStackTimeout
 
-from reliable_amqp._core.errors import (
-    AmqpConnectionError,
-    AuthenticationFailed,
-    ConfigurationError,
-    ReliableAmqpError,
-    broker_error,
-)
+from reliable_amqp._compat import scrub_credentials
+from reliable_amqp._compat.pika import CoalescingConnection, terminate_stream
+from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError, connection_failure
 from reliable_amqp._core.options import PublisherOptions, redact_url
 
+__all__ = [
+    "CoalescingConnection",
+    "call_threadsafe",
+    "connection_parameters",
+    "terminate_stream",
+    "translate_connection_error",
+]
+
 log = logging.getLogger("reliable_amqp")
-
-
-class CoalescingConnection(SelectConnection):  # type: ignore[misc]
-    """A SelectConnection that can gather the frames of many publishes into one write.
-
-    pika hands every frame to the socket separately (three ``send()`` calls per message); between
-    :meth:`begin_gather` and :meth:`emit_gathered`, frames collect here and go out as one buffer.
-    ``_adapter_emit_data`` is pika's designated override point for where frames go.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._gather = False
-        self._gathered: list[bytes | memoryview] = []
-        super().__init__(*args, **kwargs)
-
-    def _adapter_emit_data(self, data: bytes) -> None:
-        if self._gather:
-            self._gathered.append(data)
-        else:
-            super()._adapter_emit_data(data)
-
-    def begin_gather(self) -> list[bytes | memoryview]:
-        """Start gathering; frames appended to the returned list go out on emit_gathered()."""
-        self._gather = True
-        return self._gathered
-
-    def emit_gathered(self) -> None:
-        """Write what was gathered as one buffer and stop gathering."""
-        self._gather = False
-        if self._gathered:
-            data = b"".join(self._gathered)
-            self._gathered.clear()
-            # As a memoryview: when the socket takes part of a buffer, pika requeues the rest as
-            # ``chunk[sent:]``, which copies a bytes object (a batch of 1 KiB messages is ~2 MiB,
-            # sent in several parts: quadratic copying) but only slices a view.
-            super()._adapter_emit_data(memoryview(data))
 
 
 def connection_parameters(url: str, options: PublisherOptions) -> pika.URLParameters:
@@ -81,31 +53,39 @@ def connection_parameters(url: str, options: PublisherOptions) -> pika.URLParame
 
 
 def translate_connection_error(error: Any) -> ReliableAmqpError:
-    """A pika connection failure as one of ours (credentials and vhosts are not retriable)."""
+    """A pika connection failure as one of ours (see ``connection_failure``: what is retriable).
+
+    This only sorts pika's exceptions into the kinds ``connection_failure`` knows.
+    """
     if isinstance(error, ReliableAmqpError):
         return error
+    detail = scrub_credentials(f"{type(error).__name__}: {error!r}")
+    result: ReliableAmqpError
     if isinstance(
         error,
         (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError),
     ):
-        result: ReliableAmqpError = AuthenticationFailed(
-            "the broker refused the credentials (wrong user or password)"
-        )
+        result = connection_failure("credentials", detail)
     elif isinstance(error, pika.exceptions.ProbableAccessDeniedError):
-        result = AuthenticationFailed(
-            "the broker refused access to the virtual host (missing vhost or no permission)"
-        )
-    elif isinstance(error, pika.exceptions.ConnectionClosed) and error.reply_code in (403, 530):
-        broker = broker_error(error.reply_code, error.reply_text)
-        result = AuthenticationFailed(f"the broker refused the connection: {broker}")
+        result = connection_failure("vhost", detail)
+    elif isinstance(error, pika.exceptions.ConnectionClosed) and isinstance(error.reply_code, int):
+        reply_text = scrub_credentials(str(error.reply_text))
+        result = connection_failure("closed", detail, error.reply_code, reply_text)
+    elif isinstance(error, (TimeoutError, AMQPConnectorStackTimeout)) or isinstance(
+        # pika wraps a socket timeout while connecting in AMQPConnectorSocketConnectError
+        getattr(error, "exception", None),
+        TimeoutError,
+    ):
+        result = connection_failure("timeout", detail)
     else:
-        result = AmqpConnectionError(f"{type(error).__name__}: {error!r}")
+        result = connection_failure("lost", detail)
     if isinstance(error, BaseException):
         result.__cause__ = error
     return result
 
 
 def call_threadsafe(loop: Any, callback: Callable[[], None]) -> None:
+    """Run ``callback`` on pika's I/O loop thread; a closed loop drops it (logged at debug)."""
     try:
         loop.add_callback_threadsafe(callback)
     except Exception:  # the loop closed under us; the next connection drains the outbox

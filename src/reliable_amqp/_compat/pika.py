@@ -1,0 +1,86 @@
+"""Every hook of the sync publisher into pika internals, probed at import.
+
+- ``BaseConnection._adapter_emit_data``: where a connection hands its frames to the socket;
+  :class:`CoalescingConnection` overrides it to gather many publishes into one write. pika
+  documents it as the adapter's override point, but it is still underscore-private.
+- ``Connection._terminate_stream``: pika's own path for a dead stream (closes the socket and
+  reports the loss through the usual callbacks); :func:`terminate_stream` calls it when the
+  publisher's liveness check finds a silent link sooner than pika's heartbeat would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pika
+from pika.adapters.select_connection import SelectConnection
+
+from reliable_amqp._compat import require_attributes
+
+__all__ = ["CoalescingConnection", "probe", "terminate_stream"]
+
+
+def probe(connection_class: Any = SelectConnection) -> None:
+    """Check that pika's connection class has the hooks this module uses.
+
+    Raises :class:`~reliable_amqp._compat.IncompatibleDependency` naming pika, its installed
+    version and the supported range. Run at import; the argument lets tests probe a stand-in.
+    """
+    require_attributes(
+        "pika",
+        connection_class,
+        ["_adapter_emit_data", "_terminate_stream"],
+        f"its {getattr(connection_class, '__name__', 'connection class')}",
+    )
+
+
+probe()
+
+
+class CoalescingConnection(SelectConnection):  # type: ignore[misc]
+    """A SelectConnection that can gather the frames of many publishes into one write.
+
+    pika hands every frame to the socket separately (three ``send()`` calls per message); between
+    :meth:`begin_gather` and :meth:`emit_gathered`, frames collect here and go out as one buffer.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._gather = False
+        self._gathered: list[bytes | memoryview] = []
+        super().__init__(*args, **kwargs)
+
+    def _adapter_emit_data(self, data: bytes) -> None:
+        if self._gather:
+            self._gathered.append(data)
+        else:
+            super()._adapter_emit_data(data)
+
+    def begin_gather(self) -> list[bytes | memoryview]:
+        """Start gathering; frames appended to the returned list go out on emit_gathered()."""
+        self._gather = True
+        return self._gathered
+
+    def emit_gathered(self) -> None:
+        """Write what was gathered as one buffer and stop gathering."""
+        self._gather = False
+        if self._gathered:
+            data = b"".join(self._gathered)
+            self._gathered.clear()
+            # As a memoryview: when the socket takes part of a buffer, pika requeues the rest as
+            # ``chunk[sent:]``, which copies a bytes object (a batch of 1 KiB messages is ~2 MiB,
+            # sent in several parts: quadratic copying) but only slices a view.
+            super()._adapter_emit_data(memoryview(data))
+
+
+def terminate_stream(connection: pika.connection.Connection, error: Exception) -> bool:
+    """End ``connection``'s stream as pika does for a dead one; False if pika cannot.
+
+    The socket is closed and the loss reported through the connection's close callbacks with
+    ``error``. Only from the connection's I/O thread. On False (a connection object without the
+    hook, such as a test double) the caller must end the link another way (stop the I/O loop).
+    """
+    terminate = getattr(connection, "_terminate_stream", None)
+    if terminate is None:
+        return False
+    terminate(error)
+    return True
