@@ -15,9 +15,9 @@ from concurrent.futures import (
 
 import pytest
 
+from reliable_amqp._compat import futures as compat_futures
 from reliable_amqp._core.errors import MessageNacked
 from reliable_amqp._core.message import Confirmation, build_message
-from reliable_amqp._sync import _future
 from reliable_amqp._sync._future import PublishFuture
 
 
@@ -38,8 +38,8 @@ def _later(seconds: float, fn: object) -> threading.Thread:
 
 def test_this_python_gets_the_light_future() -> None:
     # Fails when a Python release changes Future's fields: the fallback then is a plain Future
-    # (correct, slower), and _future.py should learn the new layout.
-    assert _future._LIGHT
+    # (correct, slower), and _compat/futures.py should learn the new layout.
+    assert compat_futures.LIGHT_FUTURES
     assert set(vars(PublishFuture(threading.RLock(), 1))) == set(vars(Future()))
 
 
