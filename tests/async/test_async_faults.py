@@ -18,7 +18,14 @@ from aio_support import aio, in_thread, outcomes
 from broker_support import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from harness.node import DisposableBroker
-from reliable_amqp import Confirmation, EventKind, PublisherEvent, RecoveryFailed, RetryPolicy
+from reliable_amqp import (
+    Confirmation,
+    EventKind,
+    PublisherEvent,
+    RecoveryFailed,
+    RetryPolicy,
+    State,
+)
 from reliable_amqp._async import AsyncPublisher
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
@@ -321,20 +328,23 @@ async def test_stalled_link_is_detected_by_heartbeat_then_recovered(
 async def test_memory_alarm_pauses_publishing_without_failing(
     disposable_broker: DisposableBroker,
 ) -> None:
-    # No BLOCKED event here (aiormq reports none): the writer just waits at the socket.
     url = disposable_broker.url
     admin = BrokerAdmin(url)
     queue = admin.queue(unique("alarm"))
+    events = Events()
     try:
-        async with AsyncPublisher(url, delivery_timeout=60) as publisher:
+        async with AsyncPublisher(url, delivery_timeout=60, on_event=events) as publisher:
             assert (await publisher.publish_and_wait("", queue, b"00000")).attempts == 1
             await in_thread(disposable_broker.ctl, "set_vm_memory_high_watermark", "0.0000001")
             await asyncio.sleep(1)  # let the alarm take hold
             futures = [await publisher.publish("", queue, b"%05d" % i) for i in range(1, 500)]
+            await events.wait_for(EventKind.BLOCKED, timeout=10)
+            assert publisher.state is State.BLOCKED
             await asyncio.sleep(2)
             assert not any(f.done() and f.exception() is not None for f in futures)
             assert publisher.in_flight > 0, "the alarm did not hold anything back"
             await in_thread(disposable_broker.reset_limits)
+            await events.wait_for(EventKind.UNBLOCKED, timeout=30)
             assert await publisher.flush(timeout=30) == 0
         assert await outcomes(futures) == {"Confirmation": 499}
         assert admin.count(queue) == 500

@@ -22,16 +22,19 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import aiormq.abc
-from aiormq.abc import ChannelFrame
 
 from reliable_amqp._async import _topology
-from reliable_amqp._async._channel import (
+from reliable_amqp._async._connect import ConnectionSource
+from reliable_amqp._compat.aiormq import (
     ConfirmChannel,
     close_reason,
+    frame_max,
     open_confirm_channel,
     translate_connection_error,
+    wait_writable,
+    watch_blocked,
+    write_payload,
 )
-from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
 from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
@@ -41,8 +44,6 @@ from reliable_amqp._core.tracker import ATTEMPT_HEADER
 H = TypeVar("H")
 
 log = logging.getLogger("reliable_amqp")
-
-_QUEUE_POLL = 0.001  # aiormq's write queue is full only while other channels write a lot
 
 
 class Pump(Generic[H]):
@@ -165,22 +166,19 @@ class Pump(Generic[H]):
     async def _write(self, channel: ConfirmChannel) -> None:
         """Write what the engine has to send, in batches, for as long as ``channel`` is open."""
         connection = channel.connection
-        queue = connection.write_queue
-        frame_max = int(connection.connection_tune.frame_max or 0)
+        max_frame = frame_max(connection)
         number = channel.number
         generation = channel.generation
         engine = self.engine
         supervisor = self.supervisor
         wakeup = self._wakeup
-        loop = asyncio.get_running_loop()
         while True:
             if not engine.has_sendable():
                 wakeup.clear()
                 await wakeup.wait()
                 continue
-            while queue.full():  # the queue is shared with heartbeats and other channels
-                await asyncio.sleep(_QUEUE_POLL)
-            # From this check to put_nowait nothing yields: every message marked sent below is
+            await wait_writable(connection)  # shared with heartbeats and other channels
+            # From this check to write_payload nothing yields: every message marked sent below is
             # written to a channel that was open, so the tracker's seqs are the broker's tags.
             if not channel.writable or generation != engine.tracker.generation:
                 return
@@ -189,14 +187,11 @@ class Pump(Generic[H]):
                 await wakeup.wait()
                 continue
             parts: list[bytes | memoryview] = []
-            _count, failed = supervisor.write(number, frame_max, parts)
+            _count, failed = supervisor.write(number, max_frame, parts)
             self.settle(failed)
             if not parts:
                 continue
-            drained: asyncio.Future[None] = loop.create_future()
-            queue.put_nowait(
-                ChannelFrame(payload=b"".join(parts), should_close=False, drain_future=drained)
-            )
+            drained = write_payload(connection, b"".join(parts))
             # Waiting until the socket took the batch is the backpressure; meanwhile new
             # publishes gather into the next batch.
             await drained
@@ -243,6 +238,20 @@ class Pump(Generic[H]):
 
     async def _serve(self, connection: aiormq.abc.AbstractConnection) -> ReliableAmqpError:
         """Open channels on ``connection`` until it is lost; returns the loss."""
+        unwatch = watch_blocked(connection, self._on_blocked)
+        try:
+            return await self._serve_channels(connection)
+        finally:
+            if unwatch is not None:
+                unwatch()
+
+    def _on_blocked(self, blocked: bool, reason: str) -> None:
+        if blocked:
+            self.supervisor.blocked(reason)
+        elif self.supervisor.unblocked():
+            self._wakeup.set()
+
+    async def _serve_channels(self, connection: aiormq.abc.AbstractConnection) -> ReliableAmqpError:
         supervisor = self.supervisor
         while not self.stopping:
             if connection.is_closed:

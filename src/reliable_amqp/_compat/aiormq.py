@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import aio_pika
@@ -78,6 +78,14 @@ log = logging.getLogger("reliable_amqp")
 _FRAME_BUFFER = 256
 
 
+# aiormq's Connection keeps "not blocked" in a name-mangled asyncio.Event: its reader clears it on
+# connection.blocked and sets it on connection.unblocked (and when a connection starts); its
+# writer waits on it. There is no callback, so the event is replaced by one that reports changes.
+_UNBLOCKED_EVENT = "_Connection__connection_unblocked"
+_BLOCKED_HANDLER = "_Connection__handle_connection_blocked"
+_UNBLOCKED_HANDLER = "_Connection__handle_connection_unblocked"
+
+
 def probe(aiormq_module: Any = aiormq, aio_pika_module: Any = aio_pika) -> None:
     """Check that aiormq, aio-pika and pamqp have what this module relies on.
 
@@ -93,6 +101,13 @@ def probe(aiormq_module: Any = aiormq, aio_pika_module: Any = aio_pika) -> None:
         "its Connection",
     )
     require_coroutine_functions("aiormq", aiormq_module.Connection, ["channel"], "its Connection")
+    # connection.blocked: aiormq pauses its writer on this event and offers no callback.
+    require_coroutine_functions(
+        "aiormq",
+        aiormq_module.Connection,
+        [_BLOCKED_HANDLER, _UNBLOCKED_HANDLER],
+        "its Connection",
+    )
     frame_type = getattr(abc, "ChannelFrame", None)
     fields = (
         {field.name for field in dataclasses.fields(frame_type)}
@@ -342,6 +357,77 @@ def write_payload(
         aiormq.abc.ChannelFrame(payload=payload, should_close=False, drain_future=drained)
     )
     return drained
+
+
+class _WatchedEvent(asyncio.Event):
+    """An ``asyncio.Event`` that calls each watcher with ``(blocked, reason)`` when cleared or
+    set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.watchers: list[Callable[[bool, str], None]] = []
+        #: the reason of the last connection.blocked, where aiormq lets it be seen (7.x)
+        self.reason = ""
+
+    def set(self) -> None:
+        was = self.is_set()
+        super().set()
+        if not was:
+            self._report(False)
+
+    def clear(self) -> None:
+        was = self.is_set()
+        super().clear()
+        if was:
+            self._report(True)
+
+    def _report(self, blocked: bool) -> None:
+        for watcher in list(self.watchers):
+            try:
+                watcher(blocked, self.reason or "connection.blocked (a resource alarm)")
+            except Exception:  # aiormq's reader must go on whatever a watcher does
+                log.exception("reliable-amqp: connection.blocked watcher failed")
+
+
+def watch_blocked(
+    connection: aiormq.abc.AbstractConnection, on_change: Callable[[bool, str], None]
+) -> Callable[[], None] | None:
+    """Call ``on_change(True, reason)`` on ``connection.blocked``, ``on_change(False, ...)`` on
+    ``connection.unblocked``. Returns the function that stops watching, or None when this
+    connection cannot be watched (not an aiormq Connection).
+
+    The broker's reason is seen on aiormq 7, whose reader looks its handler up on the instance;
+    aiormq 6 binds its handlers when the connection starts, so there the reason is generic.
+    """
+    current = getattr(connection, _UNBLOCKED_EVENT, None)
+    if not isinstance(current, asyncio.Event):
+        return None
+    if isinstance(current, _WatchedEvent):
+        watched = current
+    else:
+        watched = _WatchedEvent()
+        if current.is_set():
+            asyncio.Event.set(watched)  # the same state, without reporting a change
+        setattr(connection, _UNBLOCKED_EVENT, watched)
+        handler = getattr(connection, _BLOCKED_HANDLER)
+
+        async def blocked_with_reason(frame: Any) -> None:
+            watched.reason = str(getattr(frame, "reason", "") or "")
+            await handler(frame)
+
+        setattr(connection, _BLOCKED_HANDLER, blocked_with_reason)
+        # Someone may wait on the old event already (aiormq's writer, while blocked): release
+        # it when the new one is set; it then waits on the watched one.
+        if not current.is_set():
+            waiter = asyncio.ensure_future(watched.wait())
+            waiter.add_done_callback(lambda _: current.set())
+    watched.watchers.append(on_change)
+
+    def unwatch() -> None:
+        if on_change in watched.watchers:
+            watched.watchers.remove(on_change)
+
+    return unwatch
 
 
 def frame_max(connection: aiormq.abc.AbstractConnection) -> int:

@@ -20,17 +20,14 @@ from pika.adapters.select_connection import SelectConnection
 from pika.channel import Channel
 from pika.spec import Basic, BasicProperties
 
+from reliable_amqp._compat.pika import CoalescingConnection, terminate_stream
 from reliable_amqp._core.errors import ReliableAmqpError
 from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
 from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync._handoff import Handoff
-from reliable_amqp._sync._pika import (
-    CoalescingConnection,
-    call_threadsafe,
-    translate_connection_error,
-)
+from reliable_amqp._sync._pika import call_threadsafe, translate_connection_error
 from reliable_amqp._sync.topology import apply_topology
 
 log = logging.getLogger("reliable_amqp")
@@ -211,10 +208,7 @@ class IOThread:
 
     def _lose(self, connection: CoalescingConnection, loss: ReliableAmqpError) -> None:
         self._loss = loss
-        terminate = getattr(connection, "_terminate_stream", None)
-        if terminate is not None:  # pika's own path for a dead stream: closes the socket
-            terminate(loss)
-        else:
+        if not terminate_stream(connection, loss):  # pika's own path for a dead stream
             connection.ioloop.stop()
 
     # --- pika callbacks (I/O thread) --------------------------------------------------------
