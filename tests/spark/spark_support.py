@@ -8,6 +8,15 @@ from typing import Any
 
 import pika
 
+#: what a local Spark Connect session leaves in os.environ: the spark fixture removes it when the
+#: session stops, and subprocesses (the examples) never get it
+CONNECT_ENV = (
+    "SPARK_CONNECT_MODE_ENABLED",
+    "SPARK_LOCAL_REMOTE",
+    "SPARK_REMOTE",
+    "SPARK_CONNECT_AUTHENTICATE_TOKEN",
+)
+
 
 def unique_name(prefix: str) -> str:
     """A queue or id prefix no other test run uses (several runs share the broker)."""

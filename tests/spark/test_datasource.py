@@ -18,6 +18,7 @@ from reliable_amqp.spark import AmqpSink
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 
 
+@pytest.mark.spark_connect
 def test_batch_write_with_string_options(spark: SparkSession, broker: Any, amqp_url: str) -> None:
     queue = broker.queue(unique_name("ds"))
     prefix = unique_name("job")
@@ -46,6 +47,7 @@ def test_batch_write_with_string_options(spark: SparkSession, broker: Any, amqp_
         assert m.body == f"event {int(p) * 2500 + int(i)}".encode()
 
 
+@pytest.mark.spark_connect
 def test_data_source_refuses_overwrite_and_unknown_options(
     spark: SparkSession, broker: Any, amqp_url: str
 ) -> None:
@@ -86,6 +88,7 @@ def _run_stream(spark: SparkSession, source: Path, checkpoint: Path, sink: Any) 
     return query
 
 
+@pytest.mark.spark_connect
 def test_streaming_query_writes_micro_batches_and_resumes_from_its_checkpoint(
     spark: SparkSession, broker: Any, amqp_url: str, tmp_path: Path
 ) -> None:

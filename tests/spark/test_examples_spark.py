@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from spark_support import CONNECT_ENV
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = ["spark_sink.py", "spark_datasource.py"]
@@ -22,7 +23,11 @@ def test_spark_example_runs(name: str, amqp_url: str, tmp_path: Path) -> None:
         check=False,
         capture_output=True,
         text=True,
-        env={**os.environ, "AMQP_URL": amqp_url, "PYSPARK_PYTHON": sys.executable},
+        env={
+            **{k: v for k, v in os.environ.items() if k not in CONNECT_ENV},
+            "AMQP_URL": amqp_url,
+            "PYSPARK_PYTHON": sys.executable,
+        },
         cwd=tmp_path,  # examples must not depend on the working directory
         timeout=240,
     )

@@ -20,6 +20,7 @@ from spark_support import Received, read_all, unique_name
 
 from reliable_amqp import ConfigurationError
 from reliable_amqp.spark import AmqpSink
+from reliable_amqp.spark._sink import is_connect
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 # Workers cannot import this test module: ship its functions (the flaky UDFs) by value.
@@ -50,6 +51,7 @@ def position(message_id: str) -> tuple[int, int]:
     return int(partition), int(pos)
 
 
+@pytest.mark.spark_connect
 def test_100k_rows_in_4_partitions_arrive_intact(
     spark: SparkSession, broker: Any, amqp_url: str
 ) -> None:
@@ -78,6 +80,7 @@ def test_100k_rows_in_4_partitions_arrive_intact(
     assert seen == set(range(100_000))
 
 
+@pytest.mark.spark_connect
 def test_tasks_reuse_their_worker_s_publisher(
     spark: SparkSession, broker: Any, amqp_url: str
 ) -> None:
@@ -108,6 +111,9 @@ def _flaky_row(row: Any) -> Any:
 
 
 def via_foreach_partition(spark: SparkSession, sink: AmqpSink, df: DataFrame) -> None:
+    if is_connect(df):  # no RDDs through Spark Connect: fail in a UDF upstream, as via_arrow
+        _with_flaky_udf(spark, sink, df, lambda flaky: flaky.foreachPartition(sink))
+        return
     # rdd.map runs in the same Python worker as the sink, so the rows before the failure were
     # handed to the publisher (and confirmed: the sink flushes before it re-raises).
     df.rdd.map(_flaky_row).foreachPartition(sink)
@@ -127,6 +133,12 @@ def _wait_until_queued(url: str, queue: str, count: int, timeout: float = 60) ->
 
 
 def via_arrow(spark: SparkSession, sink: AmqpSink, df: DataFrame) -> None:
+    _with_flaky_udf(spark, sink, df, sink.write)
+
+
+def _with_flaky_udf(
+    spark: SparkSession, sink: AmqpSink, df: DataFrame, write: Callable[[DataFrame], object]
+) -> None:
     # A Python UDF upstream of mapInArrow runs in its own worker. Before failing, it waits until
     # the sink has published rows of the first attempts, so the retry has something to duplicate.
     url, queue = sink.config.publisher.urls[0], sink.config.routing_key or ""
@@ -140,11 +152,12 @@ def via_arrow(spark: SparkSession, sink: AmqpSink, df: DataFrame) -> None:
     previous = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "1000")
     try:
-        sink.write(df.select(F.udf(flaky, "string", useArrow=False)("body").alias("body")))
+        write(df.select(F.udf(flaky, "string", useArrow=False)("body").alias("body")))
     finally:
         spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", previous)
 
 
+@pytest.mark.spark_connect
 @pytest.mark.parametrize("write", [via_foreach_partition, via_arrow], ids=["rows", "arrow"])
 def test_task_failing_mid_partition_is_retried_with_the_same_ids(
     spark: SparkSession,
@@ -178,6 +191,7 @@ def test_task_failing_mid_partition_is_retried_with_the_same_ids(
     assert all(position(i)[1] <= FAIL_AT for i, c in counts.items() if c > 1)
 
 
+@pytest.mark.spark_connect
 def test_nacked_partition_fails_the_job_naming_how_many_and_why(
     spark: SparkSession, broker: Any, amqp_url: str
 ) -> None:
@@ -208,6 +222,7 @@ def test_nacked_partition_fails_the_job_naming_how_many_and_why(
     assert "10 x MessageReturned (312 NO_ROUTE)" in str(info.value)
 
 
+@pytest.mark.spark_connect
 def test_properties_and_json_bodies_through_both_paths(
     spark: SparkSession, broker: Any, amqp_url: str
 ) -> None:
@@ -261,6 +276,7 @@ def _bad_frames(spark: SparkSession) -> Iterator[tuple[DataFrame, list[str]]]:
     yield (spark.range(3).select(F.col("id").cast("string").alias("payload")), ["no body column"])
 
 
+@pytest.mark.spark_connect
 def test_bad_columns_and_types_are_refused_before_anything_is_sent(
     spark: SparkSession, broker: Any, amqp_url: str
 ) -> None:
