@@ -9,8 +9,10 @@ of it), a supervisor and a window; this class holds no state of its own.
 from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
+from urllib.parse import unquote, urlsplit
 
-from reliable_amqp._core.frames import encode_table
+from reliable_amqp._core.errors import InvalidMessage
+from reliable_amqp._core.frames import encode_table, header_frame_size, header_too_large
 from reliable_amqp._core.message import OutgoingMessage, build_message
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State
@@ -19,8 +21,22 @@ from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import TopologyOp, bind_op, exchange_op, queue_op
 from reliable_amqp._core.window import Window
 
+#: what the properties other than headers can take in a content-header frame, at most (12
+#: shortstrs, a timestamp, two octets, flags, the frame's own bytes): below that, no check
+_OTHER_PROPERTIES_MAX = 4096
+#: the attempt header the engine adds to a mandatory message, at most
+_ENGINE_HEADERS_MAX = 96
+
 D = TypeVar("D")  # declare_exchange/bind_queue: None, or an awaitable of None
 Q = TypeVar("Q")  # declare_queue: the queue name, or an awaitable of it
+
+
+def _connection_users(options: PublisherOptions) -> frozenset[str]:
+    """The user names a publisher may connect as (one per URL; pika and aiormq use guest)."""
+    explicit = getattr(options, "username", None)
+    if explicit:
+        return frozenset({explicit})
+    return frozenset(unquote(urlsplit(url).username or "") or "guest" for url in options.urls)
 
 
 class PublisherSurface(Generic[D, Q]):
@@ -33,17 +49,43 @@ class PublisherSurface(Generic[D, Q]):
     def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
         raise NotImplementedError
 
-    @staticmethod
     def _message(
-        exchange: str, routing_key: str, body: bytes, mandatory: bool, properties: dict[str, Any]
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        mandatory: bool,
+        properties: dict[str, Any],
     ) -> OutgoingMessage:
-        """The validated message of a ``publish()`` call (raises :class:`InvalidMessage`)."""
+        """The validated message of a ``publish()`` call (raises :class:`InvalidMessage`).
+
+        Beyond what each field admits: the headers must encode (checked here, not on the I/O
+        side mid-batch), the content header must fit the broker's ``frame_max`` once it is known
+        (a larger one makes the broker close the whole connection), and ``user_id`` must be the
+        user the publisher connects as (the broker closes the channel otherwise).
+        """
         message = build_message(
             exchange, routing_key, body, mandatory=mandatory, properties=properties
         )
-        if message.properties.headers:
-            # A table that cannot be encoded must fail here, not on the I/O side mid-batch.
-            encode_table(message.properties.headers)
+        props = message.properties
+        if props.headers:
+            table = encode_table(props.headers)
+            frame_max = self._supervisor.frame_max
+            if frame_max and len(table) + _OTHER_PROPERTIES_MAX > frame_max:
+                extra = _ENGINE_HEADERS_MAX
+                if self.options.dedup_header is not None:
+                    extra += len(self.options.dedup_header) + len(message.message_id) + 8
+                size = header_frame_size(message, extra)
+                if size > frame_max:
+                    raise InvalidMessage("headers", header_too_large(size, frame_max))
+        if props.user_id is not None:
+            users = _connection_users(self.options)
+            if props.user_id not in users:
+                raise InvalidMessage(
+                    "user_id",
+                    f"{props.user_id!r} is not the user this publisher connects as "
+                    f"({', '.join(sorted(map(repr, users)))}); the broker would close the channel",
+                )
         return message
 
     def __repr__(self) -> str:

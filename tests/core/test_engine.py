@@ -67,3 +67,68 @@ def test_the_dedup_header_carries_the_message_id() -> None:
     stats = engine.stats()
     assert (stats.published, stats.confirmed, stats.in_flight) == (1, 1, 0)
     assert stats.latency is not None and stats.latency.max == 0.5
+
+
+# --- a connection closed for a frame error (501, 502, 505) -------------------------------------
+
+
+def _sent(engine: PublishEngine[str], count: int) -> list[str]:
+    """Take up to ``count`` messages off the send queue as the adapter would; their handles."""
+    sent = []
+    for _ in range(count):
+        entry = engine.next_to_send()
+        if entry is None:
+            break
+        engine.mark_sent(entry)
+        sent.append(entry.handle)
+    return sent
+
+
+def test_a_frame_error_with_one_message_on_the_wire_fails_that_message_alone() -> None:
+    engine = _engine()
+    for name in ("a", "b"):
+        engine.accept(build_message("", "q", name.encode()), name, 0)
+    assert _sent(engine, 1) == ["a"]
+    [failed] = engine.on_connection_error(501, "FRAME_ERROR - type 2, all octets", 1.0)
+    assert failed.entry.handle == "a" and not failed.ok
+    assert type(failed.result).__name__ == "MessageRejected"
+    assert "501" in str(failed.result)
+    assert not engine.isolating
+    assert _sent(engine, 5) == ["b"]  # b goes on as usual
+
+
+def test_suspects_of_a_frame_error_go_one_at_a_time_until_the_culprit_is_named() -> None:
+    engine = _engine()
+    for name in "abcd":
+        engine.accept(build_message("", "q", name.encode()), name, 0)
+    assert _sent(engine, 3) == ["a", "b", "c"]  # d is still waiting
+    assert engine.on_connection_error(501, "FRAME_ERROR", 1.0) == []  # who did it? not known
+    assert engine.isolating and engine.counters.republished == 3
+    gen = engine.tracker.generation
+    # a, b, c are suspects: each goes alone, the next only once the wire is empty
+    assert _sent(engine, 5) == ["a"]
+    [ok] = engine.on_ack(gen, 1, False, 2.0)
+    assert ok.entry.handle == "a" and ok.ok
+    assert _sent(engine, 5) == ["b"]
+    # b is alone on the wire when the broker closes the connection again: b did it
+    [failed] = engine.on_connection_error(501, "FRAME_ERROR", 3.0)
+    assert failed.entry.handle == "b" and not failed.ok
+    gen = engine.tracker.generation
+    assert _sent(engine, 5) == ["c"]
+    [ok] = engine.on_ack(gen, 1, False, 4.0)
+    assert ok.entry.handle == "c"
+    assert not engine.isolating  # every suspect is settled: streaming again
+    assert _sent(engine, 5) == ["d"]
+    [ok] = engine.on_ack(gen, 2, False, 5.0)
+    assert ok.entry.handle == "d" and len(engine) == 0
+
+
+def test_isolation_ends_when_the_suspects_expire_or_close() -> None:
+    engine = _engine()
+    for name in "ab":
+        engine.accept(build_message("", "q", name.encode()), name, 0)
+    _sent(engine, 2)
+    engine.on_connection_error(502, "SYNTAX_ERROR", 1.0)
+    assert engine.isolating
+    assert [r.entry.handle for r in engine.close_all("closed")] == ["a", "b"]
+    assert not engine.isolating

@@ -565,11 +565,32 @@ def test_tick_expires_messages_at_their_deadline() -> None:
     assert sup.tick(1000.0) == []
 
 
+def test_liveness_uses_the_negotiated_heartbeat_not_the_option() -> None:
+    sup, _ = make(heartbeat=60)
+    sup.next_attempt()
+    assert sup.connection_opened(131072, 0, 0, 0.0) is None  # ?heartbeat=0 in the URL, say
+    assert sup.next_wakeup() is None
+    assert sup.check_liveness(0, 500.0) is None
+    sup.next_attempt()
+    assert sup.connection_opened(131072, 5, 0, 0.0) is None  # the broker asked for less
+    assert sup.next_wakeup() == 2.5
+    assert isinstance(sup.check_liveness(0, 10.5), AmqpConnectionError)
+
+
+def test_a_frame_max_below_the_amqp_minimum_is_refused() -> None:
+    sup, _ = make()
+    sup.next_attempt()
+    error = sup.connection_opened(100, 0, 0, 0.0)
+    assert error is not None and not error.retriable
+    assert "frame_max 100, below AMQP's minimum of 4096" in str(error)
+    assert sup.connection_opened(4096, 0, 0, 0.0) is None and sup.frame_max == 4096
+
+
 def test_next_wakeup_is_the_earliest_of_deadline_nack_retry_and_liveness_check() -> None:
     sup, _ = make(heartbeat=60)
     assert sup.next_wakeup() is None
     sup.next_attempt()
-    assert sup.check_liveness(0, 0.0) is None
+    assert sup.connection_opened(131072, 60, 0, 0.0) is None
     assert sup.next_wakeup() == 30.0  # heartbeat / 2
     sup.channel_opened()
     accept(sup, ["good"] * 2, now=0.0)
@@ -591,14 +612,14 @@ def test_next_wakeup_is_the_earliest_of_deadline_nack_retry_and_liveness_check()
 def test_next_wakeup_is_none_without_messages_and_without_a_heartbeat() -> None:
     sup, _ = make(heartbeat=0)
     sup.next_attempt()
-    assert sup.check_liveness(0, 0.0) is None
+    assert sup.connection_opened(131072, 0, 0, 0.0) is None
     assert sup.next_wakeup() is None
 
 
 def test_next_wakeup_forgets_the_liveness_check_of_a_lost_connection() -> None:
     sup, _ = make(URLS[:1], heartbeat=10)
     sup.next_attempt()
-    sup.check_liveness(0, 0.0)
+    sup.connection_opened(131072, 10, 0, 0.0)
     sup.channel_opened()
     assert sup.next_wakeup() == 5.0
     sup.connection_lost(None, 1.0, established=True)
@@ -608,7 +629,7 @@ def test_next_wakeup_forgets_the_liveness_check_of_a_lost_connection() -> None:
 def test_check_liveness_reports_more_than_two_silent_heartbeats() -> None:
     sup, _ = make(heartbeat=10)
     sup.next_attempt()
-    assert sup.check_liveness(0, 0.0) is None
+    assert sup.connection_opened(131072, 10, 0, 0.0) is None
     assert sup.check_liveness(0, 5.0) is None and sup.next_wakeup() == 10.0
     assert sup.check_liveness(0, 20.0) is None  # exactly two heartbeats: not yet
     assert sup.next_wakeup() == 25.0
@@ -621,7 +642,7 @@ def test_check_liveness_reports_more_than_two_silent_heartbeats() -> None:
 def test_bytes_arriving_restart_the_silence() -> None:
     sup, _ = make(heartbeat=10)
     sup.next_attempt()
-    sup.check_liveness(100, 0.0)
+    sup.connection_opened(131072, 10, 100, 0.0)
     assert sup.check_liveness(101, 15.0) is None
     assert sup.check_liveness(101, 35.0) is None
     assert sup.check_liveness(101, 35.25) is not None
@@ -630,10 +651,10 @@ def test_bytes_arriving_restart_the_silence() -> None:
 def test_a_new_attempt_starts_the_liveness_count_over() -> None:
     sup, _ = make(heartbeat=10)
     sup.next_attempt()
-    sup.check_liveness(500, 0.0)
+    sup.connection_opened(131072, 10, 500, 0.0)
     sup.next_attempt()
     assert sup.next_wakeup() is None
-    assert sup.check_liveness(500, 100.0) is None  # a first count, even if equal to the last
+    assert sup.connection_opened(131072, 10, 500, 100.0) is None  # a first count again
     assert sup.check_liveness(500, 120.0) is None
     assert sup.check_liveness(500, 120.5) is not None
 

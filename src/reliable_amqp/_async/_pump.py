@@ -28,6 +28,7 @@ from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._compat.aiormq import (
     ConfirmChannel,
     close_reason,
+    connection_close_reply,
     frame_max,
     open_confirm_channel,
     translate_connection_error,
@@ -155,6 +156,8 @@ class Pump(Generic[H]):
         self.settle(self.supervisor.on_confirm(generation, ack, tag, multiple, time.monotonic()))
         if not ack:
             self.schedule()  # a nack retry may come due before anything else
+        if self.supervisor.isolating:
+            self._wakeup.set()  # suspects of a frame error go one at a time: the next one now
 
     def on_return(self, headers: Any, reply_code: int, text: str) -> None:
         """``basic.return``: the ack that follows settles the message as returned."""
@@ -190,6 +193,9 @@ class Pump(Generic[H]):
             _count, failed = supervisor.write(number, max_frame, parts)
             self.settle(failed)
             if not parts:
+                if not failed:  # isolating: the next one waits for a confirm, which wakes us
+                    wakeup.clear()
+                    await wakeup.wait()
                 continue
             drained = write_payload(connection, b"".join(parts))
             # Waiting until the socket took the batch is the backpressure; meanwhile new
@@ -213,6 +219,7 @@ class Pump(Generic[H]):
         source = self.source
         while not self.stopping:
             established = False
+            reply = None
             try:
                 connection = await source.obtain(supervisor.next_attempt(), self._stop_signal())
                 if len(self.topology):
@@ -225,8 +232,9 @@ class Pump(Generic[H]):
             else:
                 established = True
                 loss = await self._serve(connection)
+                reply = connection_close_reply(connection)
             resolutions, plan = supervisor.connection_lost(
-                loss, time.monotonic(), established=established
+                loss, time.monotonic(), established=established, reply=reply
             )
             self.settle(resolutions)
             if plan is None:
@@ -238,6 +246,10 @@ class Pump(Generic[H]):
 
     async def _serve(self, connection: aiormq.abc.AbstractConnection) -> ReliableAmqpError:
         """Open channels on ``connection`` until it is lost; returns the loss."""
+        # aiormq watches the heartbeat itself: no liveness checks from the supervisor here.
+        unusable = self.supervisor.connection_opened(frame_max(connection), 0, 0, time.monotonic())
+        if unusable is not None:
+            return unusable
         unwatch = watch_blocked(connection, self._on_blocked)
         try:
             return await self._serve_channels(connection)

@@ -430,6 +430,36 @@ def watch_blocked(
     return unwatch
 
 
+# aiormq raises a class per connection.close code and keeps only the reply text in it.
+_CONNECTION_CLOSE_CODES: dict[type[BaseException], int] = {
+    aiormq.exceptions.ConnectionFrameError: 501,
+    aiormq.exceptions.ConnectionSyntaxError: 502,
+    aiormq.exceptions.ConnectionCommandInvalid: 503,
+    aiormq.exceptions.ConnectionChannelError: 504,
+    aiormq.exceptions.ConnectionUnexpectedFrame: 505,
+    aiormq.exceptions.ConnectionResourceError: 506,
+    aiormq.exceptions.ConnectionNotAllowed: 530,
+    aiormq.exceptions.ConnectionNotImplemented: 540,
+    aiormq.exceptions.ConnectionInternalError: 541,
+}
+
+
+def connection_close_reply(connection: aiormq.abc.AbstractConnection) -> tuple[int, str] | None:
+    """The broker's ``connection.close`` (code, text) that ended ``connection``, if it sent one."""
+    closing = connection.closing
+    if not closing.done() or closing.cancelled():
+        return None
+    error = closing.exception()
+    if not isinstance(error, aiormq.exceptions.ConnectionClosed):
+        return None
+    code = _CONNECTION_CLOSE_CODES.get(type(error))
+    if code is not None:
+        return code, str(error.args[0]) if error.args else ""
+    if len(error.args) == 2 and isinstance(error.args[0], int):
+        return error.args[0], str(error.args[1])
+    return None
+
+
 def frame_max(connection: aiormq.abc.AbstractConnection) -> int:
     """The largest frame the broker accepts on ``connection`` (0: no limit was negotiated)."""
     return int(connection.connection_tune.frame_max or 0)

@@ -102,6 +102,10 @@ class PublishEngine(Generic[H]):
         self._retry: list[tuple[float, int, Entry[H]]] = []
         self._retry_seq = 0
         self._live = 0
+        # After a connection close for a frame or syntax error, the messages that were in flight
+        # go out one at a time until each is settled: the next such close names the culprit.
+        self._isolated = 0  # unresolved isolated entries
+        self._probe: Entry[H] | None = None  # the isolated entry on the wire, alone
         self.counters = Counters()
 
     # --- accepting and sending --------------------------------------------------------------
@@ -129,13 +133,40 @@ class PublishEngine(Generic[H]):
         """Whether :meth:`next_to_send` has something (possibly an already-resolved entry)."""
         return bool(self._sendq)
 
+    @property
+    def isolating(self) -> bool:
+        """True while suspects of a connection-level frame error are sent one at a time (the
+        adapter writes again after each confirm)."""
+        return self._isolated > 0
+
     def next_to_send(self) -> Entry[H] | None:
-        """The next message to write, in order; None when nothing waits."""
+        """The next message to write, in order; None when nothing waits (or, while isolating,
+        when the next one must wait until the wire is empty)."""
+        if self._isolated:
+            return self._next_isolated()
         sendq = self._sendq
         while sendq:
             entry = sendq.popleft()
             if entry.state is WAITING:
                 return entry
+        return None
+
+    def _next_isolated(self) -> Entry[H] | None:
+        probe = self._probe
+        if probe is not None and probe.state is WIRE:
+            return None  # a suspect is on the wire alone: wait for its outcome
+        self._probe = None
+        sendq = self._sendq
+        while sendq:
+            entry = sendq[0]
+            if entry.state is not WAITING:
+                sendq.popleft()
+                continue
+            if entry.isolated:
+                if len(self.tracker):
+                    return None  # it goes alone: wait until nothing else is on the wire
+                self._probe = entry
+            return sendq.popleft()
         return None
 
     def mark_sent(self, entry: Entry[H]) -> Mapping[str, Any] | None:
@@ -203,6 +234,33 @@ class PublishEngine(Generic[H]):
             entry.state = WAITING
         self.counters.republished += len(again)
         self._sendq.extendleft(reversed(again))
+        return resolutions
+
+    def on_connection_error(
+        self, reply_code: int, reply_text: str, now: float
+    ) -> list[Resolution[H]]:
+        """The broker closed the connection for a frame or syntax error (501, 502, 505).
+
+        Such a close has a culprit like a channel close, but the broker does not name it. A
+        message alone on the wire is it, and fails with :class:`MessageRejected`; when several
+        were in flight, each is marked and sent alone from now on, so the next such close (if
+        one comes) names its culprit. The others go out again, in order.
+        """
+        unconfirmed = self.tracker.new_generation()
+        wire = [e for e in unconfirmed if e.state is WIRE]
+        resolutions: list[Resolution[H]] = []
+        if len(wire) == 1:
+            culprit = wire.pop()
+            error = MessageRejected(culprit.message, culprit.attempts, reply_code, reply_text)
+            resolutions.append(self._finish(culprit, error))
+        for entry in wire:
+            entry.state = WAITING
+            if not entry.isolated:
+                entry.isolated = True
+                self._isolated += 1
+        self._probe = None
+        self.counters.republished += len(wire)
+        self._sendq.extendleft(reversed(wire))
         return resolutions
 
     # --- time ---------------------------------------------------------------------------------
@@ -297,6 +355,8 @@ class PublishEngine(Generic[H]):
     def _finish(self, entry: Entry[H], result: Confirmation | PublishError) -> Resolution[H]:
         entry.state = DONE
         self._live -= 1
+        if entry.isolated:
+            self._isolated -= 1
         counters = self.counters
         if isinstance(result, Confirmation):
             counters.confirmed += 1

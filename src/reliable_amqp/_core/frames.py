@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from reliable_amqp._core.errors import InvalidMessage
-from reliable_amqp._core.message import MessageProperties, OutgoingMessage
+from reliable_amqp._core.message import MessageProperties, OutgoingMessage, decimal_parts
 
 FRAME_METHOD = 1
 FRAME_HEADER = 2
@@ -37,6 +37,7 @@ _PUBLISH_METHOD = 40
 _frame_head = struct.Struct(">BHI").pack
 _publish_head = struct.Struct(">HHH").pack(_BASIC_CLASS, _PUBLISH_METHOD, 0)  # 0: reserved ticket
 _content_head = struct.Struct(">HHQH").pack  # class, weight, body size, property flags
+_content_head_size = struct.calcsize(">HHQH")
 _u64 = struct.Struct(">Q").pack
 _u32 = struct.Struct(">I").pack
 _long_str = struct.Struct(">cI").pack
@@ -117,17 +118,8 @@ def _encode_value(parts: list[bytes], value: Any, path: str) -> None:
 
 
 def _encode_decimal(value: decimal.Decimal, path: str) -> bytes:
-    value = value.normalize()
-    exponent = value.as_tuple().exponent
-    try:
-        if isinstance(exponent, int) and exponent < 0:
-            return _decimal(b"D", -exponent, int(value * (decimal.Decimal(10) ** -exponent)))
-        return _decimal(b"D", 0, int(value))
-    except (struct.error, ValueError, OverflowError, decimal.InvalidOperation):
-        raise InvalidMessage(
-            path,
-            f"Decimal {value} does not fit AMQP's decimal (at most 255 places, 32-bit digits)",
-        ) from None
+    scale, raw = decimal_parts(path, value)
+    return _decimal(b"D", scale, raw)
 
 
 def _properties(props: MessageProperties, headers: Mapping[str, Any] | None) -> tuple[int, bytes]:
@@ -197,6 +189,21 @@ def _method_frame(route: tuple[int, str, str, bool]) -> bytes:
     return frame
 
 
+def header_too_large(size: int, frame_max: int) -> str:
+    """Why a content header of ``size`` bytes cannot be sent (for :class:`InvalidMessage`)."""
+    return (
+        f"the properties and headers take {size} bytes in their frame, more than the "
+        f"{frame_max}-byte frame_max the broker negotiated (AMQP cannot split a header frame)"
+    )
+
+
+def header_frame_size(message: OutgoingMessage, extra: int = 0) -> int:
+    """Bytes of ``message``'s content-header frame, plus ``extra`` for headers added later."""
+    props = message.properties
+    _, encoded = _properties(props, props.headers)
+    return _content_head_size + len(encoded) + FRAME_OVERHEAD + extra
+
+
 def publish_frames(
     channel: int,
     message: OutgoingMessage,
@@ -213,17 +220,20 @@ def publish_frames(
     """
     props = message.properties
     flags, encoded = _properties(props, props.headers if headers is None else headers)
+    body = message.body
+    header = _content_head(_BASIC_CLASS, 0, len(body), flags) + encoded
+    if frame_max and len(header) + FRAME_OVERHEAD > frame_max:
+        # The broker would close the whole connection (501 FRAME_ERROR), not just the channel.
+        raise InvalidMessage("headers", header_too_large(len(header) + FRAME_OVERHEAD, frame_max))
     route = (channel, message.exchange, message.routing_key, message.mandatory)
     method = _method_frames.get(route)
     if method is None:
         method = _method_frame(route)
     out.append(method)
-    body = message.body
-    header = _content_head(_BASIC_CLASS, 0, len(body), flags) + encoded
     out.append(_frame_head(FRAME_HEADER, channel, len(header)))
     out.append(header)
     out.append(FRAME_END)
-    limit = frame_max - FRAME_OVERHEAD if frame_max > 0 else len(body) or 1
+    limit = frame_max - FRAME_OVERHEAD if frame_max > FRAME_OVERHEAD else len(body) or 1
     if len(body) <= limit:
         if body:
             out.append(_frame_head(FRAME_BODY, channel, len(body)))

@@ -390,14 +390,44 @@ def _check_value(path: str, value: object, depth: int) -> Any:
 
 
 def _check_decimal(path: str, value: Decimal) -> None:
-    # AMQP decimal: a scale octet and a signed 32-bit value (value / 10**scale).
+    decimal_parts(path, value)
+
+
+#: AMQP's decimal holds a signed 32-bit value: at most 10 digits
+_DECIMAL_DIGITS = 10
+
+
+def decimal_parts(path: str, value: Decimal) -> tuple[int, int]:
+    """AMQP's decimal for ``value``: (scale octet, signed 32-bit value), value / 10**scale.
+
+    Works on the digit tuple alone, so a huge exponent (``Decimal('1E+1000000')``) is refused at
+    once instead of being expanded (or overflowing the decimal context). Raises
+    :class:`InvalidMessage` naming ``path`` when AMQP cannot hold it.
+    """
     if not value.is_finite():
         raise InvalidMessage(path, f"Decimal {value} is not finite")
-    exponent = value.normalize().as_tuple().exponent
+    sign, digits, exponent = value.as_tuple()
     assert isinstance(exponent, int)
+    if not any(digits):
+        return 0, 0  # any zero (0.000, -0) is 0 with scale 0, as pika writes it
+    end = len(digits)
+    while end > 1 and digits[end - 1] == 0 and exponent < 0:  # 1.500 -> 1.5: drop zeros
+        end -= 1
+        exponent += 1
+    while end > 1 and digits[0] == 0:
+        digits = digits[1:]
+        end -= 1
+    width = end + max(exponent, 0)  # digits of the scaled integer
     scale = max(0, -exponent)
-    raw = int(value.scaleb(scale))
-    if scale > 255 or not -(2**31) <= raw < 2**31:
+    if width > _DECIMAL_DIGITS or scale > 255:
         raise InvalidMessage(
             path, f"Decimal {value} does not fit AMQP's decimal (32-bit digits, scale up to 255)"
         )
+    raw = int("".join(map(str, digits[:end]))) * 10 ** max(exponent, 0)
+    if sign:
+        raw = -raw
+    if not -(2**31) <= raw < 2**31:
+        raise InvalidMessage(
+            path, f"Decimal {value} does not fit AMQP's decimal (32-bit digits, scale up to 255)"
+        )
+    return scale, raw

@@ -42,6 +42,11 @@ CLOSE_GRACE = 2.0
 BATCH_COUNT = 2000
 #: body bytes per batch: a large body goes out in a write of its own
 BATCH_BYTES = 1 << 20
+#: AMQP's frame-min-size: no broker may negotiate a smaller frame_max
+FRAME_MIN_SIZE = 4096
+#: connection closes that blame something the client wrote (frame error, syntax error,
+#: unexpected frame): they have a culprit like a channel close
+CONNECTION_CULPRIT_CODES = frozenset({501, 502, 505})
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,9 @@ class Supervisor(Generic[H]):
         self._rx = (-1, 0.0)  # (bytes received, when that count last changed)
         self._check_at: float | None = None  # next liveness check, while a connection is up
         self._blocked = False  # connection.blocked without unblocked, on this connection
+        #: the frame_max the broker negotiated on the current (or last) connection; 0: unknown
+        self.frame_max = 0
+        self._heartbeat = 0  # negotiated on the current connection (0: no liveness checks)
 
     # --- connecting ---------------------------------------------------------------------------
 
@@ -102,6 +110,33 @@ class Supervisor(Generic[H]):
         """The URL of ``url_index``, password redacted (for logs)."""
         return redact_url(self.options.urls[url_index])
 
+    def connection_opened(
+        self, frame_max: int, heartbeat: int, received: int, now: float
+    ) -> ReliableAmqpError | None:
+        """The AMQP handshake is done: what the broker negotiated, and the bytes received.
+
+        ``heartbeat`` is the negotiated interval (0: the adapter's client library watches the
+        link itself, or nobody does). Returns an error when the broker's values are unusable
+        (the adapter then drops the connection with it).
+        """
+        if frame_max and frame_max < FRAME_MIN_SIZE:
+            # Not retriable: the same broker will say the same again.
+            return ReliableAmqpError(
+                f"the broker negotiated frame_max {frame_max}, below AMQP's minimum of "
+                f"{FRAME_MIN_SIZE}: not a usable AMQP 0-9-1 broker"
+            )
+        self.frame_max = frame_max
+        self._heartbeat = max(0, heartbeat)
+        self._rx = (-1, now)
+        self._check_at = None
+        self.check_liveness(received, now)
+        return None
+
+    @property
+    def isolating(self) -> bool:
+        """True while suspects of a frame error go out one at a time: write after each confirm."""
+        return self.engine.isolating
+
     def channel_opened(self) -> bool:
         """The confirm-mode channel is open; False when the publisher is closing (the adapter
         then leaves it unused), True when messages may be written (unless blocked)."""
@@ -115,15 +150,26 @@ class Supervisor(Generic[H]):
         return True
 
     def connection_lost(
-        self, loss: ReliableAmqpError | None, now: float, *, established: bool
+        self,
+        loss: ReliableAmqpError | None,
+        now: float,
+        *,
+        established: bool,
+        reply: tuple[int, str] | None = None,
     ) -> tuple[list[Resolution[H]], Reconnect | GiveUp | None]:
         """The connection is gone, or an attempt failed (``established`` False).
 
-        Whatever was on the wire is queued to go out again, in order. Returns those messages'
-        resolutions (none, unless the engine failed some) and what to do next: reconnect (to
-        which URL, after how long), give up, or nothing (the publisher is closing).
+        ``reply`` is the broker's ``connection.close`` (code, text) when it sent one. Whatever
+        was on the wire is queued to go out again, in order, except the culprit of a close for
+        a frame or syntax error (see :meth:`PublishEngine.on_connection_error`). Returns the
+        resolutions and what to do next: reconnect (to which URL, after how long), give up, or
+        nothing (the publisher is closing).
         """
-        resolutions = self.engine.on_channel_lost(None, "connection lost", now)
+        if reply is not None and reply[0] in CONNECTION_CULPRIT_CODES:
+            log.warning("reliable-amqp: the broker closed the connection: %s %s", *reply)
+            resolutions = self.engine.on_connection_error(reply[0], reply[1], now)
+        else:
+            resolutions = self.engine.on_channel_lost(None, "connection lost", now)
         if self.stopping:
             return resolutions, None
         if loss is None:
@@ -281,7 +327,7 @@ class Supervisor(Generic[H]):
         A broker sends heartbeats, so more than two heartbeat intervals without a byte means
         the link is dead, although no socket error says so (pika alone waits 2x(hb+5) s).
         """
-        heartbeat = self.options.heartbeat
+        heartbeat = self._heartbeat
         if not heartbeat:
             return None
         last, since = self._rx

@@ -66,6 +66,8 @@ class Entry(Generic[H]):
     returned: tuple[int, str] | None = None
     #: channel closes with a permanent code this entry was in flight for, culprit unknown
     suspect: int = 0
+    #: in flight when the broker closed the connection for a frame error: sent alone from then
+    isolated: bool = False
     #: how many nacks this message has had (the nack retry policy counts these)
     nacks: int = 0
     #: when the message was accepted (the clock the adapter passes in)

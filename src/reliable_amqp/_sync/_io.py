@@ -56,6 +56,7 @@ class IOThread:
         self._connection: CoalescingConnection | None = None
         self._channel: Channel | None = None
         self._loss: ReliableAmqpError | None = None
+        self._reply: tuple[int, str] | None = None  # the broker's connection.close, if any
         self._established = False
         self._timer: Any = None  # pika timeout handle of the next wake-up
         self._timer_due: float | None = None
@@ -101,6 +102,7 @@ class IOThread:
         while not self.stopping.is_set():
             params = self._params[supervisor.next_attempt()]
             self._loss = None
+            self._reply = None
             self._established = False
             connection = CoalescingConnection(
                 params,
@@ -130,7 +132,7 @@ class IOThread:
             self._channel = None
             # Whatever was on the wire goes out again on the next connection, in order.
             resolutions, plan = supervisor.connection_lost(
-                self._loss, time.monotonic(), established=self._established
+                self._loss, time.monotonic(), established=self._established, reply=self._reply
             )
             self._handoff.resolve(resolutions)
             if plan is None:
@@ -220,7 +222,16 @@ class IOThread:
             return
         connection.add_on_connection_blocked_callback(self._on_blocked)
         connection.add_on_connection_unblocked_callback(self._on_unblocked)
-        self._supervisor.check_liveness(connection.bytes_received, time.monotonic())
+        params = connection.params  # pika writes the negotiated values back here
+        unusable = self._supervisor.connection_opened(
+            params.frame_max or 0,
+            params.heartbeat or 0,
+            connection.bytes_received,
+            time.monotonic(),
+        )
+        if unusable is not None:
+            self._lose(connection, unusable)
+            return
         self._schedule()
         # Declare again what the user declared (a restarted broker lost non-durable topology)
         # before any message is written.
@@ -274,6 +285,8 @@ class IOThread:
         connection.ioloop.stop()
 
     def _on_connection_closed(self, connection: SelectConnection, reason: Exception) -> None:
+        if isinstance(reason, pika.exceptions.ConnectionClosedByBroker):
+            self._reply = (reason.reply_code, reason.reply_text)
         if self._loss is None:
             self._loss = translate_connection_error(reason)
         connection.ioloop.stop()
@@ -295,6 +308,8 @@ class IOThread:
         )
         if not ack:
             self._schedule()  # a nack retry may come due before anything else
+        if self._supervisor.isolating and self._engine.has_sendable():
+            self._drain()  # suspects of a frame error go one at a time: the next one now
 
     def _on_return(
         self, channel: Channel, method: Basic.Return, properties: BasicProperties, body: bytes

@@ -1,0 +1,88 @@
+"""One bad message never hurts the others: frame errors, oversize header blocks, user_id."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from adapters.conftest import Peers, PublisherFactory, kinds
+from adapters.drivers import outcomes
+from fake import ACK, HOLD, FakeBroker, Message
+from fake.records import Action
+from reliable_amqp import EventKind, InvalidMessage, PublisherEvent
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_connection_closed_for_a_frame_error_fails_only_its_culprit(
+    peer: FakeBroker, make_publisher: PublisherFactory, events: list[PublisherEvent]
+) -> None:
+    # Like a broker that cannot decode one publish: it closes the whole connection with 501
+    # and reads nothing after that frame.
+    poisoned: set[int] = set()
+
+    def policy(message: Message) -> Action:
+        if message.connection in poisoned:
+            return HOLD
+        if message.headers.get("poison"):
+            poisoned.add(message.connection)
+            threading.Thread(
+                target=peer.close_connection,
+                args=(501, "FRAME_ERROR - cannot decode"),
+                kwargs={"connection": message.connection},
+            ).start()
+            return HOLD
+        return ACK
+
+    peer.set_policy(policy)
+    with make_publisher(peer.url()) as publisher:
+        publisher.publish_and_wait("", "q", b"warm-up")
+        futures = [
+            publisher.publish("", "q", b"m%03d" % i, headers={"poison": i == 50})
+            for i in range(100)
+        ]
+        assert publisher.flush(timeout=20) == 0
+    results = outcomes(futures)
+    assert results[50] == "MessageRejected"
+    assert results[:50] + results[51:] == ["Confirmation"] * 99
+    error = futures[50].exception(0)
+    assert error is not None and "501" in str(error) and "FRAME_ERROR" in str(error)
+    lost = kinds(events).count(EventKind.CONNECTION_LOST)
+    assert 1 <= lost <= 2, f"{lost} connection losses: a reconnect loop"
+    confirmed = {m.body for m in peer.received() if m.outcome == "ack"}
+    assert confirmed == {b"warm-up"} | {b"m%03d" % i for i in range(100) if i != 50}
+
+
+def test_a_header_block_larger_than_frame_max_fails_alone(
+    make_peer: Peers, make_publisher: PublisherFactory, events: list[PublisherEvent]
+) -> None:
+    peer = make_peer(frame_max=4096)
+    big = {"blob": "x" * 5000}
+    publisher = make_publisher(peer.url())  # not connected yet (the factory closes it)
+    # Before the connection is open frame_max is unknown: the message fails alone, unwritten.
+    early = publisher.publish("", "q", b"early", headers=big)
+    others = [publisher.publish("", "q", b"m%d" % i) for i in range(20)]
+    assert publisher.flush(timeout=10) == 0
+    assert outcomes([early]) == ["MessageRejected"]
+    assert "frame_max" in str(early.exception(0))
+    assert outcomes(others) == ["Confirmation"] * 20
+    # Once it is known, publish() refuses it at once.
+    with pytest.raises(InvalidMessage) as info:
+        publisher.publish("", "q", b"late", headers=big)
+    assert info.value.field == "headers" and "4096-byte frame_max" in str(info.value)
+    assert publisher.publish_and_wait("", "q", b"after").attempts == 1
+    assert [m.body for m in peer.received()] == [b"m%d" % i for i in range(20)] + [b"after"]
+    assert EventKind.CONNECTION_LOST not in kinds(events)
+
+
+def test_user_id_other_than_the_connection_user_is_refused_at_publish(
+    peer: FakeBroker, make_publisher: PublisherFactory
+) -> None:
+    with make_publisher(peer.url()) as publisher:
+        with pytest.raises(InvalidMessage) as info:
+            publisher.publish("", "q", b"x", user_id="mallory")
+        assert info.value.field == "user_id" and "'guest'" in str(info.value)
+        assert publisher.publish_and_wait("", "q", b"y", user_id="guest").attempts == 1
+    [message] = peer.received()
+    assert message.body == b"y" and message.properties.user_id == "guest"

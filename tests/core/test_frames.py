@@ -1,0 +1,72 @@
+"""Unit tests of ``_core/frames.py`` (byte-for-byte agreement with pika is checked in
+``tests/async/test_async_frames.py``)."""
+
+from __future__ import annotations
+
+import time
+from decimal import Decimal
+
+import pytest
+
+from reliable_amqp._core.errors import InvalidMessage
+from reliable_amqp._core.frames import encode_table, header_frame_size, publish_frames
+from reliable_amqp._core.message import build_message
+
+
+def test_a_header_frame_larger_than_frame_max_is_refused_and_nothing_appended() -> None:
+    message = build_message("", "q", b"body", properties={"headers": {"big": "x" * 5000}})
+    size = header_frame_size(message)
+    assert size > 5000
+    out: list[bytes | memoryview] = [b"earlier"]
+    with pytest.raises(InvalidMessage) as info:
+        publish_frames(1, message, None, 4096, out)
+    assert info.value.field == "headers"
+    assert f"take {size} bytes" in str(info.value) and "4096-byte frame_max" in str(info.value)
+    assert out == [b"earlier"]  # nothing of it: the caller can take the publish back
+
+
+def test_a_header_frame_of_exactly_frame_max_goes_out() -> None:
+    probe = build_message("", "q", b"", properties={"headers": {"h": ""}})
+    fill = 4096 - header_frame_size(probe)
+    message = build_message("", "q", b"", properties={"headers": {"h": "x" * fill}})
+    assert header_frame_size(message) == 4096
+    out: list[bytes | memoryview] = []
+    publish_frames(1, message, None, 4096, out)
+    assert len(b"".join(out)) > 4096
+
+
+def test_frame_max_zero_means_no_limit() -> None:
+    message = build_message(
+        "", "q", b"0123456789" * 1000, properties={"headers": {"h": "x" * 9000}}
+    )
+    out: list[bytes | memoryview] = []
+    publish_frames(1, message, None, 0, out)
+    assert b"".join(out).endswith(b"0123456789\xce")
+    assert sum(1 for part in out if part == b"\xce") == 2  # the header frame, one body frame
+
+
+@pytest.mark.parametrize(
+    "value, encoded",
+    [
+        ("1.5", b"D\x01\x00\x00\x00\x0f"),
+        ("1.500", b"D\x01\x00\x00\x00\x0f"),
+        ("-3.14", b"D\x02\xff\xff\xfe\xc6"),
+        ("0.000", b"D\x00\x00\x00\x00\x00"),
+        ("100", b"D\x00\x00\x00\x00\x64"),
+        ("2147483647", b"D\x00\x7f\xff\xff\xff"),
+    ],
+)
+def test_decimals_encode_as_scale_and_32_bit_value(value: str, encoded: bytes) -> None:
+    table = encode_table({"d": Decimal(value)})
+    assert table.endswith(encoded)
+
+
+@pytest.mark.parametrize(
+    "value", ["1E+1000000", "1E+200000", "-1E+999999999999999", "2147483648", "1E-256", "NaN"]
+)
+def test_decimals_amqp_cannot_hold_are_refused_at_once(value: str) -> None:
+    started = time.process_time()
+    with pytest.raises(InvalidMessage) as info:
+        build_message("", "q", b"", properties={"headers": {"d": Decimal(value)}})
+    assert info.value.field == "headers['d']"
+    assert time.process_time() - started < 0.05  # no expansion of the exponent
