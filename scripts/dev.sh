@@ -3,13 +3,19 @@
 # extras, starts the local RabbitMQ if none answers, then runs what was asked.
 #
 #   scripts/dev.sh main     a real confirmed publish against the local broker (the main job)
-#   scripts/dev.sh test     the whole test suite (what .ci/run calls)
+#   scripts/dev.sh test     the whole test suite (what .ci/run calls); builds the matrix venvs first
+#   scripts/dev.sh venvs [LEG...]  build (or check) the version-matrix venvs only
 #   scripts/dev.sh bench    the benchmark (benchmarks/run.py)
 #   scripts/dev.sh run CMD  any command inside the environment
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${RELIABLE_AMQP_VENV:-$HOME/.cache/reliable-amqp/venv}
+# The version matrix (tests/matrix): NAME:PYTHON:CONSTRAINTS, each a venv $MATRIX_DIR/venv-NAME
+# with .[aio,dev] (no Spark: small and quick to build). An empty CONSTRAINTS means "what pip
+# resolves there"; constraints/lowest.txt pins every runtime dependency to its lower bound.
+MATRIX_DIR=${RELIABLE_AMQP_MATRIX_DIR:-$HOME/.cache/reliable-amqp}
+MATRIX_LEGS=("py3.10:3.10:" "py3.13:3.13:" "lowest:3.10:constraints/lowest.txt")
 AMQP_HOST=${AMQP_TEST_HOST:-127.0.0.1}
 AMQP_PORT=${AMQP_TEST_PORT:-5672}
 
@@ -29,6 +35,80 @@ ensure_venv() {
         "$VENV/bin/pip" install -q -e "$ROOT[dev,aio,spark]"
         echo "$stamp" > "$VENV/.reliable-amqp-stamp"
     fi
+}
+
+# The newest interpreter of a minor version: pyenv's, else pythonX.Y on PATH. Fails, never skips.
+find_python() {
+    local version=$1 found
+    found=$(ls -d "$HOME"/.pyenv/versions/"$version".*/bin/python "$HOME/.pyenv/versions/$version/bin/python" 2>/dev/null | sort -V | tail -1)
+    if [ -z "$found" ]; then
+        found=$(command -v "python$version" || true)
+    fi
+    if [ -z "$found" ] || ! "$found" -c 'import sys' 2>/dev/null; then
+        log "Python $version not found (looked for ~/.pyenv/versions/$version*/bin/python and python$version on PATH): the version matrix (tests/matrix) needs it"
+        return 1
+    fi
+    echo "$found"
+}
+
+# One matrix venv, rebuilt when pyproject.toml, its constraints, the checkout or the interpreter
+# changed. A lock keeps two concurrent runs from installing into the same venv at once.
+ensure_matrix_venv() {
+    local name=$1 version=$2 constraints=$3
+    local venv="$MATRIX_DIR/venv-$name" python stamp
+    python=$(find_python "$version") || return 1
+    mkdir -p "$MATRIX_DIR"
+    exec 9>"$MATRIX_DIR/.venv-$name.lock"
+    flock 9
+    # Only what pip reads: [build-system] and [project] (a new pytest marker rebuilds nothing).
+    stamp="$(awk '/^\[/ { keep = /^\[(build-system|project)[].]/ } keep' "$ROOT/pyproject.toml" \
+        | sha256sum | cut -c1-16)"
+    stamp+=" ${constraints:+$(sha256sum "$ROOT/$constraints" | cut -c1-16)} $ROOT"
+    stamp+=" $("$python" -c 'import sys; print(sys.version.split()[0])')"
+    if [ "$(cat "$venv/.reliable-amqp-stamp" 2>/dev/null)" = "$stamp" ]; then
+        exec 9>&-; return 0
+    fi
+    local started=$SECONDS
+    log "building $venv (Python $version${constraints:+, $constraints})"
+    if [ "$(awk '{print $NF}' "$venv/.reliable-amqp-stamp" 2>/dev/null)" != "${stamp##* }" ]; then
+        "$python" -m venv --clear "$venv"   # new or another interpreter: start afresh
+    fi
+    rm -f "$venv/.reliable-amqp-stamp"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+    if [ -n "$constraints" ]; then
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+            -c "$ROOT/$constraints" -e "$ROOT[aio,dev]"
+    else  # what pip resolves today, even in a venv built earlier
+        "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+            --upgrade --upgrade-strategy eager -e "$ROOT[aio,dev]"
+    fi
+    echo "$stamp" > "$venv/.reliable-amqp-stamp"
+    log "built $venv in $((SECONDS - started)) s"
+    exec 9>&-
+}
+
+# Build the matrix venvs (all, or the named legs) in parallel; any failure fails the run.
+ensure_matrix() {
+    local leg name version constraints pids=() names=() failed=0 i
+    for leg in "${MATRIX_LEGS[@]}"; do
+        IFS=: read -r name version constraints <<<"$leg"
+        if [ $# -gt 0 ] && [[ " $* " != *" $name "* ]]; then
+            continue
+        fi
+        mkdir -p "$MATRIX_DIR"
+        ensure_matrix_venv "$name" "$version" "$constraints" >"$MATRIX_DIR/venv-$name.log" 2>&1 &
+        pids+=($!); names+=("$name")
+    done
+    for i in "${!pids[@]}"; do
+        if ! wait "${pids[$i]}"; then
+            failed=1
+            log "the matrix venv ${names[$i]} could not be built:"
+            tail -20 "$MATRIX_DIR/venv-${names[$i]}.log" >&2
+        else
+            grep -h '^\[dev\]' "$MATRIX_DIR/venv-${names[$i]}.log" >&2 || true
+        fi
+    done
+    return "$failed"
 }
 
 ensure_java() {
@@ -74,7 +154,7 @@ case "$cmd" in
         exec "$VENV/bin/python" "$ROOT/examples/quickstart.py" "$@"
         ;;
     test)
-        ensure_venv; ensure_java; ensure_broker
+        ensure_venv; ensure_java; ensure_broker; ensure_matrix
         cd "$ROOT"
         set +e
         "$VENV/bin/python" -m pytest "$@"
@@ -83,6 +163,9 @@ case "$cmd" in
         # pytest exits 5 when no test ran: that is a failure here.
         [ "$rc" -eq 5 ] && log "no tests ran" && exit 1
         exit "$rc"
+        ;;
+    venvs)
+        ensure_matrix "$@"
         ;;
     bench)
         ensure_venv; ensure_java; ensure_broker
@@ -95,6 +178,6 @@ case "$cmd" in
         PATH="$VENV/bin:$PATH" exec "$@"
         ;;
     *)
-        echo "usage: scripts/dev.sh main|test|bench|run CMD..." >&2; exit 2
+        echo "usage: scripts/dev.sh main|test|venvs [LEG...]|bench|run CMD..." >&2; exit 2
         ;;
 esac

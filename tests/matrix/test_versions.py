@@ -1,0 +1,230 @@
+"""The contract subset on every supported Python and at both ends of every dependency range.
+
+Each leg is a venv that ``scripts/dev.sh`` builds and caches (``scripts/dev.sh test`` builds them
+all, in parallel, before pytest starts; ``scripts/dev.sh venvs LEG`` builds one):
+
+- ``py3.10``, ``py3.13``: ``.[aio,dev]`` with whatever pip resolves there (aio-pika 9 / aiormq 6
+  on 3.10, aio-pika 10 / aiormq 7 on 3.13); the main venv is the 3.11 leg;
+- ``lowest``: Python 3.10 with ``constraints/lowest.txt``, every runtime dependency at its lower
+  bound.
+
+Each test runs :data:`SUBSET` inside its venv as a subprocess and asserts it passed with more
+than 0 tests; the versions it ran with are printed at the end of the run (terminal summary) and
+in each test's output. A missing interpreter fails the leg, it never skips it. The legs run
+concurrently (``RELIABLE_AMQP_MATRIX_JOBS``, default 3): each is mostly waiting on sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from matrix_support import SUMMARY
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[2]
+MATRIX_DIR = Path(
+    os.environ.get("RELIABLE_AMQP_MATRIX_DIR", Path.home() / ".cache" / "reliable-amqp")
+)
+
+#: leg name -> what it is (the venv is MATRIX_DIR / f"venv-{leg}")
+LEGS = {
+    "py3.10": "Python 3.10, newest dependencies pip resolves there",
+    "py3.13": "Python 3.13, newest dependencies pip resolves there",
+    "lowest": "Python 3.10, constraints/lowest.txt (every lower bound)",
+}
+
+#: The contract suite (both publishers) and the tests that reach every private hook: confirm,
+#: nack, return (test_publisher, adapters), channel close (missing exchange, oversize body, a
+#: channel lost), reconnect (cut connections, lent robust connection), connection.blocked
+#: (memory alarm), futures and cancellation (CPython hooks), frame encoding (pika, pamqp).
+SUBSET = (
+    "tests/test_publisher.py",
+    "tests/adapters",
+    "tests/async/test_async_cancellation.py",
+    "tests/async/test_async_frames.py",
+    "tests/async/test_async_faults.py::test_cut_connection_is_recovered_and_republished",
+    "tests/async/test_async_faults.py::test_channel_loss_is_an_event_and_recovers",
+    "tests/async/test_async_faults.py::test_lent_robust_connection_recovers_and_republishes",
+    "tests/async/test_async_faults.py::test_memory_alarm_pauses_publishing_without_failing",
+    "tests/faults/test_sync_faults.py::test_five_connection_cuts_during_one_stream",
+    "tests/faults/test_sync_faults.py::test_memory_alarm_pauses_publishing_without_failing",
+)
+
+PACKAGES = ("pika", "aio-pika", "aiormq", "pamqp", "tenacity", "sortedcontainers")
+
+#: a hard bound on one leg (75 s alone, about 200 s with the three legs at once on 2 cores)
+LEG_TIMEOUT = 900
+
+#: run as ``python -c _VERSIONS PACKAGE...``: prints {"python": ..., PACKAGE: version, ...}
+_VERSIONS = """
+import importlib.metadata as m, json, platform, sys
+out = {"python": platform.python_version()}
+for name in sys.argv[1:]:
+    try:
+        out[name] = m.version(name)
+    except m.PackageNotFoundError:
+        out[name] = "missing"
+print(json.dumps(out))
+"""
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+
+@dataclass
+class LegResult:
+    """What one leg's run found."""
+
+    leg: str
+    versions: dict[str, str] = field(default_factory=dict)
+    returncode: int | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    output: str = ""
+
+    def headline(self) -> str:
+        """One line: versions, counts, time."""
+        versions = ", ".join(f"{k} {v}" for k, v in self.versions.items())
+        counts = ", ".join(f"{v} {k}" for k, v in self.counts.items() if v) or "no tests"
+        return f"matrix {self.leg}: {versions}: {counts} in {self.seconds:.0f} s"
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without what would leak into the leg (venv, Spark, pytest)."""
+    drop = ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH", "PYTEST_CURRENT_TEST", "PYTEST_XDIST")
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in drop and not k.startswith(("SPARK_", "PYSPARK_", "COV_CORE"))
+    }
+
+
+def _counts(junit: Path) -> dict[str, int]:
+    suite = ET.parse(junit).getroot()
+    if suite.tag == "testsuites":
+        suite = suite[0]
+    total = int(suite.get("tests", 0))
+    failures, errors = int(suite.get("failures", 0)), int(suite.get("errors", 0))
+    skipped = int(suite.get("skipped", 0))
+    return {
+        "passed": total - failures - errors - skipped,
+        "failed": failures,
+        "errors": errors,
+        "skipped/xfailed": skipped,
+    }
+
+
+def run_leg(leg: str, workdir: Path) -> LegResult:
+    """Build (or check) the leg's venv, then run the subset in it; never raises."""
+    result = LegResult(leg)
+    started = time.monotonic()
+    env = _clean_env()
+    built = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "dev.sh"), "venvs", leg],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if built.returncode != 0:
+        result.output = f"scripts/dev.sh venvs {leg} failed:\n{built.stderr[-4000:]}"
+        return result
+    python = MATRIX_DIR / f"venv-{leg}" / "bin" / "python"
+    probe = subprocess.run(
+        [str(python), "-c", _VERSIONS, *PACKAGES],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if probe.returncode != 0:
+        result.output = f"{python} could not report its versions:\n{probe.stderr[-4000:]}"
+        return result
+    result.versions = json.loads(probe.stdout)
+    junit = workdir / f"{leg}.xml"
+    command = [
+        str(python),
+        "-m",
+        "pytest",
+        *SUBSET,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rfE",
+        f"--junitxml={junit}",
+    ]
+    try:
+        run = subprocess.run(
+            command,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=LEG_TIMEOUT,
+            check=False,
+        )
+        result.returncode, result.output = run.returncode, run.stdout + run.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        result.output = f"the subset did not finish within {LEG_TIMEOUT} s\n{out}"
+    result.seconds = time.monotonic() - started
+    if junit.exists():
+        result.counts = _counts(junit)
+    result.failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", result.output, re.MULTILINE)
+    return result
+
+
+@pytest.fixture(scope="module")
+def legs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[LegResult]]]:
+    """Every leg started at once, in threads; each test waits for its own."""
+    workdir = tmp_path_factory.mktemp("matrix")
+    jobs = int(os.environ.get("RELIABLE_AMQP_MATRIX_JOBS", "3"))
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        yield {leg: pool.submit(run_leg, leg, workdir) for leg in LEGS}
+
+
+def test_lowest_constraints_pin_every_lower_bound() -> None:
+    """constraints/lowest.txt pins each runtime range (core and aio) at its lower bound."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11 (the main venv's 3.11)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [*project["dependencies"], *project["optional-dependencies"]["aio"]]
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "constraints" / "lowest.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
+    for requirement in map(Requirement, declared):
+        lower = [s.version for s in requirement.specifier if s.operator == ">="]
+        upper = [s.version for s in requirement.specifier if s.operator == "<"]
+        assert lower and upper, f"{requirement} needs a lower and an upper bound"
+        assert requirement.name in pins, f"constraints/lowest.txt does not pin {requirement.name}"
+        assert Version(pins[requirement.name]) == Version(lower[0]), (
+            f"{requirement.name}: lowest.txt pins {pins[requirement.name]}, "
+            f"pyproject's lower bound is {lower[0]}"
+        )
+
+
+@pytest.mark.parametrize("leg", list(LEGS))
+def test_contract_subset_passes(
+    leg: str, legs: dict[str, Future[LegResult]], request: pytest.FixtureRequest
+) -> None:
+    result = legs[leg].result()
+    request.config.stash.setdefault(SUMMARY, []).append(result.headline())
+    print(result.headline())
+    tail = result.output[-8000:]
+    assert result.versions, tail
+    passed, returncode = result.counts.get("passed", 0), result.returncode
+    assert passed > 0, f"no test passed in {leg}\n{tail}"
+    failed = "\n  ".join(["", *result.failed])
+    assert returncode == 0, f"{leg} ({LEGS[leg]}): {len(result.failed)} failed:{failed}\n{tail}"
