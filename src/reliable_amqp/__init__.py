@@ -23,10 +23,12 @@ from reliable_amqp._core.errors import (
     OperationTimeout,
     PreconditionFailed,
     PublisherClosed,
+    PublisherForked,
     PublishError,
     PublishTimeout,
     RecoveryFailed,
     ReliableAmqpError,
+    WouldDeadlock,
     broker_error,
 )
 from reliable_amqp._core.message import Confirmation, MessageProperties, OutgoingMessage
@@ -76,6 +78,7 @@ __all__ = [
     "PublishTimeout",
     "Publisher",
     "PublisherClosed",
+    "PublisherForked",
     "PublisherEvent",
     "PublisherOptions",
     "RecoveryFailed",
@@ -83,6 +86,7 @@ __all__ = [
     "RetryPolicy",
     "State",
     "Stats",
+    "WouldDeadlock",
     "__version__",
     "broker_error",
     "redact_url",

@@ -8,13 +8,14 @@ only the I/O thread touches those.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import InvalidStateError
 
 from reliable_amqp._core.engine import Resolution
-from reliable_amqp._core.errors import ReliableAmqpError
+from reliable_amqp._core.errors import PublisherForked, ReliableAmqpError, WouldDeadlock
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.window import Window
@@ -42,6 +43,8 @@ class Handoff:
         self.fatal: ReliableAmqpError | None = None
         #: the I/O thread's ident: waiting on a future there would deadlock
         self.io_ident: int | None = None
+        #: the process this publisher belongs to (a forked child inherits a copy, not the thread)
+        self.pid = os.getpid()
 
     def wake(self, force: bool = False) -> None:
         """Make the I/O thread look at the outbox (once, however many publishes ask)."""
@@ -98,3 +101,35 @@ class Handoff:
     def on_io_thread(self) -> bool:
         """True when called from the I/O thread (where waiting on a future deadlocks)."""
         return threading.get_ident() == self.io_ident
+
+    def check_wait(self, what: str) -> None:
+        """Raise :class:`WouldDeadlock` when ``what`` (a blocking call) runs on the I/O thread:
+        a done-callback or an ``on_event`` hook runs there, and only that thread can settle
+        the messages it would wait for."""
+        if threading.get_ident() == self.io_ident:
+            raise WouldDeadlock(
+                f"{what} was called on the publisher's own I/O thread (in a future's "
+                "done-callback or the on_event hook), where it could never return: only this "
+                "thread settles messages. Wait from another thread, or use add_done_callback."
+            )
+
+    @property
+    def forked(self) -> bool:
+        """True in a child process that inherited this publisher through ``fork()``."""
+        return os.getpid() != self.pid
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the I/O thread did not come along, so nothing here can be sent
+        or settled. Every call fails at once instead of waiting for a thread that is not there.
+        """
+        # The lock may have been held by a parent thread at fork(): take a fresh one.
+        self.lock = threading.Lock()
+        self.room = threading.Condition(self.lock)
+        self.future_lock = threading.RLock()
+        self.accepting = False
+        self.wake_loop = None
+        self.fatal = PublisherForked(
+            f"this publisher was made in process {self.pid} and cannot be used in the child "
+            f"process {os.getpid()} that fork() made (its I/O thread and connection stay with "
+            "the parent): create a new Publisher in the child"
+        )

@@ -77,11 +77,11 @@ class IOThread:
         """True once :meth:`start` ran."""
         return self._thread is not None
 
-    def stop(self) -> None:
-        """Ask the thread to close the connection and end; wait until it has."""
+    def stop(self, wait: bool = True) -> None:
+        """Ask the thread to close the connection and end; with ``wait``, until it has."""
         self.stopping.set()
         self._handoff.wake(force=True)
-        if self._thread is not None:
+        if wait and self._thread is not None:
             self._thread.join()
 
     # --- the thread -------------------------------------------------------------------------

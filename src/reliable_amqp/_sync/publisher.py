@@ -10,7 +10,9 @@ does, and the handoff turns its resolutions into futures.
 
 from __future__ import annotations
 
+import os
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from types import TracebackType
@@ -19,7 +21,6 @@ from typing import Any
 from reliable_amqp._core.errors import (
     OperationTimeout,
     PublisherClosed,
-    PublishTimeout,
     ReliableAmqpError,
 )
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
@@ -31,6 +32,24 @@ from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync._handoff import Handoff
 from reliable_amqp._sync._io import IOThread
 from reliable_amqp._sync._pika import connection_parameters
+
+# Publishers alive in this process: a forked child must not use the ones it inherited.
+_live_handoffs: weakref.WeakSet[Handoff] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for handoff in list(_live_handoffs):
+        handoff.forget_after_fork()
+    _live_handoffs.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _dropped(io: IOThread) -> None:
+    """A Publisher was garbage-collected without close(): end its thread and connection."""
+    if io.started and not io.stopping.is_set():
+        io.stop(wait=False)
 
 
 class Publisher(PublisherSurface[None, str]):
@@ -48,6 +67,10 @@ class Publisher(PublisherSurface[None, str]):
         self._window = self._handoff.window
         self._supervisor: Supervisor[PublishFuture] = Supervisor(self.options)
         self._io = IOThread(params, self._handoff, self._supervisor, Topology())
+        _live_handoffs.add(self._handoff)
+        # Dropped without close(): the thread holds no reference to this object, so it can be
+        # collected; then the thread closes the connection and ends (what was pending fails).
+        weakref.finalize(self, _dropped, self._io)
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -58,8 +81,11 @@ class Publisher(PublisherSurface[None, str]):
         :class:`AuthenticationFailed` at once; other failures raise :class:`RecoveryFailed` once
         the connect policy is spent.
         """
-        self._io.start()
         handoff = self._handoff
+        if handoff.fatal is not None:
+            raise handoff.fatal
+        handoff.check_wait("connect()")
+        self._io.start()
         while not self._io.opened.wait(0.05):
             if handoff.fatal is not None:
                 raise handoff.fatal
@@ -85,6 +111,9 @@ class Publisher(PublisherSurface[None, str]):
         returns, every future this publisher handed out is resolved. Returns how many failed so.
         """
         handoff = self._handoff
+        if handoff.forked:  # the parent's thread and socket: leave them alone
+            return self._window.count
+        handoff.check_wait("close()")
         with handoff.room:
             handoff.accepting = False
             handoff.room.notify_all()
@@ -103,6 +132,7 @@ class Publisher(PublisherSurface[None, str]):
     # --- topology ----------------------------------------------------------------------------
 
     def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
+        self._handoff.check_wait(f"declaring {op.describe()}")
         if not self._io.opened.is_set():
             self.connect()
         future: Future[Any] = Future()
@@ -145,7 +175,7 @@ class Publisher(PublisherSurface[None, str]):
             self._check_accepting(message)
             self.connect()
         # Cancelling the future only means the caller stopped caring: the message stays tracked.
-        future = PublishFuture(handoff.future_lock, 0)
+        future = PublishFuture(handoff.future_lock, 0, handoff)
         size = len(message.body)
         window = self._window
         with handoff.lock:
@@ -178,6 +208,9 @@ class Publisher(PublisherSurface[None, str]):
         """
         end = None if timeout is None else time.monotonic() + timeout
         handoff = self._handoff
+        if handoff.forked:
+            return self._window.count  # nothing will resolve them here
+        handoff.check_wait("flush()")
         with handoff.room:
             barrier = self._window.barrier()
             try:
@@ -192,13 +225,9 @@ class Publisher(PublisherSurface[None, str]):
 
     def _wait_for_room(self, size: int, message: OutgoingMessage) -> None:
         handoff = self._handoff
-        if handoff.on_io_thread():
-            # A future callback publishing into a full window would wait for confirms that only
-            # this (the I/O) thread can read: fail instead of deadlocking.
-            raise PublishTimeout(
-                "in-flight window full and publish() was called from a future's callback "
-                "(the I/O thread); publish from another thread"
-            )
+        # A callback publishing into a full window would wait for confirms that only this (the
+        # I/O) thread can read: fail at once instead.
+        handoff.check_wait("publish() into a full in-flight window")
         window = self._window
         end = time.monotonic() + self.options.publish_timeout
         while not window.fits(size):
