@@ -260,6 +260,17 @@ def connection_failure(
     return AmqpConnectionError(detail)
 
 
+class WouldDeadlock(ReliableAmqpError, RuntimeError):
+    """A blocking call (``result()``, ``flush()``, ``publish_and_wait()``, ``close()``, ...) was
+    made on the publisher's own I/O thread, in a done-callback or the ``on_event`` hook, where it
+    could never return: only that thread settles messages."""
+
+
+class PublisherForked(ReliableAmqpError):
+    """The publisher was made in another process: a child that ``fork()`` made inherited a copy
+    without its I/O thread and connection. Create a new publisher in the child."""
+
+
 # --- per-message outcomes -------------------------------------------------------------------------
 
 
