@@ -28,6 +28,7 @@ from reliable_amqp._core.errors import (
     PublishTimeout,
     RecoveryFailed,
     ReliableAmqpError,
+    TlsError,
     WouldDeadlock,
     broker_error,
 )
@@ -86,6 +87,7 @@ __all__ = [
     "RetryPolicy",
     "State",
     "Stats",
+    "TlsError",
     "WouldDeadlock",
     "__version__",
     "broker_error",

@@ -40,6 +40,7 @@ from reliable_amqp._core.errors import (
     ResourceError,
     ResourceLocked,
     SyntaxError_,
+    TlsError,
     UnexpectedFrame,
     broker_error,
     connection_failure,
@@ -153,6 +154,12 @@ def test_publish_errors_carry_the_message() -> None:
             "timed out connecting to the broker: no answer in 10 s",
         ),
         (
+            ("tls", "broker.example:5671: certificate verify failed: unable to get local issuer"),
+            TlsError,
+            "TLS failed: broker.example:5671: certificate verify failed: unable to get local "
+            "issuer",
+        ),
+        (
             ("lost", "[Errno 104] Connection reset"),
             AmqpConnectionError,
             "[Errno 104] Connection reset",
@@ -176,7 +183,7 @@ def test_connection_failure_sorts_failures_into_errors(
 
 
 def test_connection_failure_knows_every_documented_kind_and_no_other() -> None:
-    assert CONNECTION_FAILURES == ("credentials", "vhost", "closed", "timeout", "lost")
+    assert CONNECTION_FAILURES == ("credentials", "vhost", "closed", "timeout", "tls", "lost")
     for kind in CONNECTION_FAILURES:
         assert isinstance(connection_failure(kind, "detail"), AmqpConnectionError)
     for kind in ("refused", "", "Lost", "closed "):
@@ -188,6 +195,7 @@ def test_not_retriable_connection_errors_never_retry_under_a_policy() -> None:
     assert not AuthenticationFailed("x").retriable and not RecoveryFailed("x").retriable
     assert issubclass(RecoveryFailed, AmqpConnectionError)
     assert issubclass(AuthenticationFailed, AmqpConnectionError)
+    assert TlsError.retriable is False and issubclass(TlsError, AmqpConnectionError)
     assert AmqpConnectionError.retriable is True and ReliableAmqpError.retriable is False
 
 

@@ -199,7 +199,7 @@ def _hook(event: PublisherEvent) -> None:
 def test_kwargs_names_every_option_but_the_urls() -> None:
     options = PublisherOptions.create(URL)
     names = {f.name for f in dataclasses.fields(PublisherOptions)} - {"urls"}
-    assert set(options.kwargs()) == names and len(names) == 13
+    assert set(options.kwargs()) == names and len(names) == 22
     assert options.kwargs() == {
         "max_in_flight": 10_000,
         "max_in_flight_bytes": 64 * 1024 * 1024,
@@ -214,6 +214,15 @@ def test_kwargs_names_every_option_but_the_urls() -> None:
         "dedup_header": None,
         "connection_name": None,
         "on_event": None,
+        "username": None,
+        "password": None,
+        "ssl_context": None,
+        "ca_file": None,
+        "cert_file": None,
+        "key_file": None,
+        "key_password": None,
+        "server_hostname": None,
+        "tls_verify": True,
     }
 
 
@@ -312,7 +321,7 @@ def test_redact_url_hides_a_password_with_at_and_slash(url: str, shown: str) -> 
     [
         "amqp://h:5672/v@x",
         "amqp://h/v@x",
-        "amqp://h/vh?name=a@b",
+        "amqp://h/vh?heartbeat=5#a@b",
         "amqp://h:5672/vh#a:b@c",
         "amqp://[::1]:5672/v@x",
         "amqp://u@h/",

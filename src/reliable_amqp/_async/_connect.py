@@ -12,19 +12,50 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from typing import Any
 
 import aio_pika
 import aio_pika.abc
 import aiormq.abc
 from yarl import URL
 
+from reliable_amqp._compat import installed_version
 from reliable_amqp._compat.aiormq import close_called, close_connection, underlying_connection
-from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed
+from reliable_amqp._core.errors import (
+    AmqpConnectionError,
+    ConfigurationError,
+    RecoveryFailed,
+    ReliableAmqpError,
+    connection_failure,
+)
 from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._tls import client_context, tls_failure, uses_tls
 
 log = logging.getLogger("reliable_amqp")
 
 _BORROWED_POLL = 0.05  # how often to look whether a borrowed robust connection is back
+
+
+def _connection_class(server_hostname: str | None) -> type[aio_pika.Connection]:
+    """``aio_pika.Connection``, or a subclass that checks the certificate for another name.
+
+    aio-pika 9.4 and 10 pass a connection's ``kwargs`` on to ``aiormq.connect``, whose extra
+    keywords go to ``asyncio.open_connection``: the one way to give it a ``server_hostname``.
+    """
+    if server_hostname is None:
+        return aio_pika.Connection
+
+    class _NamedConnection(aio_pika.Connection):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if not isinstance(getattr(self, "kwargs", None), dict):
+                raise ConfigurationError(
+                    f"server_hostname needs aio-pika's Connection.kwargs; aio-pika "
+                    f"{installed_version('aio-pika')} has none"
+                )
+            self.kwargs["server_hostname"] = server_hostname
+
+    return _NamedConnection
 
 
 class ConnectionSource:
@@ -35,6 +66,8 @@ class ConnectionSource:
     ) -> None:
         self.options = options
         self._borrowed = borrowed
+        # built once, now: a missing CA file is a ConfigurationError of the constructor
+        self._ssl_context = None if borrowed is not None else client_context(options)
         self._owned: aio_pika.abc.AbstractConnection | None = None
         self._seen_open = False
 
@@ -56,17 +89,37 @@ class ConnectionSource:
             return await self._wait_for_borrowed(self._borrowed, stop)
         await self.release()
         options = self.options
-        url = URL(options.urls[attempt % len(options.urls)])
-        if "heartbeat" not in url.query:
-            url = url.update_query(heartbeat=str(options.heartbeat))
-        connection = await aio_pika.connect(
-            url,
-            timeout=options.connect_timeout,
-            client_properties={
-                "connection_name": options.connection_name or "reliable-amqp",
-                "product": "reliable-amqp",
-            },
-        )
+        raw = options.urls[attempt % len(options.urls)]
+        # the options checked the URL: its only query parameter may be heartbeat, which they
+        # took over, so it is set here whatever the URL says
+        url = URL(raw).update_query(heartbeat=str(options.heartbeat))
+        if options.username is not None or options.password is not None:
+            url = url.with_user(options.username or url.user or "guest").with_password(
+                options.password if options.password is not None else url.password
+            )
+        tls = uses_tls(raw)
+        try:
+            connection = await aio_pika.connect(
+                url,
+                timeout=options.connect_timeout,
+                client_properties={
+                    "connection_name": options.connection_name or "reliable-amqp",
+                    "product": "reliable-amqp",
+                },
+                # aiormq 6 would wrap even an amqp:// connection in a context it is given
+                ssl_context=self._ssl_context if tls else None,
+                connection_class=_connection_class(options.server_hostname if tls else None),
+            )
+        except ReliableAmqpError:
+            raise
+        except Exception as exc:
+            reason = tls_failure(exc) if tls else None
+            if reason is None:
+                raise
+            where = f"{url.host}:{url.port}"
+            if options.server_hostname and options.server_hostname != url.host:
+                where += f" (certificate name {options.server_hostname!r})"
+            raise connection_failure("tls", f"{where}: {reason}") from exc
         self._owned = connection
         underlying = underlying_connection(connection)
         if underlying is None:  # connect() returned without a transport: treat as a failure

@@ -508,9 +508,14 @@ def translate_connection_error(error: BaseException) -> ReliableAmqpError:
     """An aiormq/aio-pika connection failure as one of ours (see ``connection_failure``)."""
     if isinstance(error, ReliableAmqpError):
         return error
+    from reliable_amqp._tls import tls_failure  # a certificate, host name or handshake failure
+
     result: AmqpConnectionError
     close = next((arg for arg in error.args if isinstance(arg, spec.Connection.Close)), None)
-    if close is not None and "Connection.OpenOk" in str(error):
+    tls = tls_failure(error)
+    if tls is not None:
+        result = connection_failure("tls", tls)
+    elif close is not None and "Connection.OpenOk" in str(error):
         # The broker answered connection.open (which names the vhost) with connection.close: a
         # missing vhost or no permission on it. aiormq 7 raises that as an InvalidFrameError,
         # aiormq 6 as pamqp's AMQPInternalError; both carry the frame and the expected reply.

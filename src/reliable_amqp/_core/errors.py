@@ -218,6 +218,17 @@ class AuthenticationFailed(AmqpConnectionError):
     retriable = False
 
 
+class TlsError(AmqpConnectionError):
+    """TLS failed: an untrusted certificate, a name the certificate does not cover, a failed
+    handshake (a client certificate the broker wanted, ``amqps://`` to a plain AMQP port).
+
+    Never retried: the same certificates and the same port fail the same way again. The message
+    names the host and the reason; it never holds a URL or a password.
+    """
+
+    retriable = False
+
+
 class RecoveryFailed(AmqpConnectionError):
     """The publisher gave up reconnecting (connect retry policy spent, or a permanent error)."""
 
@@ -227,8 +238,9 @@ class RecoveryFailed(AmqpConnectionError):
 #: What went wrong with a connection, as each client library's exceptions are sorted into it by
 #: the compat layer: ``credentials`` (refused login), ``vhost`` (no access to the virtual host),
 #: ``closed`` (the broker sent connection.close with a reply code), ``timeout`` (connecting took
-#: too long), ``lost`` (anything else: a reset socket, a refused port, a stalled link).
-CONNECTION_FAILURES = ("credentials", "vhost", "closed", "timeout", "lost")
+#: too long), ``tls`` (certificate, host name or handshake failure: ``detail`` names the host and
+#: the reason), ``lost`` (anything else: a reset socket, a refused port, a stalled link).
+CONNECTION_FAILURES = ("credentials", "vhost", "closed", "timeout", "tls", "lost")
 
 
 def connection_failure(
@@ -237,7 +249,8 @@ def connection_failure(
     """The one translation of a failed or lost connection into this library's errors.
 
     Wrong credentials, a refused virtual host and a broker close with 403/530 are not retriable
-    (:class:`AuthenticationFailed`); everything else is a retriable :class:`AmqpConnectionError`.
+    (:class:`AuthenticationFailed`), nor is a TLS failure (:class:`TlsError`); everything else
+    is a retriable :class:`AmqpConnectionError`.
     ``detail`` is the client library's own description (never a URL: it may hold a password).
     """
     if kind == "credentials":
@@ -255,6 +268,8 @@ def connection_failure(
         return AmqpConnectionError(f"the broker closed the connection: {reply_code} {reply_text}")
     if kind == "timeout":
         return AmqpConnectionError(f"timed out connecting to the broker: {detail}")
+    if kind == "tls":
+        return TlsError(f"TLS failed: {detail}")
     if kind not in CONNECTION_FAILURES:
         raise ValueError(f"unknown connection failure kind {kind!r}")
     return AmqpConnectionError(detail)

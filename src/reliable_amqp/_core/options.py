@@ -8,14 +8,19 @@ environment variables, command-line flags).
 from __future__ import annotations
 
 import math
+import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.stats import PublisherEvent
+
+if TYPE_CHECKING:
+    import ssl
 
 #: Default connect/reconnect policy: quick first retries, bounded, about a minute in all.
 DEFAULT_CONNECT_POLICY = RetryPolicy(
@@ -49,7 +54,7 @@ def redact_url(url: str) -> str:
         scheme, rest = "", url
     at = rest.rfind("@")
     if at < 0:
-        return url
+        return _redact_query(url, len(url) - len(rest))
     end = min((i for i in map(rest.find, "/?#") if i >= 0), default=len(rest))
     authority = rest[:end]
     if "@" not in authority:
@@ -69,15 +74,88 @@ def redact_url(url: str) -> str:
             valid = valid and len(port) <= 5 and int(port) < 65536
         first_colon = rest.find(":", host_end, at)
         if valid and (first_colon < 0 or first_colon == host_end < len(authority)):
-            return url
+            return _redact_query(url, len(url) - len(rest))
     user, colon, _password = rest[:at].partition(":")
     if not colon:
-        return url  # no ':' before the last '@': a user name at most, no password
-    return f"{scheme}{sep}{user}:***@{rest[at + 1 :]}"
+        # no ':' before the last '@': a user name at most, no password
+        return _redact_query(url, len(url) - len(rest))
+    head = f"{scheme}{sep}{user}:***@"
+    return _redact_query(head + rest[at + 1 :], len(head))
+
+
+#: Query parameters whose values :func:`redact_url` shows; every other value is hidden, since
+#: some hold secrets (pika's ``ssl_options`` may carry a key password).
+_SHOWN_QUERY_VALUES = frozenset({"heartbeat"})
+
+
+def _redact_query(url: str, authority_start: int) -> str:
+    """``url`` with the value of each query parameter but ``heartbeat`` replaced by ``***``."""
+    tail = url[authority_start:]
+    query_at = tail.find("?")
+    fragment_at = tail.find("#")
+    if query_at < 0 or 0 <= fragment_at < query_at:
+        return url
+    end = fragment_at if fragment_at > query_at else len(tail)
+    pairs = []
+    for pair in re.split("([&;])", tail[query_at + 1 : end]):
+        key, equals, _value = pair.partition("=")
+        hidden = equals and unquote(key).strip().lower() not in _SHOWN_QUERY_VALUES
+        pairs.append(f"{key}=***" if hidden else pair)
+    return url[: authority_start + query_at + 1] + "".join(pairs) + tail[end:]
+
+
+#: Written into errors about URLs that do not parse: the usual cause is a raw special character in
+#: a password, and the parser's own message would quote a piece of it.
+_ENCODE_HINT = (
+    "a password holding '/', '?', '#', '@' or ':' must be percent-encoded "
+    "(%2F, %3F, %23, %40, %3A), or given as the password option instead"
+)
+
+#: The only query parameter a broker URL may carry (both publishers honour it alike).
+URL_PARAMETERS = frozenset({"heartbeat"})
+
+#: Query parameters of pika or aiormq that configure TLS: refused, so that no URL can weaken
+#: certificate or host name verification behind the options' back.
+TLS_URL_PARAMETERS = frozenset(
+    {
+        "ssl_options",
+        "cafile",
+        "capath",
+        "cadata",
+        "ca_certs",
+        "certfile",
+        "keyfile",
+        "cert_reqs",
+        "no_verify_ssl",
+        "verify_ssl",
+        "ssl",
+        "ssl_version",
+        "server_hostname",
+    }
+)
+
+#: Client-library query parameters that this library sets itself, and the option that does it.
+_PARAMETER_OPTIONS = {
+    "timeout": "connect_timeout",
+    "socket_timeout": "connect_timeout",
+    "stack_timeout": "connect_timeout",
+    "connection_attempts": "connect_policy",
+    "retry_delay": "connect_policy",
+    "blocked_connection_timeout": "blocked_timeout",
+    "name": "connection_name",
+    "client_properties": "connection_name",
+}
+
+_PARAMETER_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,39}")
 
 
 def check_url(url: object) -> str:
-    """Validate an AMQP URL; raise :class:`ConfigurationError` (password redacted) if malformed."""
+    """Validate an AMQP URL; raise :class:`ConfigurationError` (password redacted) if malformed.
+
+    Besides the scheme, host and port, the query may only hold ``heartbeat`` (see
+    :func:`url_parameters`), and no raw ``@`` may follow the host: it would be either a password
+    that was not percent-encoded or a vhost that reads like one.
+    """
     if not isinstance(url, str) or not url:
         raise ConfigurationError(f"a broker URL must be a non-empty str, got {url!r}")
     shown = redact_url(url)
@@ -85,7 +163,12 @@ def check_url(url: object) -> str:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ConfigurationError(f"malformed broker URL {shown}: {exc}") from None
+        # never the parser's text: "Port could not be cast to integer value as 'Zq7'" quotes
+        # the start of a password holding '/'
+        problem = "invalid IPv6 address" if "IPv6" in str(exc) else "the port is not a number"
+        raise ConfigurationError(
+            f"malformed broker URL {shown}: {problem}; {_ENCODE_HINT}"
+        ) from None
     if parts.scheme not in ("amqp", "amqps"):
         raise ConfigurationError(
             f"broker URL {shown} must start with amqp:// or amqps://, not {parts.scheme or '(none)'}://"
@@ -94,7 +177,76 @@ def check_url(url: object) -> str:
         raise ConfigurationError(f"broker URL {shown} has no host")
     if port is not None and not 0 < port < 65536:
         raise ConfigurationError(f"broker URL {shown} has an invalid port")
+    after_host = url[url.index("//") + 2 + len(parts.netloc) :]
+    if "@" in after_host:
+        raise ConfigurationError(
+            f"malformed broker URL {_hide_to_last_at(url)}: a raw '@' after the host; "
+            f"{_ENCODE_HINT} (an '@' in a vhost is written %40)"
+        )
+    url_parameters(url)
     return url
+
+
+def _hide_to_last_at(url: str) -> str:
+    # everything between the first ':' after the scheme and the last '@': covers every reading
+    scheme, sep, rest = url.partition("://")
+    user, colon, _ = rest[: rest.rfind("@")].partition(":")
+    return f"{scheme}{sep}{user}:***@{rest[rest.rfind('@') + 1 :]}" if colon else redact_url(url)
+
+
+def url_parameters(url: str) -> dict[str, str]:
+    """The query parameters of a broker URL, checked: only ``heartbeat`` is accepted.
+
+    TLS parameters (pika's ``ssl_options``, aiormq's ``cafile``, ``no_verify_ssl``, ...) are
+    refused, so that no URL can switch certificate verification off: use the ``ca_file``,
+    ``cert_file``, ``key_file``, ``server_hostname`` and ``tls_verify`` options. Parameters that
+    a publisher option sets (``timeout``, ``connection_attempts``, ``name``, ...) are refused
+    naming that option. Values are never quoted in errors (they may be secrets).
+    """
+    query = urlsplit(url).query
+    found: dict[str, str] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        name = key.strip().lower()
+        shown = repr(name) if _PARAMETER_NAME.fullmatch(name) else "(unreadable name)"
+        where = f"broker URL {redact_url(url)}"
+        if name in TLS_URL_PARAMETERS:
+            raise ConfigurationError(
+                f"{where}: the URL parameter {shown} configures TLS, which URLs may not do; use "
+                "the publisher options ca_file, cert_file, key_file, key_password, "
+                "server_hostname, tls_verify or ssl_context instead"
+            )
+        if name in _PARAMETER_OPTIONS:
+            raise ConfigurationError(
+                f"{where}: the URL parameter {shown} is not accepted; use the publisher option "
+                f"{_PARAMETER_OPTIONS[name]} instead"
+            )
+        if name not in URL_PARAMETERS:
+            raise ConfigurationError(
+                f"{where}: unknown URL parameter {shown} (a URL may only carry heartbeat; "
+                "everything else is a publisher option)"
+            )
+        if name in found:
+            raise ConfigurationError(f"{where}: the URL parameter {shown} is given twice")
+        found[name] = value
+    return found
+
+
+def url_heartbeat(url: str) -> int | None:
+    """The ``?heartbeat=N`` of a broker URL (0 disables heartbeats), or None when it has none.
+
+    Parsed from the query alone: a password or vhost holding the word ``heartbeat`` is no
+    heartbeat setting.
+    """
+    raw = url_parameters(url).get("heartbeat")
+    if raw is None:
+        return None
+    value = raw.strip()
+    if not (value.isascii() and value.isdigit()) or not 0 <= int(value) <= 65535:
+        raise ConfigurationError(
+            f"broker URL {redact_url(url)}: heartbeat must be a whole number of seconds from 0 "
+            "to 65535"
+        )
+    return int(value)
 
 
 def vhost_of(url: str) -> str:
@@ -142,12 +294,39 @@ class PublisherOptions:
     #: called with a PublisherEvent on connect, loss, recovery, block, ... (keep it quick: it
     #: runs on the publisher's I/O thread or event loop; exceptions are logged and ignored)
     on_event: Callable[[PublisherEvent], None] | None = None
+    #: user name for every URL, instead of the one in the URL
+    username: str | None = None
+    #: password for every URL, instead of the one in the URL (never shown in reprs, logs, errors)
+    password: str | None = None
+    #: TLS (``amqps://`` URLs): a ready ``ssl.SSLContext``, used as it is (instead of the file
+    #: options below; it must verify certificates and host names unless ``tls_verify=False``)
+    ssl_context: ssl.SSLContext | None = None
+    #: PEM file of the certificate authorities to trust (default: the system's)
+    ca_file: str | None = None
+    #: PEM file of the client certificate, for brokers that ask for one (mutual TLS)
+    cert_file: str | None = None
+    #: PEM file of the client certificate's private key (default: inside ``cert_file``)
+    key_file: str | None = None
+    #: password of an encrypted ``key_file`` (never shown)
+    key_password: str | None = None
+    #: the name the broker's certificate must carry (default: the URL's host)
+    server_hostname: str | None = None
+    #: verify the broker's certificate chain and host name; False (logged as a warning) accepts
+    #: any certificate: encryption without authentication
+    tls_verify: bool = True
 
     def __post_init__(self) -> None:
         if not self.urls:
             raise ConfigurationError("at least one broker URL is needed")
         for url in self.urls:
             check_url(url)
+            heartbeat = url_heartbeat(url)
+            if heartbeat is not None and heartbeat != self.heartbeat:
+                raise ConfigurationError(
+                    f"broker URL {redact_url(url)} says heartbeat={heartbeat} but the heartbeat "
+                    f"option is {self.heartbeat!r}: give it once"
+                )
+        self._check_credentials_and_tls()
         _positive_int("max_in_flight", self.max_in_flight)
         _positive_int("max_in_flight_bytes", self.max_in_flight_bytes)
         for name in ("publish_timeout", "delivery_timeout", "connect_timeout", "close_timeout"):
@@ -167,6 +346,65 @@ class PublisherOptions:
                 raise ConfigurationError(f"{name} must be a RetryPolicy")
         if self.on_event is not None and not callable(self.on_event):
             raise ConfigurationError("on_event must be callable")
+
+    def _check_credentials_and_tls(self) -> None:
+        for name in (
+            "username",
+            "password",
+            "ca_file",
+            "cert_file",
+            "key_file",
+            "key_password",
+            "server_hostname",
+        ):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                shown = type(value).__name__ if name in _SECRET_OPTIONS else repr(value)
+                raise ConfigurationError(f"{name} must be a str or None, got {shown}")
+        if self.username == "":
+            raise ConfigurationError("username must not be empty (None: the URL's)")
+        if not isinstance(self.tls_verify, bool):
+            raise ConfigurationError(f"tls_verify must be True or False, got {self.tls_verify!r}")
+        if self.server_hostname == "":
+            raise ConfigurationError("server_hostname must not be empty (None: the URL's host)")
+        files = [
+            n for n in ("ca_file", "cert_file", "key_file", "key_password") if getattr(self, n)
+        ]
+        context = self.ssl_context
+        if context is not None:
+            ssl_module = sys.modules.get("ssl")  # loaded by whoever built the context
+            if ssl_module is None or not isinstance(context, ssl_module.SSLContext):
+                raise ConfigurationError(
+                    f"ssl_context must be an ssl.SSLContext, got {type(context).__name__}"
+                )
+            if files:
+                raise ConfigurationError(
+                    f"give either ssl_context or {', '.join(files)}: the files go into the "
+                    "context you build (load_verify_locations, load_cert_chain)"
+                )
+            if not self.tls_verify:
+                raise ConfigurationError(
+                    "tls_verify=False does not change an ssl_context you built: set its "
+                    "check_hostname=False and verify_mode=ssl.CERT_NONE yourself"
+                )
+            if context.verify_mode != ssl_module.CERT_REQUIRED or not context.check_hostname:
+                raise ConfigurationError(
+                    "the ssl_context does not verify the broker's certificate and host name "
+                    "(verify_mode CERT_REQUIRED and check_hostname True): build it with "
+                    "ssl.create_default_context()"
+                )
+        if (self.key_file or self.key_password) and not self.cert_file:
+            raise ConfigurationError("key_file and key_password need cert_file (the certificate)")
+        tls_options = [
+            *files,
+            *(["ssl_context"] if context is not None else []),
+            *(["server_hostname"] if self.server_hostname else []),
+            *(["tls_verify=False"] if not self.tls_verify else []),
+        ]
+        if tls_options and not any(u.lower().startswith("amqps://") for u in self.urls):
+            raise ConfigurationError(
+                f"{', '.join(tls_options)} set but no broker URL uses TLS: write amqps://"
+            )
 
     def __repr__(self) -> str:
         shown = ", ".join(redact_url(u) for u in self.urls)
@@ -189,6 +427,15 @@ class PublisherOptions:
         for name in ("connect_policy", "nack_policy"):
             if name in options and not isinstance(options[name], RetryPolicy):
                 options[name] = RetryPolicy.from_dict(options[name], base=_DEFAULT_POLICIES[name])
+        if "heartbeat" not in options:
+            # ?heartbeat=N in the URLs is the heartbeat option (the liveness check reads it)
+            given = {_url_heartbeat_or_none(u) for u in urls if isinstance(u, str)} - {None}
+            if len(given) > 1:
+                raise ConfigurationError(
+                    "the broker URLs give different heartbeats: set the heartbeat option instead"
+                )
+            if given:
+                options["heartbeat"] = given.pop()
         return cls(urls=urls, **options)
 
     @classmethod
@@ -213,8 +460,15 @@ class PublisherOptions:
                 typed[name] = (
                     None if raw.strip().lower() in ("", "none") else _parse_float(name, raw)
                 )
-            elif name in ("dedup_header", "connection_name"):
+            elif name in _STRING_OPTIONS:
                 typed[name] = raw or None
+            elif name == "tls_verify":
+                typed[name] = _parse_bool(name, raw)
+            elif name == "ssl_context":
+                raise ConfigurationError(
+                    "ssl_context cannot be given as a string: use ca_file, cert_file, key_file, "
+                    "key_password and server_hostname"
+                )
             else:
                 typed[name] = raw  # create() names the unknown option
         for name, config in policies.items():
@@ -222,7 +476,30 @@ class PublisherOptions:
         return cls.create(url, **typed)
 
 
+def _url_heartbeat_or_none(url: str) -> int | None:
+    try:
+        return url_heartbeat(url)
+    except ConfigurationError:
+        return None  # __post_init__ reports the URL
+
+
 _DEFAULT_POLICIES = {"connect_policy": DEFAULT_CONNECT_POLICY, "nack_policy": DEFAULT_NACK_POLICY}
+#: options whose values are secrets: never quoted in an error
+_SECRET_OPTIONS = frozenset({"password", "key_password"})
+#: string options given as strings (an empty one means unset)
+_STRING_OPTIONS = frozenset(
+    {
+        "dedup_header",
+        "connection_name",
+        "username",
+        "password",
+        "ca_file",
+        "cert_file",
+        "key_file",
+        "key_password",
+        "server_hostname",
+    }
+)
 _INT_OPTIONS = {"max_in_flight", "max_in_flight_bytes", "heartbeat"}
 _FLOAT_OPTIONS = {
     "publish_timeout",
@@ -237,6 +514,15 @@ def _parse_int(name: str, raw: str) -> int:
         return int(raw.strip())
     except ValueError:
         raise ConfigurationError(f"{name} must be a whole number, got {raw!r}") from None
+
+
+def _parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise ConfigurationError(f"{name} must be true or false, got {raw!r}")
 
 
 def _parse_float(name: str, raw: str) -> float:

@@ -7,6 +7,7 @@ The hooks into pika internals (the coalescing connection class, ending a dead st
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from reliable_amqp._compat import scrub_credentials
 from reliable_amqp._compat.pika import CoalescingConnection, terminate_stream
 from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError, connection_failure
 from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._tls import client_context, tls_failure, uses_tls
 
 __all__ = [
     "CoalescingConnection",
@@ -30,16 +32,33 @@ __all__ = [
 log = logging.getLogger("reliable_amqp")
 
 
-def connection_parameters(url: str, options: PublisherOptions) -> pika.URLParameters:
-    """pika parameters for one URL: one attempt each (our policy retries), our timeouts."""
+def connection_parameters(
+    url: str, options: PublisherOptions, context: ssl.SSLContext | None = None
+) -> pika.URLParameters:
+    """pika parameters for one URL: one attempt each (our policy retries), our timeouts.
+
+    The URL was checked by the options (its only query parameter may be ``heartbeat``, which the
+    options took over). An ``amqps://`` URL gets ``context`` (default: the one built from the
+    options by :func:`reliable_amqp._tls.client_context`) and verifies ``server_hostname``, else
+    the URL's host. ``username``/``password`` options replace the URL's.
+    """
     try:
         params = pika.URLParameters(url)
     except Exception as exc:  # pika raises ValueError, TypeError, KeyError on bad URLs
         raise ConfigurationError(
             f"malformed broker URL {redact_url(url)}: {type(exc).__name__}"
         ) from None
-    if "heartbeat" not in url:
-        params.heartbeat = options.heartbeat
+    params.heartbeat = options.heartbeat  # the URL's ?heartbeat=, if any, is this value
+    if uses_tls(url):
+        context = context or client_context(options)
+        assert context is not None  # an amqps:// URL always has one
+        params.ssl_options = pika.SSLOptions(context, options.server_hostname or params.host)
+    if options.username is not None or options.password is not None:
+        given = params.credentials
+        params.credentials = pika.PlainCredentials(
+            options.username if options.username is not None else given.username,
+            options.password if options.password is not None else given.password,
+        )
     params.connection_attempts = 1
     params.retry_delay = 0
     params.socket_timeout = options.connect_timeout
@@ -52,16 +71,20 @@ def connection_parameters(url: str, options: PublisherOptions) -> pika.URLParame
     return params
 
 
-def translate_connection_error(error: Any) -> ReliableAmqpError:
+def translate_connection_error(error: Any, params: Any = None) -> ReliableAmqpError:
     """A pika connection failure as one of ours (see ``connection_failure``: what is retriable).
 
-    This only sorts pika's exceptions into the kinds ``connection_failure`` knows.
+    This only sorts pika's exceptions into the kinds ``connection_failure`` knows. ``params``
+    (the failed connection's ``pika.ConnectionParameters``) lets a TLS failure name the host.
     """
     if isinstance(error, ReliableAmqpError):
         return error
     detail = scrub_credentials(f"{type(error).__name__}: {error!r}")
     result: ReliableAmqpError
-    if isinstance(
+    tls = tls_failure(error) if isinstance(error, BaseException) else None
+    if tls is not None:
+        result = connection_failure("tls", f"{_where(params)}{tls}")
+    elif isinstance(
         error,
         (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError),
     ):
@@ -82,6 +105,16 @@ def translate_connection_error(error: Any) -> ReliableAmqpError:
     if isinstance(error, BaseException):
         result.__cause__ = error
     return result
+
+
+def _where(params: Any) -> str:
+    host, port = getattr(params, "host", None), getattr(params, "port", None)
+    if not isinstance(host, str):
+        return ""
+    ssl_options = getattr(params, "ssl_options", None)
+    name = getattr(ssl_options, "server_hostname", None)
+    checked = f" (certificate name {name!r})" if isinstance(name, str) and name != host else ""
+    return f"{host}:{port}{checked}: "
 
 
 def call_threadsafe(loop: Any, callback: Callable[[], None]) -> None:
