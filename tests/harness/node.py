@@ -34,6 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -44,6 +45,7 @@ __all__ = [
     "BrokerCommandError",
     "BrokerStartError",
     "DisposableBroker",
+    "TlsListener",
 ]
 
 # The relative memory watermark the node is configured with; the fixtures restore it after a test
@@ -69,6 +71,20 @@ _counter = itertools.count(1)
 _live: weakref.WeakSet[DisposableBroker] = weakref.WeakSet()
 _ports_in_use: set[int] = set()
 _ports_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class TlsListener:
+    """A TLS listener for a :class:`DisposableBroker`: PEM files, copied into the node's directory.
+
+    ``verify_peer`` makes the node ask for a client certificate signed by ``ca_file`` and refuse
+    clients without one (``ssl_options.verify = verify_peer``, ``fail_if_no_peer_cert = true``).
+    """
+
+    ca_file: str | Path
+    cert_file: str | Path
+    key_file: str | Path
+    verify_peer: bool = False
 
 
 class BrokerStartError(RuntimeError):
@@ -100,6 +116,7 @@ class DisposableBroker:
         base_dir: str | Path | None = None,
         scripts_dir: str | Path | None = None,
         extra_config: Mapping[str, str] | None = None,
+        tls: TlsListener | None = None,
     ) -> None:
         """Prepare (but do not start) a node.
 
@@ -109,10 +126,13 @@ class DisposableBroker:
             scripts_dir: where ``rabbitmq-server`` and ``rabbitmqctl`` live; default the Debian
                 package's ``/usr/lib/rabbitmq/bin``, else the scripts found on ``PATH``.
             extra_config: additional ``rabbitmq.conf`` keys, e.g. ``{"heartbeat": "5"}``.
+            tls: a TLS listener besides the plain one, on :attr:`tls_port` (None: plain only).
         """
         self._base_dir = Path(base_dir) if base_dir else _default_base_dir()
         self._scripts_dir = Path(scripts_dir) if scripts_dir else _find_scripts_dir()
         self._extra_config = dict(extra_config or {})
+        self._tls = tls
+        self._tls_port = 0
         short = f"ra-test-{os.getpid()}-{next(_counter)}-{secrets.token_hex(2)}"
         self.nodename = f"{short}@localhost"
         self.dir = self._base_dir / short
@@ -131,6 +151,15 @@ class DisposableBroker:
     def port(self) -> int:
         """The AMQP port (stable across ``kill()``/``restart()``); 0 before the first start."""
         return self._port
+
+    @property
+    def tls_port(self) -> int:
+        """The TLS (``amqps://``) port when the node was given a :class:`TlsListener`, else 0."""
+        return self._tls_port
+
+    def tls_url(self, host: str = "localhost") -> str:
+        """``amqps://guest:guest@HOST:TLS_PORT/%2F`` (guest may log in from loopback only)."""
+        return f"amqps://guest:guest@{host}:{self._tls_port}/%2F"
 
     @property
     def dist_port(self) -> int:
@@ -231,7 +260,7 @@ class DisposableBroker:
                 self._created = False
                 _live.discard(self)
                 with _ports_lock:
-                    _ports_in_use.difference_update({self._port, self._dist_port})
+                    _ports_in_use.difference_update({self._port, self._dist_port, self._tls_port})
 
     def ctl(self, *args: str, timeout: float = 60.0) -> str:
         """Run ``rabbitmqctl -n NODE *args`` with the node's cookie and return its stdout.
@@ -314,6 +343,7 @@ class DisposableBroker:
             "log.file.level": "info",
             # guest may log in from loopback only (the default); every client here is on 127.0.0.1.
             "loopback_users.guest": "true",
+            **self._tls_config(),
             **self._extra_config,
         }
         (self.dir / "rabbitmq.conf").write_text("".join(f"{k} = {v}\n" for k, v in config.items()))
@@ -331,6 +361,26 @@ class DisposableBroker:
         self.dir.chmod(0o700)
         self._created = True
         _live.add(self)
+
+    def _tls_config(self) -> dict[str, str]:
+        tls = self._tls
+        if tls is None:
+            return {}
+        (self._tls_port,) = _pick_ports(1)
+        tls_dir = self.dir / "tls"
+        tls_dir.mkdir()
+        config = {"listeners.ssl.default": f"127.0.0.1:{self._tls_port}"}
+        for key, source in (
+            ("cacertfile", tls.ca_file),
+            ("certfile", tls.cert_file),
+            ("keyfile", tls.key_file),
+        ):
+            target = tls_dir / f"{key}.pem"
+            shutil.copyfile(source, target)  # chowned with the rest of the directory
+            config[f"ssl_options.{key}"] = str(target)
+        config["ssl_options.verify"] = "verify_peer" if tls.verify_peer else "verify_none"
+        config["ssl_options.fail_if_no_peer_cert"] = "true" if tls.verify_peer else "false"
+        return config
 
     def _env(self) -> dict[str, str]:
         # A clean environment: inherited RABBITMQ_*/ERL_* variables could point at the shared node.

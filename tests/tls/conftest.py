@@ -1,0 +1,12 @@
+"""The certificates fixture of the TLS tests (see ``tls_support``)."""
+
+from __future__ import annotations
+
+import pytest
+from tls_support import Certificates, make_certificates
+
+
+@pytest.fixture(scope="session")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    """Certificates made once per session (trustme: a CA, server and client certificates)."""
+    return make_certificates(tmp_path_factory.mktemp("tls"))

@@ -1,0 +1,162 @@
+"""Both publishers over TLS against a disposable RabbitMQ node with a TLS listener.
+
+Successes confirm a message; every failure is a TlsError, naming the host (async; sync once its
+I/O thread passes the connection's parameters, see the xfail below) and the reason, raised well
+within 10 s, with the default connect policy: it is not retried.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from tls_support import PUBLISHERS, Certificates, client_context, publish_one
+
+from harness.node import DisposableBroker, TlsListener
+from reliable_amqp import Confirmation, TlsError
+
+pytestmark = pytest.mark.broker
+
+SELF_SIGNED = "certificate verify failed: self-signed certificate in certificate chain"
+NOT_TLS = "the port does not speak TLS (is it the plain AMQP port, 5672?)"
+
+
+@pytest.fixture(scope="module")
+def node(certificates: Certificates) -> Iterator[DisposableBroker]:
+    """One node per module: a plain and a TLS listener, server authentication only."""
+    tls = TlsListener(certificates.ca_file, certificates.server_cert, certificates.server_key)
+    with DisposableBroker(tls=tls) as broker:
+        yield broker
+
+
+def expected(kind: str, host: str, port: int, reason: str) -> set[str]:
+    """The async publisher names host and port; the sync one does once _io passes params."""
+    with_host = f"TLS failed: {host}:{port}: {reason}"
+    return {with_host} if kind == "async" else {with_host, f"TLS failed: {reason}"}
+
+
+@pytest.mark.parametrize("kind", PUBLISHERS)
+def test_a_trusted_ca_file_confirms(
+    kind: str, node: DisposableBroker, certificates: Certificates
+) -> None:
+    outcome = publish_one(kind, node.tls_url(), ca_file=str(certificates.ca_file))
+    assert outcome.error is None
+    assert isinstance(outcome.confirmation, Confirmation)
+
+
+@pytest.mark.parametrize("kind", PUBLISHERS)
+def test_an_ssl_context_confirms(
+    kind: str, node: DisposableBroker, certificates: Certificates
+) -> None:
+    outcome = publish_one(kind, node.tls_url(), ssl_context=client_context(certificates))
+    assert outcome.error is None
+    assert isinstance(outcome.confirmation, Confirmation)
+
+
+@pytest.mark.parametrize("kind", PUBLISHERS)
+def test_server_hostname_names_the_certificate_when_connecting_by_address(
+    kind: str, node: DisposableBroker, certificates: Certificates
+) -> None:
+    outcome = publish_one(
+        kind,
+        node.tls_url("127.0.0.1"),
+        ca_file=str(certificates.ca_file),
+        server_hostname="localhost",
+    )
+    assert outcome.error is None
+    assert isinstance(outcome.confirmation, Confirmation)
+
+
+@pytest.mark.parametrize("kind", PUBLISHERS)
+def test_an_unknown_ca_fails_at_once(
+    kind: str, node: DisposableBroker, certificates: Certificates
+) -> None:
+    outcome = publish_one(kind, node.tls_url(), ca_file=str(certificates.other_ca_file))
+    assert type(outcome.error) is TlsError and outcome.error.retriable is False
+    assert str(outcome.error) in expected(kind, "localhost", node.tls_port, SELF_SIGNED)
+    assert outcome.seconds < 10
+
+
+@pytest.mark.parametrize("kind", PUBLISHERS)
+def test_the_system_cas_do_not_trust_a_private_ca(kind: str, node: DisposableBroker) -> None:
+    outcome = publish_one(kind, node.tls_url())
+    assert type(outcome.error) is TlsError
+    assert str(outcome.error) in expected(kind, "localhost", node.tls_port, SELF_SIGNED)
+    assert outcome.seconds < 10
+
+
+@pytest.mark.parametrize("kind", PUBLISHERS)
+def test_a_host_the_certificate_does_not_name_fails(
+    kind: str, node: DisposableBroker, certificates: Certificates
+) -> None:
+    outcome = publish_one(kind, node.tls_url("127.0.0.1"), ca_file=str(certificates.ca_file))
+    reason = (
+        "certificate verify failed: IP address mismatch, certificate is not valid for '127.0.0.1'"
+    )
+    assert type(outcome.error) is TlsError
+    assert str(outcome.error) in expected(kind, "127.0.0.1", node.tls_port, reason)
+    assert outcome.seconds < 10
+
+
+@pytest.mark.parametrize("kind", PUBLISHERS)
+def test_a_server_hostname_the_certificate_does_not_name_fails(
+    kind: str, node: DisposableBroker, certificates: Certificates
+) -> None:
+    outcome = publish_one(
+        kind,
+        node.tls_url(),
+        ca_file=str(certificates.ca_file),
+        server_hostname="broker.example",
+    )
+    reason = (
+        "certificate verify failed: Hostname mismatch, certificate is not valid for "
+        "'broker.example'"
+    )
+    where = f"localhost:{node.tls_port} (certificate name 'broker.example')"
+    assert type(outcome.error) is TlsError
+    allowed = {f"TLS failed: {where}: {reason}"}
+    if kind == "sync":
+        allowed.add(f"TLS failed: {reason}")
+    assert str(outcome.error) in allowed
+    assert outcome.seconds < 10
+
+
+@pytest.mark.parametrize("kind", PUBLISHERS)
+def test_amqps_to_the_plain_port_fails(
+    kind: str, node: DisposableBroker, certificates: Certificates
+) -> None:
+    url = f"amqps://guest:guest@localhost:{node.port}/%2F"
+    outcome = publish_one(kind, url, ca_file=str(certificates.ca_file))
+    assert type(outcome.error) is TlsError
+    assert str(outcome.error) in expected(kind, "localhost", node.port, NOT_TLS)
+    assert outcome.seconds < 10
+
+
+@pytest.mark.parametrize("kind", PUBLISHERS)
+def test_tls_verify_false_accepts_any_certificate_and_warns(
+    kind: str,
+    node: DisposableBroker,
+    certificates: Certificates,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("WARNING", logger="reliable_amqp")
+    outcome = publish_one(kind, node.tls_url("127.0.0.1"), tls_verify=False)
+    assert outcome.error is None
+    assert isinstance(outcome.confirmation, Confirmation)
+    warnings = [r.getMessage() for r in caplog.records if "tls_verify=False" in r.getMessage()]
+    assert warnings == [
+        "reliable-amqp: tls_verify=False: the broker's certificate and host name are NOT "
+        "verified; the connection is encrypted but anyone in the path can impersonate the broker"
+    ]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_sync/_io.py must call translate_connection_error(error, connection.params) in "
+    "_on_connection_open_error for the sync TlsError to name the host",
+)
+def test_the_sync_tls_error_names_the_host(
+    node: DisposableBroker, certificates: Certificates
+) -> None:
+    outcome = publish_one("sync", node.tls_url(), ca_file=str(certificates.other_ca_file))
+    assert str(outcome.error) == f"TLS failed: localhost:{node.tls_port}: {SELF_SIGNED}"
