@@ -374,3 +374,70 @@ def test_headers_are_rejected_or_encodable(headers: dict[str, Any]) -> None:
 
 def test_message_properties_default_is_persistent() -> None:
     assert MessageProperties().delivery_mode == PERSISTENT
+
+
+# --- inputs that passed validation and then cost a channel or the connection (issue 11) ---------
+
+
+@pytest.mark.parametrize("value", [5, "q", None, [1], ["q", b"x"], {"q": 1}])
+@pytest.mark.parametrize("name", ["CC", "BCC"])
+def test_routing_headers_must_be_lists_of_str(name: str, value: object) -> None:
+    # RabbitMQ closes the channel (406 unacceptable_type_in_header) for anything else.
+    _invalid(f"headers[{name!r}]", "", "rk", b"", properties={"headers": {name: value}})
+    built = _props(headers={name: ("a", "b")})
+    assert built.properties.headers == {name: ["a", "b"]}
+
+
+def test_expiration_over_ten_years_is_rejected() -> None:
+    # RabbitMQ: 406 "invalid expiration ... value_too_large"
+    _invalid("expiration", "ex", "rk", b"", properties={"expiration": 315_360_000_001})
+    _invalid("expiration", "ex", "rk", b"", properties={"expiration": "1" + "0" * 30})
+    assert _props(expiration="0315360000000").properties.expiration == "0315360000000"
+
+
+def test_reply_to_the_direct_reply_to_pseudo_queue_is_rejected() -> None:
+    # A publisher never consumes from it: 406 "fast reply consumer does not exist".
+    _invalid("reply_to", "ex", "rk", b"", properties={"reply_to": "amq.rabbitmq.reply-to"})
+    assert _props(reply_to="amq.rabbitmq.reply-to.x").properties.reply_to
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["amq.rabbitmq.reply-to.g.h", "amq.rabbitmq.reply-to..a..b.", "amq.rabbitmq.reply-to.g1h2.k"],
+)
+def test_malformed_direct_reply_to_addresses_are_rejected(key: str) -> None:
+    # RabbitMQ 3.10 closes the connection (541) when it cannot decode one.
+    _invalid("routing_key", "", key, b"")
+    assert build_message("amq.direct", key, b"").routing_key == key  # only the default exchange
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "amq.rabbitmq.reply-to.g1h2AA1yZXBseUA5MjQ4ODg0AABzFQAAAAJrA7gB.HHCtY8E+B/NMr2eiv/TdYA==",
+        "amq.rabbitmq.reply-to.a.b.c",  # not two parts: merely unroutable
+        "amq.rabbitmq.reply-to",
+    ],
+)
+def test_issued_direct_reply_to_addresses_are_accepted(key: str) -> None:
+    assert build_message("", key, b"").routing_key == key
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        dt.datetime(1969, 12, 31, 23, 59, 59, 500000),  # int(timestamp()) is 0, the encoder -1
+        dt.datetime(9999, 12, 31, 23, tzinfo=dt.timezone(-dt.timedelta(hours=2))),  # overflow
+        dt.datetime(1, 1, 1, tzinfo=dt.timezone(dt.timedelta(hours=1))),
+    ],
+)
+def test_header_datetimes_outside_u64_seconds_are_rejected(value: dt.datetime) -> None:
+    # Both raised other exceptions (struct.error, OverflowError) from publish() before.
+    _invalid("headers['t']", "", "rk", b"", properties={"headers": {"t": value}})
+    _invalid("timestamp", "", "rk", b"", properties={"timestamp": value})
+
+
+def test_header_datetimes_round_down_like_the_encoder() -> None:
+    value = dt.datetime(1970, 1, 1, 0, 0, 1, 999999)
+    assert _props(headers={"t": value}).properties.headers == {"t": value}
+    assert _props(timestamp=value).properties.timestamp == 1

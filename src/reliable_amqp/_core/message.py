@@ -7,6 +7,9 @@ reaches the wire, where it would close the channel under every other message in 
 
 from __future__ import annotations
 
+import base64
+import binascii
+import calendar
 import datetime as _dt
 import itertools
 import math
@@ -22,6 +25,18 @@ from reliable_amqp._core.errors import InvalidMessage
 SHORTSTR_MAX = 255
 _INT64 = (-(2**63), 2**63 - 1)
 _NESTING_MAX = 32
+_YEAR_10000 = 253_402_300_800  # POSIX seconds of 10000-01-01T00:00Z
+#: RabbitMQ refuses a per-message TTL over ten years (406 "invalid expiration", value_too_large)
+EXPIRATION_MAX = 315_360_000_000
+#: Direct reply-to (RabbitMQ): a ``reply_to`` naming the pseudo-queue needs a consumer on it on
+#: the publishing channel, which a publisher never has (406 "fast reply consumer does not
+#: exist"); a routing key under the prefix, on the default exchange, is an address the broker
+#: decodes, and one it cannot decode closes the whole connection (541 INTERNAL_ERROR, 3.10)
+DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
+_REPLY_TO_PREFIX = DIRECT_REPLY_TO + "."
+#: headers RabbitMQ reads as extra routing keys (sender-selected distribution): an array, or the
+#: broker closes the channel (406 unacceptable_type_in_header)
+_ROUTING_HEADERS = ("CC", "BCC")
 
 #: Basic properties a caller may pass as keywords to ``publish()`` (AMQP 0-9-1 names).
 PROPERTY_NAMES: frozenset[str] = frozenset(
@@ -219,6 +234,8 @@ def build_message(
     _check_shortstr("exchange", exchange)
     _check_shortstr("routing_key", routing_key)
     assert isinstance(exchange, str) and isinstance(routing_key, str)
+    if not exchange and routing_key.startswith(_REPLY_TO_PREFIX):
+        _check_reply_address(routing_key)
     if isinstance(body, bytes):
         data = body
     elif isinstance(body, (bytearray, memoryview)):
@@ -255,10 +272,22 @@ def _build_properties(given: Mapping[str, Any]) -> MessageProperties:
                 values[name] = str(values[name])
             _check_shortstr(name, values[name])
     expiration = values.get("expiration")
-    if expiration is not None and not (expiration.isascii() and expiration.isdigit()):
+    if expiration is not None:
+        if not (expiration.isascii() and expiration.isdigit()):
+            raise InvalidMessage(
+                "expiration",
+                f"must be a non-negative whole number of milliseconds, got {expiration!r}",
+            )
+        if int(expiration) > EXPIRATION_MAX:
+            raise InvalidMessage(
+                "expiration",
+                f"{expiration} ms is over the broker's limit of {EXPIRATION_MAX} (ten years)",
+            )
+    if values.get("reply_to") == DIRECT_REPLY_TO:
         raise InvalidMessage(
-            "expiration",
-            f"must be a non-negative whole number of milliseconds, got {values['expiration']!r}",
+            "reply_to",
+            f"{DIRECT_REPLY_TO!r} needs a consumer of it on the publishing channel, which a "
+            "publisher does not have (the broker would close the channel)",
         )
     if "message_id" in values and not values["message_id"]:
         raise InvalidMessage("message_id", "must not be empty")
@@ -278,9 +307,60 @@ def _build_properties(given: Mapping[str, Any]) -> MessageProperties:
         headers = values["headers"]
         if not isinstance(headers, Mapping):
             raise InvalidMessage("headers", f"must be a mapping, not {type(headers).__name__}")
-        values["headers"] = _check_table("headers", headers, 0)
+        checked = _check_table("headers", headers, 0)
+        for name in _ROUTING_HEADERS:
+            if name in checked:
+                _check_routing_header(name, checked[name])
+        values["headers"] = checked
     values.setdefault("message_id", new_message_id())
     return MessageProperties(**values)
+
+
+def _check_routing_header(name: str, value: object) -> None:
+    if not isinstance(value, list) or not all(isinstance(key, str) for key in value):
+        raise InvalidMessage(
+            f"headers[{name!r}]",
+            "RabbitMQ routes on this header: it must be a list of routing keys (str), "
+            "or the broker closes the channel",
+        )
+
+
+def _check_reply_address(routing_key: str) -> None:
+    """A direct reply-to address must be one the broker can decode (``<pid>.<key>``, base64).
+
+    The broker splits the suffix at dots (empty parts dropped): other than two parts is merely
+    unroutable, but two parts whose first is not an Erlang pid term close the connection.
+    """
+    parts = [part for part in routing_key[len(_REPLY_TO_PREFIX) :].split(".") if part]
+    if len(parts) != 2:
+        return
+    try:
+        term = base64.b64decode(parts[0], validate=True)
+    except (binascii.Error, ValueError):
+        term = b""
+    if not _is_pid_term(term):
+        raise InvalidMessage(
+            "routing_key",
+            f"{routing_key!r} is not a direct reply-to address the broker issued (the broker "
+            "would close the connection decoding it)",
+        )
+
+
+def _is_pid_term(term: bytes) -> bool:
+    """Whether ``term`` is an Erlang external-format pid (PID_EXT or NEW_PID_EXT), exactly."""
+    if len(term) < 4 or term[0] != 131 or term[1] not in (88, 103):  # 131 version, 'X', 'g'
+        return False
+    tag, at = term[2], 3
+    if tag in (100, 118):  # ATOM_EXT, ATOM_UTF8_EXT: u16 length
+        if len(term) < 5:
+            return False
+        size, at = int.from_bytes(term[3:5], "big"), 5
+    elif tag in (115, 119):  # SMALL_ATOM_EXT, SMALL_ATOM_UTF8_EXT: u8 length
+        size, at = term[3], 4
+    else:
+        return False
+    tail = 12 if term[1] == 88 else 9  # id, serial, creation (u32 or u8)
+    return len(term) == at + size + tail
 
 
 def _timestamp(value: object) -> int:
@@ -288,6 +368,8 @@ def _timestamp(value: object) -> int:
         seconds = _epoch_seconds(value)
         if seconds < 0:
             raise InvalidMessage("timestamp", f"{value} is before 1970; AMQP timestamps are u64")
+        if seconds >= _YEAR_10000:
+            raise InvalidMessage("timestamp", f"{value} is after 9999-12-31 in UTC")
         return seconds
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64:
         return value
@@ -336,9 +418,12 @@ def _utf8(name: str, value: str) -> bytes:
 
 
 def _epoch_seconds(value: _dt.datetime) -> int:
-    if value.tzinfo is None:
-        value = value.replace(tzinfo=_dt.timezone.utc)
-    return int(value.timestamp())
+    """Whole POSIX seconds (rounded down, as the encoder writes them); naive means UTC."""
+    try:
+        # utctimetuple: what the encoder uses; naive datetimes are taken as UTC
+        return calendar.timegm(value.utctimetuple())
+    except OverflowError:  # year 1 or 9999 moved past the calendar by its UTC offset
+        return -1 if value.year == _dt.MINYEAR else 2**64
 
 
 def _check_table(path: str, table: Mapping[Any, Any], depth: int) -> dict[str, Any]:
@@ -375,8 +460,11 @@ def _check_value(path: str, value: object, depth: int) -> Any:
         _check_decimal(path, value)
         return value
     if isinstance(value, _dt.datetime):
-        if _epoch_seconds(value) < 0:
+        seconds = _epoch_seconds(value)
+        if seconds < 0:
             raise InvalidMessage(path, f"{value} is before 1970; AMQP timestamps are u64")
+        if seconds >= _YEAR_10000:
+            raise InvalidMessage(path, f"{value} is after 9999-12-31 in UTC")
         return value
     if isinstance(value, Mapping):
         return _check_table(path, value, depth)
