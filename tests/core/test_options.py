@@ -21,6 +21,7 @@ from reliable_amqp._core.options import (
     check_url,
     default_url,
     redact_url,
+    url_heartbeat,
     vhost_of,
 )
 from reliable_amqp._core.policy import RetryPolicy
@@ -407,3 +408,138 @@ def test_from_strings_blank_values_mean_unset() -> None:
     assert options.connect_policy == dataclasses.replace(DEFAULT_CONNECT_POLICY, deadline=None)
     with pytest.raises(ConfigurationError, match=r"set nack_policy as nack_policy\.<field>"):
         PublisherOptions.from_strings(URL, {"nack_policy": "3"})
+
+
+# --- URL query, heartbeat, credentials and TLS options (issue 11) --------------------------------
+
+
+@pytest.mark.parametrize(
+    "url, heartbeat",
+    [
+        ("amqp://h/", None),
+        ("amqp://h/?heartbeat=0", 0),
+        ("amqp://h/vh?heartbeat=15", 15),
+        ("amqp://u:heartbeat@h/", None),  # the word in a password is no setting
+        ("amqp://u:p@h/heartbeat", None),
+    ],
+)
+def test_url_heartbeat_reads_the_query_only(url: str, heartbeat: int | None) -> None:
+    assert url_heartbeat(url) == heartbeat
+
+
+def test_the_url_heartbeat_is_the_heartbeat_option() -> None:
+    assert PublisherOptions.create("amqp://h/?heartbeat=0").heartbeat == 0
+    assert PublisherOptions.create("amqp://u:heartbeat@h/").heartbeat == 30
+    assert PublisherOptions.create("amqp://h/?heartbeat=5", heartbeat=5).heartbeat == 5
+    with pytest.raises(ConfigurationError) as info:
+        PublisherOptions.create("amqp://h/?heartbeat=5", heartbeat=10)
+    assert str(info.value) == (
+        "broker URL amqp://h/?heartbeat=5 says heartbeat=5 but the heartbeat option is 10: "
+        "give it once"
+    )
+    with pytest.raises(ConfigurationError) as info:
+        PublisherOptions.create(["amqp://a/?heartbeat=5", "amqp://b/?heartbeat=6"])
+    assert str(info.value) == (
+        "the broker URLs give different heartbeats: set the heartbeat option instead"
+    )
+    with pytest.raises(ConfigurationError) as info:
+        PublisherOptions.create("amqp://u:s3cret@h/?heartbeat=x")
+    assert str(info.value) == (
+        "broker URL amqp://u:***@h/?heartbeat=x: heartbeat must be a whole number of seconds "
+        "from 0 to 65535"
+    )
+
+
+@pytest.mark.parametrize(
+    "query, problem",
+    [
+        ("no_verify_ssl=1", "the URL parameter 'no_verify_ssl' configures TLS"),
+        ("cafile=/tmp/ca.pem", "the URL parameter 'cafile' configures TLS"),
+        ("ssl_options=%7B%7D", "the URL parameter 'ssl_options' configures TLS"),
+        ("name=x", "the URL parameter 'name' is not accepted; use the publisher option "),
+        ("locale=en", "unknown URL parameter 'locale'"),
+        ("heartbeat=5&heartbeat=6", "the URL parameter 'heartbeat' is given twice"),
+    ],
+)
+def test_url_parameters_accept_heartbeat_only(query: str, problem: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        PublisherOptions.create(f"amqps://u:{PASSWORD}@h/?{query}")
+    assert problem in str(info.value) and PASSWORD not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("amqps://h/?ssl_options={'password':'pw'}", "amqps://h/?ssl_options=***"),
+        ("amqp://u:p@h/?heartbeat=5&cafile=x", "amqp://u:***@h/?heartbeat=5&cafile=***"),
+        ("amqp://h/#?x=1", "amqp://h/#?x=1"),
+    ],
+)
+def test_redact_url_hides_query_values_but_heartbeat(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "amqp://guest:Zq7/Xw9@host",
+        "amqp://guest:Zq7?Xw9@host",
+        "amqp://guest:Zq7#Xw9@host",
+        "amqp://guest:12/34@host/",  # parses as host 'guest', port 12: refused, raw '@'
+    ],
+)
+def test_urls_that_do_not_parse_never_quote_the_password(url: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        PublisherOptions.create(url)
+    password = url.split(":")[2].rsplit("@", 1)[0]
+    for fragment in (password, *password.replace("?", "/").replace("#", "/").split("/")):
+        assert fragment not in str(info.value)
+    assert "percent-encoded" in str(info.value)
+
+
+def test_credentials_and_tls_options_from_strings_and_checks() -> None:
+    options = PublisherOptions.from_strings(
+        "amqps://h/",
+        {
+            "username": "app",
+            "password": "pw",
+            "ca_file": "/ca.pem",
+            "cert_file": "/c.pem",
+            "key_file": "",
+            "server_hostname": "broker",
+            "tls_verify": "false",
+        },
+    )
+    assert (options.username, options.password, options.ca_file) == ("app", "pw", "/ca.pem")
+    assert (options.key_file, options.server_hostname, options.tls_verify) == (
+        None,
+        "broker",
+        False,
+    )
+    assert "pw" not in repr(options)
+    problems = [
+        ({"ca_file": "/ca.pem"}, "amqp://h/", "ca_file set but no broker URL uses TLS"),
+        ({"key_file": "/k.pem"}, "amqps://h/", "key_file and key_password need cert_file"),
+        ({"password": 5}, "amqp://h/", "password must be a str or None, got int"),
+        ({"tls_verify": "no"}, "amqps://h/", "tls_verify must be True or False, got 'no'"),
+        ({"ssl_context": object()}, "amqps://h/", "ssl_context must be an ssl.SSLContext"),
+    ]
+    for kwargs, url, problem in problems:
+        with pytest.raises(ConfigurationError) as info:
+            PublisherOptions.create(url, **kwargs)
+        assert problem in str(info.value)
+    with pytest.raises(ConfigurationError, match="tls_verify must be true or false, got 'maybe'"):
+        PublisherOptions.from_strings("amqps://h/", {"tls_verify": "maybe"})
+
+
+def test_an_ssl_context_must_verify_unless_told() -> None:
+    import ssl
+
+    context = ssl.create_default_context()
+    assert PublisherOptions.create("amqps://h/", ssl_context=context).ssl_context is context
+    lax = ssl.create_default_context()
+    lax.check_hostname = False
+    with pytest.raises(ConfigurationError, match="does not verify the broker's certificate"):
+        PublisherOptions.create("amqps://h/", ssl_context=lax)
+    with pytest.raises(ConfigurationError, match="give either ssl_context or ca_file"):
+        PublisherOptions.create("amqps://h/", ssl_context=context, ca_file="/ca.pem")

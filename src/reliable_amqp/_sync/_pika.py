@@ -10,6 +10,7 @@ import logging
 import ssl
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
@@ -42,6 +43,11 @@ def connection_parameters(
     options by :func:`reliable_amqp._tls.client_context`) and verifies ``server_hostname``, else
     the URL's host. ``username``/``password`` options replace the URL's.
     """
+    parts = urlsplit(url)
+    override = options.username is not None or options.password is not None
+    if override:
+        # pika cannot parse a user without a password: the credentials go in separately
+        url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     try:
         params = pika.URLParameters(url)
     except Exception as exc:  # pika raises ValueError, TypeError, KeyError on bad URLs
@@ -53,11 +59,10 @@ def connection_parameters(
         context = context or client_context(options)
         assert context is not None  # an amqps:// URL always has one
         params.ssl_options = pika.SSLOptions(context, options.server_hostname or params.host)
-    if options.username is not None or options.password is not None:
-        given = params.credentials
+    if override:
         params.credentials = pika.PlainCredentials(
-            options.username if options.username is not None else given.username,
-            options.password if options.password is not None else given.password,
+            options.username or unquote(parts.username or "") or "guest",
+            options.password if options.password is not None else unquote(parts.password or ""),
         )
     params.connection_attempts = 1
     params.retry_delay = 0

@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp.cli._bench import add_bench_arguments, run_bench
 from reliable_amqp.cli._parse import (
     EXIT_CONNECTION,
@@ -20,6 +21,7 @@ from reliable_amqp.cli._parse import (
     EXIT_USAGE,
     UsageError,
     build_parser,
+    printable,
 )
 from reliable_amqp.cli._publish import add_publish_arguments, run_publish
 
@@ -42,8 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "publish":
             return run_publish(args)
         return run_bench(args)
-    except UsageError as exc:
-        print(f"reliable-amqp {args.command}: error: {exc}", file=sys.stderr)
+    except (UsageError, ConfigurationError) as exc:
+        # one line, no traceback; a ConfigurationError never holds a password
+        message = printable(exc).replace("\n", " ")
+        print(f"reliable-amqp {args.command}: error: {message}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("\nreliable-amqp: interrupted", file=sys.stderr)

@@ -25,6 +25,7 @@ import pika.exceptions
 
 from reliable_amqp._core.errors import ReliableAmqpError
 from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._sync._pika import connection_parameters, translate_connection_error
 from reliable_amqp._sync.publisher import Publisher
 from reliable_amqp.cli._parse import (
     EXIT_CONNECTION,
@@ -35,6 +36,7 @@ from reliable_amqp.cli._parse import (
     check_options,
     count,
     count_at_least_one,
+    printable,
 )
 
 #: mode -> what it does, in the order they run (slowest first).
@@ -108,9 +110,8 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         connection = pika.BlockingConnection(_parameters(url, options))
     except (pika.exceptions.AMQPError, OSError) as exc:
-        print(
-            f"reliable-amqp: cannot connect to {shown}: {type(exc).__name__} {exc}", file=sys.stderr
-        )
+        problem = printable(translate_connection_error(exc))
+        print(f"reliable-amqp: cannot connect to {shown}: {problem}", file=sys.stderr)
         return EXIT_CONNECTION
     if _queue_exists(connection, queue):
         connection.close()
@@ -131,7 +132,8 @@ def run_bench(args: argparse.Namespace) -> int:
             admin.queue_purge(queue)
     except (pika.exceptions.AMQPError, ReliableAmqpError, OSError) as exc:
         print(
-            f"reliable-amqp: benchmark against {shown} failed: {type(exc).__name__} {exc}",
+            f"reliable-amqp: benchmark against {shown} failed: {type(exc).__name__} "
+            f"{printable(exc)}",
             file=sys.stderr,
         )
         return EXIT_CONNECTION
@@ -159,7 +161,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _parameters(url: str, options: PublisherOptions) -> pika.URLParameters:
-    params = pika.URLParameters(url)
+    # the publisher's parameters: TLS, credentials and heartbeat from the options
+    params = connection_parameters(url, options)
     params.socket_timeout = options.connect_timeout
     params.blocked_connection_timeout = options.delivery_timeout
     return params

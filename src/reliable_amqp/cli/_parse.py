@@ -2,13 +2,15 @@
 
 Every publisher option can come from a flag or, when the flag is absent, from an environment
 variable (``AMQP_URL`` for the broker, ``RELIABLE_AMQP_<FLAG>`` for the rest), and anything else
-:class:`~reliable_amqp.PublisherOptions` knows can be set with ``-o key=value``.
+:class:`~reliable_amqp.PublisherOptions` knows can be set with ``-o key=value``. Credentials can
+stay off the command line: ``AMQP_USERNAME``, ``AMQP_PASSWORD`` and ``--password-file``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -202,6 +204,70 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
         help="any other publisher option, e.g. -o publish_timeout=30, "
         "-o nack_policy.jitter=0, -o dedup_header=x-deduplication-header",
     )
+    add_tls_and_credential_arguments(group)
+
+
+def add_tls_and_credential_arguments(group: argparse._ArgumentGroup) -> None:
+    """``--ca-file``, ``--cert-file``, ``--key-file``, ``--insecure``, ``--password-file``."""
+    group.add_argument(
+        "--ca-file",
+        metavar="PEM",
+        default=os.environ.get(ENV_PREFIX + "CA_FILE") or None,
+        help="trust the certificate authorities in PEM (amqps:// URLs; default: the system's) "
+        f"[env {ENV_PREFIX}CA_FILE]",
+    )
+    group.add_argument(
+        "--cert-file",
+        metavar="PEM",
+        default=os.environ.get(ENV_PREFIX + "CERT_FILE") or None,
+        help="client certificate, for brokers that ask for one (mutual TLS) "
+        f"[env {ENV_PREFIX}CERT_FILE]",
+    )
+    group.add_argument(
+        "--key-file",
+        metavar="PEM",
+        default=os.environ.get(ENV_PREFIX + "KEY_FILE") or None,
+        help=f"private key of --cert-file (default: inside it) [env {ENV_PREFIX}KEY_FILE]",
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="do NOT verify the broker's TLS certificate and host name (encrypted, but anyone "
+        "in the path can impersonate the broker)",
+    )
+    group.add_argument(
+        "--password-file",
+        metavar="PATH",
+        help="read the broker password from PATH (its first line); else $AMQP_PASSWORD, else "
+        "the URL's. The user name: $AMQP_USERNAME, else the URL's",
+    )
+
+
+def read_password_file(path: str) -> str:
+    """The first line of ``path`` (without its line ending); UsageError if it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as stream:
+            first = stream.readline()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise UsageError(f"cannot read --password-file {path}: {reason}") from None
+    password = first.rstrip("\r\n")
+    if not password:
+        raise UsageError(f"--password-file {path} is empty")
+    return password
+
+
+def printable(text: object) -> str:
+    """``text`` with control characters escaped (``\\x1b``): what a broker sends (reply texts)
+    or an error quotes must not drive the terminal."""
+    out = []
+    for char in str(text):
+        if char.isprintable() or unicodedata.category(char) == "Zs":  # spaces are harmless
+            out.append(char)
+        else:
+            code = ord(char)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    return "".join(out)
 
 
 def urls_from_args(args: argparse.Namespace) -> list[str]:
@@ -226,6 +292,23 @@ def publisher_options(args: argparse.Namespace) -> PublisherOptions:
         ("connect_policy", DEFAULT_CONNECT_POLICY),
     ):
         _complete_policy(strings, name, default)
+    for flag, option in (
+        ("ca_file", "ca_file"),
+        ("cert_file", "cert_file"),
+        ("key_file", "key_file"),
+    ):
+        value = getattr(args, flag, None)
+        if value:
+            strings[option] = value
+    if getattr(args, "insecure", False):
+        strings["tls_verify"] = "false"
+    if os.environ.get("AMQP_USERNAME"):
+        strings.setdefault("username", os.environ["AMQP_USERNAME"])
+    password_file = getattr(args, "password_file", None)
+    if password_file:
+        strings["password"] = read_password_file(password_file)
+    elif os.environ.get("AMQP_PASSWORD"):
+        strings.setdefault("password", os.environ["AMQP_PASSWORD"])
     return PublisherOptions.from_strings(urls_from_args(args), strings)
 
 
@@ -247,7 +330,7 @@ def check_options(args: argparse.Namespace) -> PublisherOptions:
     try:
         return publisher_options(args)
     except ConfigurationError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(printable(exc)) from None
 
 
 class UsageError(Exception):

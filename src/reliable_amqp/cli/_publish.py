@@ -8,6 +8,8 @@ every confirm; write the ones that were not confirmed to ``--failed``; print a s
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
 import threading
 import time
@@ -18,6 +20,7 @@ from typing import IO, Any
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     BrokerError,
+    ConfigurationError,
     DeliveryTimeout,
     MessageNacked,
     MessageRejected,
@@ -48,6 +51,7 @@ from reliable_amqp.cli._parse import (
     UsageError,
     add_connection_arguments,
     check_options,
+    printable,
 )
 
 #: Summary lines, in order: label, the outcome it counts, and what to do about it.
@@ -99,7 +103,8 @@ def add_publish_arguments(parser: argparse.ArgumentParser) -> None:
         "--failed",
         metavar="PATH",
         help="write every message that was not confirmed, with the reason, to PATH as JSON lines "
-        "(replay with --format jsonl PATH); rewritten, possibly empty, by every run that publishes",
+        "(replay with --format jsonl PATH); rewritten, possibly empty, by every run that "
+        "publishes; created readable by you alone (0600); a symbolic link is refused",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -181,20 +186,30 @@ def run_publish(args: argparse.Namespace) -> int:
     except InputError as exc:
         print(f"reliable-amqp: bad input, nothing was published:\n{exc}", file=sys.stderr)
         return EXIT_USAGE
+    # opened before anything is sent: a --failed that cannot be written is a usage error
+    failed_stream = open_failed_file(args.failed) if args.failed else None
     tally = _Tally()
     progress = Progress(
         len(items), sys.stderr, sys.stderr.isatty() and not (args.quiet or args.no_progress)
     )
     started = time.monotonic()
-    code = _publish_all(args, options, items, tally, progress)
+    try:
+        code = _publish_all(args, options, items, tally, progress)
+    except BaseException:
+        if failed_stream is not None:
+            failed_stream.close()
+        raise
     progress.finish(tally.confirmed, tally.failed)
     failures = sorted(tally.failures, key=lambda pair: pair[0].line)
-    if args.failed:
+    if failed_stream is not None:
         try:
-            with open(args.failed, "w", encoding="utf-8") as stream:
-                _write_failures(stream, failures)
+            with failed_stream:
+                _write_failures(failed_stream, failures)
         except OSError as exc:
-            print(f"reliable-amqp: cannot write {args.failed}: {exc}", file=sys.stderr)
+            print(
+                f"reliable-amqp: cannot write {args.failed}: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
             _list_failures(failures, sys.stderr, limit=None)
             return max(code, EXIT_NOT_CONFIRMED)
     elif failures:
@@ -212,6 +227,34 @@ def run_publish(args: argparse.Namespace) -> int:
     if code == EXIT_OK and failures:
         code = EXIT_NOT_CONFIRMED
     return code
+
+
+def open_failed_file(path: str) -> IO[str]:
+    """Open ``--failed PATH`` for writing: created 0600, truncated, never through a symlink.
+
+    Failed messages are message bodies: they get the permissions of a private file. An existing
+    file is made 0600 as well. ``O_NOFOLLOW`` refuses a symbolic link planted at ``PATH``
+    (which could point the write at any file the user may write).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        if os.path.islink(path):
+            raise UsageError(f"refusing to write --failed {path}: it is a symbolic link")
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise UsageError(f"refusing to write --failed {path}: it is a symbolic link") from None
+        raise UsageError(f"cannot write --failed {path}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"refusing to write --failed {path}: not a regular file")
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, 0)
+        return os.fdopen(fd, "w", encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _publish_all(
@@ -256,12 +299,17 @@ def _publish_all(
         published = len(items)
         publisher.close(timeout=2)
     except BrokerError as exc:  # the declaration was refused
-        print(f"reliable-amqp: cannot declare queue {args.declare_queue!r}: {exc}", file=sys.stderr)
+        print(
+            f"reliable-amqp: cannot declare queue {args.declare_queue!r}: {printable(exc)}",
+            file=sys.stderr,
+        )
         code = EXIT_USAGE
+    except ConfigurationError:
+        raise  # exit 2 (main), nothing was published
     except (PublishError, ReliableAmqpError) as exc:
         # Connecting failed, or the connection was given up (publish() raises PublisherClosed),
         # or the window stayed full for publish_timeout: what was sent settles; the rest stays.
-        problem = _connection_problem(options, exc)
+        problem = printable(_connection_problem(options, exc))
         print(f"reliable-amqp: {problem}", file=sys.stderr)
         code = EXIT_CONNECTION
         tally.add(items[published:], f"not sent: {problem}")
@@ -306,14 +354,14 @@ def _list_failures(
         if isinstance(error, str):
             unsent.setdefault(error, []).append(item.line)
         elif limit is None or shown < limit:
-            print(f"line {item.line}: {_label(error)}: {error}", file=stream)
+            print(f"line {item.line}: {_label(error)}: {printable(error)}", file=stream)
             shown += 1
     hidden = len(failures) - shown - sum(len(lines) for lines in unsent.values())
     if hidden:
         print(f"... and {hidden:,} more; use --failed PATH to keep every one", file=stream)
     for reason, lines in unsent.items():
         where = f"line {lines[0]}" if len(lines) == 1 else f"lines {lines[0]} to {lines[-1]}"
-        print(f"{_messages(len(lines))} ({where}) {reason}", file=stream)
+        print(f"{_messages(len(lines))} ({where}) {printable(reason)}", file=stream)
 
 
 def _summary(
