@@ -160,3 +160,41 @@ def test_the_sync_tls_error_names_the_host(
 ) -> None:
     outcome = publish_one("sync", node.tls_url(), ca_file=str(certificates.other_ca_file))
     assert str(outcome.error) == f"TLS failed: localhost:{node.tls_port}: {SELF_SIGNED}"
+
+
+def test_the_cli_with_ca_file_and_insecure(
+    node: DisposableBroker, certificates: Certificates
+) -> None:
+    import subprocess
+    import sys
+
+    def cli(*flags: str, url: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "reliable_amqp",
+                "publish",
+                "--declare-queue",
+                "tls-cli",
+                *flags,
+            ],
+            input="one\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={"PATH": "/usr/bin:/bin", "AMQP_URL": url},
+        )
+
+    good = cli("--ca-file", str(certificates.ca_file), "-q", url=node.tls_url())
+    assert (good.returncode, good.stderr) == (0, "")
+    insecure = cli("--insecure", "-q", url=node.tls_url("127.0.0.1"))
+    assert (insecure.returncode, insecure.stderr) == (0, "")
+    refused = cli("--ca-file", str(certificates.other_ca_file), "-q", url=node.tls_url())
+    assert refused.returncode == 3
+    problem = (
+        f"cannot connect to amqps://guest:***@localhost:{node.tls_port}/%2F: "
+        f"TLS failed: {SELF_SIGNED}"
+    )
+    assert refused.stderr == f"reliable-amqp: {problem}\n1 message (line 1) not sent: {problem}\n"
