@@ -204,6 +204,7 @@ def run_publish(args: argparse.Namespace) -> int:
     if failed_stream is not None:
         try:
             with failed_stream:
+                failed_stream.truncate(0)
                 _write_failures(failed_stream, failures)
         except OSError as exc:
             print(
@@ -230,7 +231,8 @@ def run_publish(args: argparse.Namespace) -> int:
 
 
 def open_failed_file(path: str) -> IO[str]:
-    """Open ``--failed PATH`` for writing: created 0600, truncated, never through a symlink.
+    """Open ``--failed PATH`` for writing: created 0600, never through a symlink (truncated only
+    when the failures are written).
 
     Failed messages are message bodies: they get the permissions of a private file. An existing
     file is made 0600 as well. ``O_NOFOLLOW`` refuses a symbolic link planted at ``PATH``
@@ -250,7 +252,7 @@ def open_failed_file(path: str) -> IO[str]:
         if not stat.S_ISREG(info.st_mode):
             raise UsageError(f"refusing to write --failed {path}: not a regular file")
         os.fchmod(fd, 0o600)
-        os.ftruncate(fd, 0)
+        # truncated when written, after publishing: a run stopped before that leaves it as it was
         return os.fdopen(fd, "w", encoding="utf-8")
     except BaseException:
         os.close(fd)
