@@ -67,7 +67,7 @@ class Msg:
     state: str = "waiting"  # waiting, wire, backoff, done
     attempts: int = 0
     nacks: int = 0
-    suspect: int = 0
+    isolated: bool = False
     returned: tuple[int, str] | None = None
     retry_at: float = 0.0
     tags: list[str] = field(default_factory=list)
@@ -77,11 +77,9 @@ class EngineMachine(RuleBasedStateMachine):
     @initialize(
         max_attempts=st.sampled_from([1, 2, 3]),
         dedup=st.booleans(),
-        max_suspect=st.sampled_from([1, 2, 3]),
     )
-    def setup(self, max_attempts: int, dedup: bool, max_suspect: int) -> None:
+    def setup(self, max_attempts: int, dedup: bool) -> None:
         self.max_attempts = max_attempts
-        self.max_suspect = max_suspect
         self.dedup = dedup
         policy = RetryPolicy(
             max_attempts=max_attempts,
@@ -94,7 +92,6 @@ class EngineMachine(RuleBasedStateMachine):
             delivery_timeout=TIMEOUT,
             nack_policy=policy,
             dedup_header=DEDUP if dedup else None,
-            max_suspect=max_suspect,
             rng=lambda: RNG,
         )
         self.now = 0.0
@@ -109,8 +106,37 @@ class EngineMachine(RuleBasedStateMachine):
         self.resolved: Counter[int] = Counter()
         self.outcomes: dict[int, type] = {}
         self.republished = 0
+        self.probe: Msg | None = None  # the isolated message sent alone, while isolating
 
     # --- model helpers -----------------------------------------------------------------------
+
+    def _isolating(self) -> bool:
+        return any(m.isolated and m.state != "done" for m in self.msgs)
+
+    def _next_expected(self) -> Msg | None:
+        """What next_to_send() must return: the queue's head, except while isolating, where
+        an isolated message goes only onto an empty wire, and nothing follows it until it is
+        settled."""
+        if not self.queue:
+            return None
+        if not self._isolating():
+            return self.queue[0]
+        if self.probe is not None and self.probe.state == "wire":
+            return None
+        head = self.queue[0]
+        if head.isolated and self.wire:
+            return None
+        return head
+
+    def _take_expected(self) -> Msg | None:
+        expected = self._next_expected()
+        if self._isolating() and not (self.probe is not None and self.probe.state == "wire"):
+            self.probe = None
+        if expected is not None:
+            self.queue.popleft()
+            if expected.isolated:
+                self.probe = expected
+        return expected
 
     def _live(self) -> list[Msg]:
         return [m for m in self.msgs if m.state != "done"]
@@ -214,7 +240,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _send_one(self) -> None:
         entry = self.engine.next_to_send()
-        expected = self.queue.popleft() if self.queue else None
+        expected = self._take_expected()
         if expected is None:
             assert entry is None
             return
@@ -239,13 +265,13 @@ class EngineMachine(RuleBasedStateMachine):
             want[DEDUP] = message.message_id
         assert dict(headers or {}) == want
 
-    @precondition(lambda self: bool(self.queue))
+    @precondition(lambda self: self._next_expected() is not None)
     @rule()
     def send_fails_to_encode(self) -> None:
         """The adapter could not encode the message: nothing was written, it fails alone."""
         entry = self.engine.next_to_send()
-        msg = self.queue.popleft()
-        assert entry is self.entries[msg.handle]
+        msg = self._take_expected()
+        assert msg is not None and entry is self.entries[msg.handle]
         self.engine.mark_sent(entry)
         assert self.engine.tracker.untrack(entry)
         assert entry.attempts == msg.attempts
@@ -328,10 +354,13 @@ class EngineMachine(RuleBasedStateMachine):
                 culprit = next((m for m in unconfirmed if len(m.message.body) == size), None)
             if culprit is not None:
                 blamed = [culprit]
-            else:
+            elif len(unconfirmed) == 1:  # alone on the wire: it did it
+                blamed = unconfirmed
+            else:  # each goes alone from now on, so the next such close names it
+                blamed = []
                 for m in unconfirmed:
-                    m.suspect += 1
-                blamed = [m for m in unconfirmed if m.suspect >= self.max_suspect]
+                    m.isolated = True
+                self.probe = None
             for m in blamed:
                 self._done(m, expected, MessageRejected)
         again = [m for m in unconfirmed if m.state == "wire"]
@@ -439,7 +468,7 @@ test_engine_against_model = EngineMachine.TestCase
 # --- fixed scenarios: the paths above, one at a time -------------------------------------------
 
 
-def _engine(max_attempts: int = 3, max_suspect: int = 3) -> PublishEngine[int]:
+def _engine(max_attempts: int = 3) -> PublishEngine[int]:
     policy = RetryPolicy(
         max_attempts=max_attempts,
         initial_delay=INITIAL_DELAY,
@@ -447,9 +476,7 @@ def _engine(max_attempts: int = 3, max_suspect: int = 3) -> PublishEngine[int]:
         multiplier=2.0,
         jitter=JITTER,
     )
-    return PublishEngine(
-        delivery_timeout=TIMEOUT, nack_policy=policy, max_suspect=max_suspect, rng=lambda: RNG
-    )
+    return PublishEngine(delivery_timeout=TIMEOUT, nack_policy=policy, rng=lambda: RNG)
 
 
 def _accept(engine: PublishEngine[int], n: int, exchange: str = "good", now: float = 0.0) -> list:
@@ -500,16 +527,35 @@ def test_404_rejects_the_message_for_the_missing_exchange_and_republishes_the_re
     assert len(engine) == 3
 
 
-def test_channel_close_naming_no_message_fails_a_suspect_after_max_suspect_closes() -> None:
-    engine = _engine(max_suspect=2)
+def test_channel_close_naming_no_message_fails_the_message_alone_on_the_wire() -> None:
+    engine = _engine()
     [entry] = _accept(engine, 1)
     text = "NOT_FOUND - no exchange 'elsewhere' in vhost '/'"
     _send_all(engine)
-    assert engine.on_channel_lost(404, text, 0.0) == []
-    _send_all(engine)
     [rejected] = engine.on_channel_lost(404, text, 0.0)
     assert rejected.entry is entry and isinstance(rejected.result, MessageRejected)
-    assert rejected.result.attempts == 2
+    assert rejected.result.attempts == 1
+
+
+def test_channel_close_naming_no_message_isolates_then_names_the_culprit() -> None:
+    engine = _engine()
+    entries = _accept(engine, 3)
+    text = "PRECONDITION_FAILED - unacceptable_type_in_header"
+    _send_all(engine)
+    assert engine.on_channel_lost(406, text, 0.0) == []  # three in flight: who did it?
+    assert engine.isolating
+    first = engine.next_to_send()
+    assert first is entries[0]
+    engine.mark_sent(first)
+    assert engine.next_to_send() is None  # it is alone on the wire until settled
+    [ok] = engine.on_ack(engine.tracker.generation, 1, False, 1.0)
+    assert ok.entry is entries[0] and ok.ok
+    second = engine.next_to_send()
+    assert second is entries[1]
+    engine.mark_sent(second)
+    [rejected] = engine.on_channel_lost(406, text, 2.0)  # alone: second did it
+    assert rejected.entry is entries[1] and isinstance(rejected.result, MessageRejected)
+    assert _send_all(engine) == [entries[2]]
 
 
 @pytest.mark.parametrize(
@@ -522,7 +568,7 @@ def test_channel_close_naming_no_message_fails_a_suspect_after_max_suspect_close
     ],
 )
 def test_channel_closes_that_blame_no_message_reject_nothing(code: int | None, text: str) -> None:
-    engine = _engine(max_suspect=1)
+    engine = _engine()
     entries = _accept(engine, 2, "X")
     _send_all(engine)
     assert engine.on_channel_lost(code, text, 0.0) == []

@@ -86,14 +86,12 @@ class PublishEngine(Generic[H]):
         delivery_timeout: float,
         nack_policy: RetryPolicy,
         dedup_header: str | None = None,
-        max_suspect: int = 3,
         rng: Callable[[], float] = random.random,
     ) -> None:
         self.tracker: ConfirmTracker[H] = ConfirmTracker()
         self.delivery_timeout = delivery_timeout
         self.nack_policy = nack_policy
         self.dedup_header = dedup_header
-        self.max_suspect = max_suspect
         self._rng = rng
         self._sendq: deque[Entry[H]] = deque()
         # accept order == deadline order (one delivery_timeout for all); resolved entries are
@@ -209,58 +207,60 @@ class PublishEngine(Generic[H]):
 
         With a code that blames a message (404 missing exchange, 406 oversize, ...), the message
         named by the reply text fails with :class:`MessageRejected`; when the text names none,
-        every message that was in flight becomes a suspect, and one that has been in flight for
-        ``max_suspect`` such closes fails. The rest are queued first, in their original order.
+        the culprit is found as for a frame error (:meth:`on_connection_error`): alone on the
+        wire it fails, else every message that was in flight goes out alone from then on. The
+        rest are queued first, in their original order.
         """
         unconfirmed = self.tracker.new_generation()
-        resolutions: list[Resolution[H]] = []
-        if is_permanent_channel_close(reply_code, reply_text):
-            assert reply_code is not None
-            culprit = _find_culprit(unconfirmed, reply_code, reply_text)
-            blamed = [culprit] if culprit is not None else []
-            if culprit is None:
-                for entry in unconfirmed:
-                    entry.suspect += 1
-                blamed = [e for e in unconfirmed if e.suspect >= self.max_suspect]
-            for entry in blamed:
-                resolutions.append(
-                    self._finish(
-                        entry,
-                        MessageRejected(entry.message, entry.attempts, reply_code, reply_text),
-                    )
-                )
-        again = [e for e in unconfirmed if e.state is WIRE]
-        for entry in again:
-            entry.state = WAITING
-        self.counters.republished += len(again)
-        self._sendq.extendleft(reversed(again))
-        return resolutions
+        if reply_code is None or not is_permanent_channel_close(reply_code, reply_text):
+            return self._requeue(unconfirmed, None, 0, "")
+        culprit = _find_culprit(unconfirmed, reply_code, reply_text)
+        if culprit is None:
+            return self._isolate(unconfirmed, reply_code, reply_text)
+        return self._requeue(unconfirmed, culprit, reply_code, reply_text)
 
     def on_connection_error(
         self, reply_code: int, reply_text: str, now: float
     ) -> list[Resolution[H]]:
-        """The broker closed the connection for a frame or syntax error (501, 502, 505).
+        """The broker closed the connection because of something a publish carried (501 frame
+        error, 502 syntax error, 505 unexpected frame, 541 internal error).
 
         Such a close has a culprit like a channel close, but the broker does not name it. A
         message alone on the wire is it, and fails with :class:`MessageRejected`; when several
         were in flight, each is marked and sent alone from now on, so the next such close (if
         one comes) names its culprit. The others go out again, in order.
         """
-        unconfirmed = self.tracker.new_generation()
+        return self._isolate(self.tracker.new_generation(), reply_code, reply_text)
+
+    def _isolate(
+        self, unconfirmed: list[Entry[H]], reply_code: int, reply_text: str
+    ) -> list[Resolution[H]]:
         wire = [e for e in unconfirmed if e.state is WIRE]
-        resolutions: list[Resolution[H]] = []
         if len(wire) == 1:
-            culprit = wire.pop()
-            error = MessageRejected(culprit.message, culprit.attempts, reply_code, reply_text)
-            resolutions.append(self._finish(culprit, error))
+            return self._requeue(wire, wire[0], reply_code, reply_text)
         for entry in wire:
-            entry.state = WAITING
             if not entry.isolated:
                 entry.isolated = True
                 self._isolated += 1
         self._probe = None
-        self.counters.republished += len(wire)
-        self._sendq.extendleft(reversed(wire))
+        return self._requeue(wire, None, reply_code, reply_text)
+
+    def _requeue(
+        self,
+        unconfirmed: list[Entry[H]],
+        culprit: Entry[H] | None,
+        reply_code: int,
+        reply_text: str,
+    ) -> list[Resolution[H]]:
+        resolutions: list[Resolution[H]] = []
+        if culprit is not None:
+            error = MessageRejected(culprit.message, culprit.attempts, reply_code, reply_text)
+            resolutions.append(self._finish(culprit, error))
+        again = [e for e in unconfirmed if e.state is WIRE]
+        for entry in again:
+            entry.state = WAITING
+        self.counters.republished += len(again)
+        self._sendq.extendleft(reversed(again))
         return resolutions
 
     # --- time ---------------------------------------------------------------------------------

@@ -45,8 +45,9 @@ BATCH_BYTES = 1 << 20
 #: AMQP's frame-min-size: no broker may negotiate a smaller frame_max
 FRAME_MIN_SIZE = 4096
 #: connection closes that blame something the client wrote (frame error, syntax error,
-#: unexpected frame): they have a culprit like a channel close
-CONNECTION_CULPRIT_CODES = frozenset({501, 502, 505})
+#: unexpected frame), or that one message can cause (RabbitMQ closes with 541 on a publish to a
+#: direct reply-to address whose requester has gone): they have a culprit like a channel close
+CONNECTION_CULPRIT_CODES = frozenset({501, 502, 505, 541})
 
 
 @dataclass(frozen=True, slots=True)

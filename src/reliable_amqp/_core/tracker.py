@@ -64,9 +64,8 @@ class Entry(Generic[H]):
     #: packed (generation, seq) of the current attempt while on the wire, else -1
     key: int = -1
     returned: tuple[int, str] | None = None
-    #: channel closes with a permanent code this entry was in flight for, culprit unknown
-    suspect: int = 0
-    #: in flight when the broker closed the connection for a frame error: sent alone from then
+    #: in flight when the broker closed the channel or connection and named no culprit: sent
+    #: alone from then on, so the next such close names it
     isolated: bool = False
     #: how many nacks this message has had (the nack retry policy counts these)
     nacks: int = 0
