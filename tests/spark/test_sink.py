@@ -51,7 +51,6 @@ def position(message_id: str) -> tuple[int, int]:
     return int(partition), int(pos)
 
 
-@pytest.mark.spark_connect
 def test_100k_rows_in_4_partitions_arrive_intact(
     spark: SparkSession, broker: Any, amqp_url: str
 ) -> None:
