@@ -1,8 +1,7 @@
 """Both publishers over TLS against a disposable RabbitMQ node with a TLS listener.
 
-Successes confirm a message; every failure is a TlsError, naming the host (async; sync once its
-I/O thread passes the connection's parameters, see the xfail below) and the reason, raised well
-within 10 s, with the default connect policy: it is not retried.
+Successes confirm a message; every failure is a TlsError, naming the host and the reason, raised
+well within 10 s, with the default connect policy: it is not retried.
 """
 
 from __future__ import annotations
@@ -30,9 +29,8 @@ def node(certificates: Certificates) -> Iterator[DisposableBroker]:
 
 
 def expected(kind: str, host: str, port: int, reason: str) -> set[str]:
-    """The async publisher names host and port; the sync one does once _io passes params."""
-    with_host = f"TLS failed: {host}:{port}: {reason}"
-    return {with_host} if kind == "async" else {with_host, f"TLS failed: {reason}"}
+    """Both publishers name host and port."""
+    return {f"TLS failed: {host}:{port}: {reason}"}
 
 
 @pytest.mark.parametrize("kind", PUBLISHERS)
@@ -150,11 +148,6 @@ def test_tls_verify_false_accepts_any_certificate_and_warns(
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_sync/_io.py must call translate_connection_error(error, connection.params) in "
-    "_on_connection_open_error for the sync TlsError to name the host",
-)
 def test_the_sync_tls_error_names_the_host(
     node: DisposableBroker, certificates: Certificates
 ) -> None:
@@ -195,6 +188,6 @@ def test_the_cli_with_ca_file_and_insecure(
     assert refused.returncode == 3
     problem = (
         f"cannot connect to amqps://guest:***@localhost:{node.tls_port}/%2F: "
-        f"TLS failed: {SELF_SIGNED}"
+        f"TLS failed: localhost:{node.tls_port}: {SELF_SIGNED}"
     )
     assert refused.stderr == f"reliable-amqp: {problem}\n1 message (line 1) not sent: {problem}\n"

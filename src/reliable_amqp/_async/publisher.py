@@ -70,8 +70,11 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         if (url is None) == (connection is None):
             raise ConfigurationError("give AsyncPublisher a broker URL or a connection (one)")
         if connection is not None:
-            # The options need a URL; the connection's own is the truthful one (for reprs).
+            # The options need a URL; the connection's own is the truthful one (for reprs). Its
+            # query holds aio-pika's settings (reconnect_interval, ...), which are the owner's
+            # business, not publisher options: leave it out.
             url = str(getattr(connection, "url", "") or "amqp://aio-pika-connection/")
+            url = url.partition("?")[0]
         assert url is not None
         self.options = PublisherOptions.create(url, **options)
         self._supervisor: Supervisor[_Handle] = Supervisor(

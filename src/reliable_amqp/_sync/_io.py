@@ -281,7 +281,7 @@ class IOThread:
         connection.ioloop.call_later(delay, functools.partial(self._open_channel, connection))
 
     def _on_connection_open_error(self, connection: SelectConnection, error: Any) -> None:
-        self._loss = translate_connection_error(error)
+        self._loss = translate_connection_error(error, connection.params)  # names the host
         connection.ioloop.stop()
 
     def _on_connection_closed(self, connection: SelectConnection, reason: Exception) -> None:
