@@ -208,3 +208,18 @@ def test_events_follow_the_connection_through_channel_and_connection_loss(
         (2, 3, b"3"),
     ]
     assert stats.recoveries == 1  # a channel recovery is not a connection recovery
+
+
+@pytest.mark.parametrize("kind", ["sync"], indirect=True)  # aiormq watches heartbeats itself
+def test_heartbeat_zero_in_the_url_means_no_liveness_watchdog(
+    make_peer: Peers, make_publisher: PublisherFactory, events: list[PublisherEvent]
+) -> None:
+    # The broker offers heartbeats of 1 s; the URL turns them off. The watchdog must follow what
+    # was negotiated (none): a quiet link is not "dead" after 2 silent heartbeats.
+    peer = make_peer(heartbeat=1)
+    with make_publisher(peer.url(heartbeat=0)) as publisher:
+        assert publisher.publish_and_wait("", "q", b"before").attempts == 1
+        time.sleep(3)  # three offered heartbeat intervals without a byte either way
+        assert publisher.publish_and_wait("", "q", b"after").attempts == 1
+    assert EventKind.CONNECTION_LOST not in kinds(events)
+    assert len(peer.connections) == 1

@@ -153,11 +153,14 @@ class Pump(Generic[H]):
 
     def on_confirm(self, generation: int, ack: bool, tag: int, multiple: bool) -> None:
         """``basic.ack``/``basic.nack`` from the channel of ``generation``."""
+        isolating = self.supervisor.isolating
         self.settle(self.supervisor.on_confirm(generation, ack, tag, multiple, time.monotonic()))
         if not ack:
             self.schedule()  # a nack retry may come due before anything else
-        if self.supervisor.isolating:
-            self._wakeup.set()  # suspects of a frame error go one at a time: the next one now
+        if isolating:
+            # Suspects of a frame error go one at a time: the next one now (or, the last one
+            # settled, everything that waited behind them).
+            self._wakeup.set()
 
     def on_return(self, headers: Any, reply_code: int, text: str) -> None:
         """``basic.return``: the ack that follows settles the message as returned."""

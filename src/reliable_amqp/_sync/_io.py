@@ -301,6 +301,7 @@ class IOThread:
     def _on_confirm(self, generation: int, frame: Any) -> None:
         method = frame.method
         ack = isinstance(method, Basic.Ack)
+        isolating = self._supervisor.isolating
         self._handoff.resolve(
             self._supervisor.on_confirm(
                 generation, ack, method.delivery_tag, method.multiple, time.monotonic()
@@ -308,8 +309,10 @@ class IOThread:
         )
         if not ack:
             self._schedule()  # a nack retry may come due before anything else
-        if self._supervisor.isolating and self._engine.has_sendable():
-            self._drain()  # suspects of a frame error go one at a time: the next one now
+        if isolating and self._engine.has_sendable():
+            # Suspects of a frame error go one at a time: the next one now (or, the last one
+            # settled, everything that waited behind them).
+            self._drain()
 
     def _on_return(
         self, channel: Channel, method: Basic.Return, properties: BasicProperties, body: bytes
