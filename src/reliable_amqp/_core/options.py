@@ -348,15 +348,7 @@ class PublisherOptions:
             raise ConfigurationError("on_event must be callable")
 
     def _check_credentials_and_tls(self) -> None:
-        for name in (
-            "username",
-            "password",
-            "ca_file",
-            "cert_file",
-            "key_file",
-            "key_password",
-            "server_hostname",
-        ):
+        for name in _CREDENTIAL_AND_TLS_STRINGS:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 shown = type(value).__name__ if name in _SECRET_OPTIONS else repr(value)
@@ -487,19 +479,16 @@ _DEFAULT_POLICIES = {"connect_policy": DEFAULT_CONNECT_POLICY, "nack_policy": DE
 #: options whose values are secrets: never quoted in an error
 _SECRET_OPTIONS = frozenset({"password", "key_password"})
 #: string options given as strings (an empty one means unset)
-_STRING_OPTIONS = frozenset(
-    {
-        "dedup_header",
-        "connection_name",
-        "username",
-        "password",
-        "ca_file",
-        "cert_file",
-        "key_file",
-        "key_password",
-        "server_hostname",
-    }
+_CREDENTIAL_AND_TLS_STRINGS = (
+    "username",
+    "password",
+    "ca_file",
+    "cert_file",
+    "key_file",
+    "key_password",
+    "server_hostname",
 )
+_STRING_OPTIONS = frozenset({"dedup_header", "connection_name", *_CREDENTIAL_AND_TLS_STRINGS})
 _INT_OPTIONS = {"max_in_flight", "max_in_flight_bytes", "heartbeat"}
 _FLOAT_OPTIONS = {
     "publish_timeout",
