@@ -132,3 +132,31 @@ def test_isolation_ends_when_the_suspects_expire_or_close() -> None:
     assert engine.isolating
     assert [r.entry.handle for r in engine.close_all("closed")] == ["a", "b"]
     assert not engine.isolating
+
+
+def test_resolved_messages_are_not_kept_until_the_next_deadline() -> None:
+    # The adapters' timer fires only for deadlines and retries; a confirmed message must not
+    # stay referenced (its future, its body) until then, even behind an older one in flight.
+    import gc
+    import weakref
+
+    class Handle:
+        pass
+
+    engine: PublishEngine[Handle] = PublishEngine(
+        delivery_timeout=120.0, nack_policy=RetryPolicy(max_attempts=2, jitter=0.0)
+    )
+    engine.accept(build_message("", "q", b"slow"), Handle(), 0.0)  # tag 1: never confirmed
+    handles = [Handle() for _ in range(5000)]
+    refs = [weakref.ref(h) for h in handles]
+    for h in handles:
+        engine.accept(build_message("", "q", b"x"), h, 0.0)
+    while (entry := engine.next_to_send()) is not None:
+        engine.mark_sent(entry)
+    generation = engine.tracker.generation
+    confirmed = sum(len(engine.on_ack(generation, tag, False, 1.0)) for tag in range(2, 5002))
+    assert confirmed == 5000 and len(engine) == 1
+    del handles, h
+    assert engine.next_wakeup() == 120.0  # the slow one's deadline
+    gc.collect()
+    assert sum(1 for r in refs if r() is not None) == 0
