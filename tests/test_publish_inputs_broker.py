@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import sys
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -62,7 +60,6 @@ def publisher_class(request: pytest.FixtureRequest) -> PublisherClass:
     """Publisher, and AsyncPublisher through the blocking facade (as in test_publisher.py)."""
     if request.param == "sync":
         return Publisher
-    sys.path.insert(0, str(Path(__file__).parent / "async"))
     from aio_blocking import BlockingAsyncPublisher
 
     return BlockingAsyncPublisher

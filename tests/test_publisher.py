@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,7 +38,6 @@ def publisher_class(request: pytest.FixtureRequest) -> PublisherClass:
     that drives it on an event loop thread), so both honour one contract."""
     if request.param == "sync":
         return Publisher
-    sys.path.insert(0, str(Path(__file__).parent / "async"))
     from aio_blocking import BlockingAsyncPublisher
 
     return BlockingAsyncPublisher

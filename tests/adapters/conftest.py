@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from adapters.drivers import BlockingAsync
+from aio_blocking import BlockingAsyncPublisher as BlockingAsync
 from fake import FakeBroker
 from reliable_amqp import EventKind, Publisher, PublisherEvent, RetryPolicy
 

@@ -19,7 +19,7 @@ from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from reliable_amqp import Confirmation, State
+from reliable_amqp import Confirmation, State, Stats
 from reliable_amqp._async import AsyncPublisher
 
 T = TypeVar("T")
@@ -74,6 +74,14 @@ class BlockingAsyncPublisher:
     def in_flight(self) -> int:
         """``Publisher.in_flight``."""
         return self._publisher.in_flight
+
+    def stats(self) -> Stats:
+        """``Publisher.stats`` (read on the loop, where the engine lives)."""
+
+        async def stats() -> Stats:
+            return self._publisher.stats()
+
+        return self._call(stats())
 
     def publish(
         self, exchange: str, routing_key: str, body: bytes, **kwargs: Any
