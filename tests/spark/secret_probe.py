@@ -1,4 +1,4 @@
-"""Run by test_secrets.py in a process of its own (a SparkContext with an event log): write
+"""Run by test_spark_secrets.py in a process of its own (a SparkContext with an event log): write
 through the ``amqp`` data source, batch and streaming, and through ``foreachPartition``, with the
 password given as an option; print the streaming query's ``explain(extended=True)``.
 
