@@ -9,7 +9,6 @@ of it), a supervisor and a window; this class holds no state of its own.
 from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
-from urllib.parse import unquote, urlsplit
 
 from reliable_amqp._core.errors import InvalidMessage
 from reliable_amqp._core.frames import encode_table, header_frame_size, header_too_large
@@ -29,14 +28,6 @@ _ENGINE_HEADERS_MAX = 96
 
 D = TypeVar("D")  # declare_exchange/bind_queue: None, or an awaitable of None
 Q = TypeVar("Q")  # declare_queue: the queue name, or an awaitable of it
-
-
-def _connection_users(options: PublisherOptions) -> frozenset[str]:
-    """The user names a publisher may connect as (one per URL; pika and aiormq use guest)."""
-    explicit = getattr(options, "username", None)
-    if explicit:
-        return frozenset({explicit})
-    return frozenset(unquote(urlsplit(url).username or "") or "guest" for url in options.urls)
 
 
 class PublisherSurface(Generic[D, Q]):
@@ -79,7 +70,7 @@ class PublisherSurface(Generic[D, Q]):
                 if size > frame_max:
                     raise InvalidMessage("headers", header_too_large(size, frame_max))
         if props.user_id is not None:
-            users = _connection_users(self.options)
+            users = {self.options.login(url)[0] for url in self.options.urls}
             if props.user_id not in users:
                 raise InvalidMessage(
                     "user_id",

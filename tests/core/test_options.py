@@ -543,3 +543,21 @@ def test_an_ssl_context_must_verify_unless_told() -> None:
         PublisherOptions.create("amqps://h/", ssl_context=lax)
     with pytest.raises(ConfigurationError, match="give either ssl_context or ca_file"):
         PublisherOptions.create("amqps://h/", ssl_context=context, ca_file="/ca.pem")
+
+
+@pytest.mark.parametrize(
+    "url, options, expected",
+    [
+        ("amqp://h/", {}, ("guest", "guest")),
+        ("amqp://bob:pw@h/", {}, ("bob", "pw")),
+        ("amqp://b%40b:p%2Fw@h/", {}, ("b@b", "p/w")),
+        ("amqp://bob:pw@h/", {"username": "ann"}, ("ann", "pw")),
+        ("amqp://bob:pw@h/", {"password": "new"}, ("bob", "new")),
+        ("amqp://h/", {"username": "ann"}, ("ann", "guest")),
+        ("amqp://h/", {"username": "ann", "password": ""}, ("ann", "")),
+    ],
+)
+def test_login_is_the_options_then_the_url_then_guest(
+    url: str, options: dict[str, str], expected: tuple[str, str]
+) -> None:
+    assert PublisherOptions.create(url, **options).login(url) == expected

@@ -94,9 +94,8 @@ class ConnectionSource:
         # took over, so it is set here whatever the URL says
         url = URL(raw).update_query(heartbeat=str(options.heartbeat))
         if options.username is not None or options.password is not None:
-            url = url.with_user(options.username or url.user or "guest").with_password(
-                options.password if options.password is not None else url.password
-            )
+            user, password = options.login(raw)
+            url = url.with_user(user).with_password(password)
         tls = uses_tls(raw)
         try:
             connection = await aio_pika.connect(

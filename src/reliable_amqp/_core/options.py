@@ -402,6 +402,16 @@ class PublisherOptions:
         shown = ", ".join(redact_url(u) for u in self.urls)
         return f"PublisherOptions(urls=[{shown}], max_in_flight={self.max_in_flight}, ...)"
 
+    def login(self, url: str) -> tuple[str, str]:
+        """The user and password a connection to ``url`` logs in with: the ``username`` and
+        ``password`` options where given, else the URL's, else ``guest`` (as pika and aiormq
+        default)."""
+        parts = urlsplit(url)
+        user = self.username or unquote(parts.username or "") or "guest"
+        if self.password is not None:
+            return user, self.password
+        return user, unquote(parts.password or "") or "guest"
+
     def kwargs(self) -> dict[str, Any]:
         """The keyword options that rebuild these: ``Publisher(list(o.urls), **o.kwargs())``."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "urls"}

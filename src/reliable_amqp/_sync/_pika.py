@@ -10,7 +10,7 @@ import logging
 import ssl
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
@@ -43,10 +43,11 @@ def connection_parameters(
     options by :func:`reliable_amqp._tls.client_context`) and verifies ``server_hostname``, else
     the URL's host. ``username``/``password`` options replace the URL's.
     """
-    parts = urlsplit(url)
-    override = options.username is not None or options.password is not None
-    if override:
+    credentials = None
+    if options.username is not None or options.password is not None:
+        credentials = pika.PlainCredentials(*options.login(url))
         # pika cannot parse a user without a password: the credentials go in separately
+        parts = urlsplit(url)
         url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     try:
         params = pika.URLParameters(url)
@@ -59,11 +60,8 @@ def connection_parameters(
         context = context or client_context(options)
         assert context is not None  # an amqps:// URL always has one
         params.ssl_options = pika.SSLOptions(context, options.server_hostname or params.host)
-    if override:
-        params.credentials = pika.PlainCredentials(
-            options.username or unquote(parts.username or "") or "guest",
-            options.password if options.password is not None else unquote(parts.password or ""),
-        )
+    if credentials is not None:
+        params.credentials = credentials
     params.connection_attempts = 1
     params.retry_delay = 0
     params.socket_timeout = options.connect_timeout
