@@ -88,7 +88,9 @@ def accept(
 
 def write(sup: Supervisor[int], channel: int = 1) -> tuple[int, list[Resolution[int]], bytes]:
     out: list[bytes | memoryview] = []
-    count, failed = sup.write(channel, FRAME_MAX, out)
+    if not sup.frame_max:  # as if the connection had negotiated it
+        sup.frame_max = FRAME_MAX
+    count, failed = sup.write(channel, out)
     return count, failed, b"".join(out)
 
 

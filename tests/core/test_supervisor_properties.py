@@ -345,7 +345,8 @@ class SupervisorMachine(RuleBasedStateMachine):
     @rule()
     def write(self) -> None:
         out: list[bytes | memoryview] = []
-        count, failed = self.sup.write(1, 131072, out) if self.sup.writable else (0, [])
+        self.sup.frame_max = 131072  # as the connection negotiated it
+        count, failed = self.sup.write(1, out) if self.sup.writable else (0, [])
         assert all(isinstance(r.result, MessageRejected) for r in failed)
         assert all(self.exchange[r.entry.handle.index] == "bad" for r in failed)
         assert (count == 0) is (not out)

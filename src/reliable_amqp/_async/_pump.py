@@ -172,7 +172,6 @@ class Pump(Generic[H]):
     async def _write(self, channel: ConfirmChannel) -> None:
         """Write what the engine has to send, in batches, for as long as ``channel`` is open."""
         connection = channel.connection
-        max_frame = frame_max(connection)
         number = channel.number
         generation = channel.generation
         engine = self.engine
@@ -193,7 +192,7 @@ class Pump(Generic[H]):
                 await wakeup.wait()
                 continue
             parts: list[bytes | memoryview] = []
-            _count, failed = supervisor.write(number, max_frame, parts)
+            _count, failed = supervisor.write(number, parts)
             self.settle(failed)
             if not parts:
                 if not failed:  # isolating: the next one waits for a confirm, which wakes us
@@ -347,7 +346,6 @@ class Pump(Generic[H]):
             self._timer.cancel()
             self._timer = None
         self.on_end()  # no more publishes: release those waiting for room
-        supervisor.begin_close()
         self.settle(supervisor.shutdown())
         self.ready.set()
         channel, self._channel = self._channel, None

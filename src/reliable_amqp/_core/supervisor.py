@@ -275,15 +275,15 @@ class Supervisor(Generic[H]):
         """Whether messages may be written now (channel open, not blocked, not closing)."""
         return self.state.writable and not self.stopping
 
-    def write(
-        self, channel: int, frame_max: int, out: list[bytes | memoryview]
-    ) -> tuple[int, list[Resolution[H]]]:
+    def write(self, channel: int, out: list[bytes | memoryview]) -> tuple[int, list[Resolution[H]]]:
         """Append the frames of the next batch to ``out``: (messages written, resolutions).
 
-        A message whose frames cannot be encoded (a gap in ``publish()``'s checks) is taken
-        back and fails alone with :class:`MessageRejected`; the batch goes on.
+        Bodies are split at the ``frame_max`` the connection negotiated. A message whose
+        frames cannot be encoded (a gap in ``publish()``'s checks) is taken back and fails alone
+        with :class:`MessageRejected`; the batch goes on.
         """
         engine = self.engine
+        frame_max = self.frame_max
         count = size = 0
         failed: list[Resolution[H]] = []
         while count < BATCH_COUNT and size < BATCH_BYTES:
@@ -355,23 +355,22 @@ class Supervisor(Generic[H]):
             self.state.transition(State.CLOSING)
 
     def shutdown(self) -> list[Resolution[H]]:
-        """The end: fail what is left (with the fatal error as cause), state CLOSED."""
-        reason = str(self.fatal) if self.fatal is not None else "publisher closed"
-        self.stopping = True
-        resolutions = self.engine.close_all(reason)
+        """The end (closing begins if it had not): fail what is left, with the fatal error as
+        cause when the publisher gave up."""
+        self.begin_close()
+        resolutions = self.engine.close_all(self._end_reason())
         if self.fatal is not None:
             for r in resolutions:
                 if isinstance(r.result, PublishError):
                     r.result.__cause__ = self.fatal  # AuthenticationFailed, RecoveryFailed, ...
-        if self.state.state not in (State.CLOSING, State.CLOSED):
-            self.state.transition(State.CLOSING)
         return resolutions
 
     def closed(self) -> None:
-        """The connection is torn down: report it."""
-        reason = str(self.fatal) if self.fatal is not None else "publisher closed"
+        """The connection is torn down: report it (once)."""
         if self.state.state is not State.CLOSED:
-            if self.state.state is not State.CLOSING:
-                self.state.transition(State.CLOSING)
+            self.begin_close()
             self.state.transition(State.CLOSED)
-            self.events.emit(EventKind.CLOSED, reason)
+            self.events.emit(EventKind.CLOSED, self._end_reason())
+
+    def _end_reason(self) -> str:
+        return str(self.fatal) if self.fatal is not None else "publisher closed"

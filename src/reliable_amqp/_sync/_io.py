@@ -338,9 +338,7 @@ class IOThread:
         # CPU) and gathered into one write per batch; pika still owns the socket.
         out = connection.begin_gather()
         try:
-            count, failed = self._supervisor.write(
-                channel.channel_number, connection.params.frame_max, out
-            )
+            count, failed = self._supervisor.write(channel.channel_number, out)
         finally:
             connection.emit_gathered()
         self._handoff.resolve(failed)
@@ -351,7 +349,6 @@ class IOThread:
         supervisor = self._supervisor
         if supervisor.stopping:
             return
-        supervisor.begin_close()
         self._handoff.resolve(supervisor.shutdown())
         connection = self._connection
         if connection is None:
