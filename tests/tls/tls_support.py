@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
+import trustme  # the dev extra has it: a missing one fails the run, it never skips it
 
-trustme = pytest.importorskip("trustme", reason="pip install trustme (the dev extra has it)")
-
-from reliable_amqp import AsyncPublisher, Confirmation, Publisher  # noqa: E402
+from reliable_amqp import AsyncPublisher, Confirmation, Publisher
 
 #: the name the broker's certificate is issued for; 127.0.0.1 is deliberately not in it
 SERVER_NAME = "localhost"
