@@ -367,3 +367,31 @@ class PublisherClosed(PublishError):
         detail = "was not confirmed before the publisher closed"
         super().__init__(message, attempts, f"{detail}: {reason}" if reason else detail)
         self.reason = reason
+
+
+# --- the durable spool ----------------------------------------------------------------------------
+
+
+class SpoolError(ReliableAmqpError):
+    """The durable spool (``spool=DIR``) cannot be used as it is: a corrupt or unreadable file, a
+    file that is no spool, a write that failed. The message names the file and what is wrong;
+    the spool never drops what it holds to get past such an error."""
+
+
+class SpoolWriteError(PublishError, SpoolError):
+    """``publish()`` could not write the message to the spool (an I/O error): the message was
+    not accepted. Everything the spool held before stays in it."""
+
+    def __init__(self, message: OutgoingMessage, path: str, reason: str) -> None:
+        super().__init__(message, 0, f"was not accepted: the spool {path} {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class SpoolFull(SpoolWriteError):
+    """``publish()`` could not write the message to the spool because the disk (file system)
+    is full. Retriable: once space is freed (or confirms empty the spool) publishing resumes.
+    Reaching ``spool_max_bytes`` is not this error: ``publish()`` then waits for room and raises
+    :class:`PublishTimeout` after ``publish_timeout``."""
+
+    retriable = True
