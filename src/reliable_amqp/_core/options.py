@@ -22,6 +22,9 @@ from reliable_amqp._core.stats import PublisherEvent
 if TYPE_CHECKING:
     import ssl
 
+    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.trace import TracerProvider
+
 #: Default connect/reconnect policy: quick first retries, bounded, about a minute in all.
 DEFAULT_CONNECT_POLICY = RetryPolicy(
     max_attempts=20, initial_delay=0.1, max_delay=5.0, multiplier=2.0, jitter=0.2, deadline=60.0
@@ -314,6 +317,11 @@ class PublisherOptions:
     #: verify the broker's certificate chain and host name; False (logged as a warning) accepts
     #: any certificate: encryption without authentication
     tls_verify: bool = True
+    #: OpenTelemetry ``TracerProvider`` for this publisher's PRODUCER spans, instead of the
+    #: global one (needs the ``otel`` extra; see docs/observability.md)
+    tracer_provider: TracerProvider | None = None
+    #: OpenTelemetry ``MeterProvider`` for this publisher's metrics, instead of the global one
+    meter_provider: MeterProvider | None = None
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -346,6 +354,13 @@ class PublisherOptions:
                 raise ConfigurationError(f"{name} must be a RetryPolicy")
         if self.on_event is not None and not callable(self.on_event):
             raise ConfigurationError("on_event must be callable")
+        for name, method in (("tracer_provider", "get_tracer"), ("meter_provider", "get_meter")):
+            provider = getattr(self, name)
+            if provider is not None and not callable(getattr(provider, method, None)):
+                raise ConfigurationError(
+                    f"{name} must be an OpenTelemetry provider (with {method}()), "
+                    f"got {type(provider).__name__}"
+                )
 
     def _check_credentials_and_tls(self) -> None:
         for name in _CREDENTIAL_AND_TLS_STRINGS:
@@ -470,6 +485,11 @@ class PublisherOptions:
                 raise ConfigurationError(
                     "ssl_context cannot be given as a string: use ca_file, cert_file, key_file, "
                     "key_password and server_hostname"
+                )
+            elif name in ("tracer_provider", "meter_provider"):
+                raise ConfigurationError(
+                    f"{name} cannot be given as a string: configure OpenTelemetry's global "
+                    "providers in the process that publishes (see docs/observability.md)"
                 )
             else:
                 typed[name] = raw  # create() names the unknown option
