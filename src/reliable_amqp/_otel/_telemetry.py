@@ -1,0 +1,222 @@
+"""Telemetry: the OpenTelemetry side of one publisher (imported only when it is used).
+
+A publisher holds one :class:`Telemetry`, or None when there is nothing to record, and calls it
+at three points: :meth:`Telemetry.on_publish` on the caller's thread (starts the PRODUCER span
+as a child of the caller's current span and puts the propagator's headers on the message),
+:meth:`Telemetry.on_event` when the engine retries or republishes a message, and
+:meth:`Telemetry.on_resolved` when the message resolves (ends the span, records the metrics).
+The token passed between them is the span, or None when the span is not recorded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry import propagate
+from opentelemetry.trace import (
+    Span,
+    SpanKind,
+    Status,
+    StatusCode,
+    Tracer,
+    get_current_span,
+    set_span_in_context,
+)
+
+from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.stats import PublisherEvent, Stats
+from reliable_amqp._otel._metrics import Instruments, Member, SentKey
+from reliable_amqp._otel._sampling import DropRule
+
+_PRODUCER = SpanKind.PRODUCER
+_ERROR = StatusCode.ERROR
+_CONFIRMATION = Confirmation
+
+
+class Telemetry:
+    """Spans and metrics for one publisher; ``None`` in its place means telemetry is off.
+
+    Not thread-bound: :meth:`on_publish` runs on the caller's thread, the rest on the
+    publisher's I/O thread or event loop.
+    """
+
+    __slots__ = (
+        "_drop",
+        "_histogram",
+        "_instruments",
+        "_member",
+        "_metric_attributes",
+        "_names",
+        "_route_attributes",
+        "_sent",
+        "_server",
+        "_tracer",
+    )
+
+    def __init__(
+        self,
+        *,
+        tracer: Tracer | None,
+        drop: DropRule | None,
+        instruments: Instruments | None,
+        stats: Callable[[], Stats],
+        urls: tuple[str, ...],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._tracer = tracer
+        self._drop = drop
+        self._instruments = instruments
+        self._histogram = instruments.histogram if instruments is not None else None
+        self._member: Member | None = None
+        self._sent: dict[SentKey, int] = {}
+        if instruments is not None:
+            self._member = Member(stats, clock)
+            self._sent = self._member.sent
+            instruments.join(self._member)
+        self._names: dict[str, str] = {}
+        self._route_attributes: dict[tuple[str, str], dict[str, Any]] = {}
+        self._metric_attributes: dict[SentKey, dict[str, Any]] = {}
+        self._server = _server_attributes(urls)
+
+    @property
+    def tracing(self) -> bool:
+        """Whether spans may be recorded (a tracer is configured and its sampler is not off)."""
+        return self._tracer is not None
+
+    @property
+    def metrics(self) -> bool:
+        """Whether metrics are recorded (a meter provider is configured)."""
+        return self._instruments is not None
+
+    # --- the hot path --------------------------------------------------------------------------
+
+    def on_publish(self, message: OutgoingMessage) -> tuple[Span | None, OutgoingMessage]:
+        """Start the message's PRODUCER span (a child of the caller's current span).
+
+        Returns the span (None when it is not recorded) and the message to send: with the
+        propagator's headers (``traceparent``, ``tracestate``, ...) added when there is a trace
+        context to carry, else the same message.
+        """
+        tracer = self._tracer
+        if tracer is None:
+            return None, message
+        drop = self._drop
+        if drop is not None:
+            parent = get_current_span().get_span_context()
+            if drop.drops(parent):
+                if parent.is_valid:  # carry the caller's (unsampled) decision downstream
+                    return None, _with_headers(message, _inject(None))
+                return None, message
+        exchange = message.exchange
+        name = self._names.get(exchange)
+        if name is None:
+            name = self._names[exchange] = f"publish {exchange or 'amq.default'}"
+        attributes = dict(self._route(exchange, message.routing_key))
+        attributes["messaging.message.id"] = message.message_id
+        attributes["messaging.message.body.size"] = len(message.body)
+        span = tracer.start_span(name, kind=_PRODUCER, attributes=attributes)
+        if not span.get_span_context().is_valid:
+            return None, message
+        headers = _inject(span)
+        recorded = span if span.is_recording() else None
+        return recorded, _with_headers(message, headers) if headers else message
+
+    def on_event(self, token: Span | None, name: str, attributes: Mapping[str, Any]) -> None:
+        """A span event on the message's span: ``retry`` (after a nack) or ``republish``."""
+        if token is not None:
+            token.add_event(name, attributes)
+
+    def on_resolved(
+        self,
+        token: Span | None,
+        message: OutgoingMessage,
+        result: Confirmation | BaseException,
+        seconds: float,
+    ) -> None:
+        """The message resolved ``seconds`` after ``publish()``: end its span, count it."""
+        error = None if type(result) is _CONFIRMATION else type(result).__name__
+        if token is not None:
+            if error is not None:
+                token.set_attribute("error.type", error)
+                token.set_status(Status(_ERROR, str(result)))
+            token.end()
+        histogram = self._histogram
+        if histogram is not None:
+            key = (message.exchange, error)
+            sent = self._sent
+            sent[key] = sent.get(key, 0) + 1
+            attributes = self._metric_attributes.get(key)
+            if attributes is None:
+                assert self._instruments is not None
+                attributes = self._metric_attributes[key] = self._instruments.attributes(key)
+            histogram.record(seconds, attributes)
+
+    # --- the rest ------------------------------------------------------------------------------
+
+    def on_publisher_event(self, event: PublisherEvent) -> None:
+        """A lifecycle event of the publisher (blocked time is counted from these)."""
+        if self._member is not None:
+            self._member.on_publisher_event(event)
+
+    def close(self) -> None:
+        """The publisher closed: its final counts stay in the metrics' sums."""
+        if self._instruments is not None and self._member is not None:
+            self._instruments.leave(self._member)
+
+    def _route(self, exchange: str, routing_key: str) -> dict[str, Any]:
+        key = (exchange, routing_key)
+        attributes = self._route_attributes.get(key)
+        if attributes is None:
+            attributes = {
+                "messaging.system": "rabbitmq",
+                "messaging.operation.name": "publish",
+                "messaging.operation.type": "send",
+                "messaging.destination.name": exchange,
+                **self._server,
+            }
+            if routing_key:
+                attributes["messaging.rabbitmq.destination.routing_key"] = routing_key
+            if len(self._route_attributes) < _ROUTES_CACHED:
+                self._route_attributes[key] = attributes
+        return attributes
+
+
+#: at most this many (exchange, routing key) attribute sets are kept (routing keys can be many)
+_ROUTES_CACHED = 1024
+
+
+def _inject(span: Span | None) -> dict[str, str]:
+    """The configured propagator's headers for ``span`` (None: the current context)."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=set_span_in_context(span) if span is not None else None)
+    return carrier
+
+
+def _with_headers(message: OutgoingMessage, extra: dict[str, str]) -> OutgoingMessage:
+    """``message`` with ``extra`` added to its headers (they win over the caller's own)."""
+    if not extra:
+        return message
+    props = message.properties
+    headers = {**props.headers, **extra} if props.headers else extra
+    return OutgoingMessage(
+        message.exchange,
+        message.routing_key,
+        message.body,
+        dataclasses.replace(props, headers=headers),
+        message.mandatory,
+    )
+
+
+def _server_attributes(urls: tuple[str, ...]) -> dict[str, Any]:
+    """``server.address`` and ``server.port`` when the publisher has one broker URL."""
+    if len(urls) != 1:
+        return {}  # failover: which broker a message went to is not known here
+    parts = urlsplit(urls[0])
+    if not parts.hostname:
+        return {}
+    default = 5671 if parts.scheme == "amqps" else 5672
+    return {"server.address": parts.hostname, "server.port": parts.port or default}
