@@ -8,11 +8,23 @@ of it), a supervisor and a window; this class holds no state of its own.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.errors import InvalidMessage
 from reliable_amqp._core.frames import encode_table, header_frame_size, header_too_large
-from reliable_amqp._core.message import OutgoingMessage, build_message
+from reliable_amqp._core.message import (
+    DEFAULT_BASE,
+    MessageProperties,
+    OutgoingMessage,
+    build_base,
+    check_body,
+    check_mandatory,
+    check_message_id,
+    check_route,
+    new_message_id,
+    new_outgoing,
+)
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import Stats
@@ -25,6 +37,8 @@ from reliable_amqp._core.window import Window
 _OTHER_PROPERTIES_MAX = 4096
 #: the attempt header the engine adds to a mandatory message, at most
 _ENGINE_HEADERS_MAX = 96
+#: routes and property sets remembered as checked, per publisher (then forgotten at once)
+_CACHE_MAX = 1024
 
 D = TypeVar("D")  # declare_exchange/bind_queue: None, or an awaitable of None
 Q = TypeVar("Q")  # declare_queue: the queue name, or an awaitable of it
@@ -40,6 +54,13 @@ class PublisherSurface(Generic[D, Q]):
     def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
         raise NotImplementedError
 
+    def _init_checks(self) -> None:
+        """The caches of :meth:`_message` (call once, in the publisher's ``__init__``)."""
+        #: routes (exchange, routing key) already checked
+        self._routes: set[tuple[str, str]] = set()
+        #: checked properties (their message_id aside) by the keywords that gave them
+        self._bases: dict[tuple[tuple[str, Any], ...], MessageProperties] = {}
+
     def _message(
         self,
         exchange: str,
@@ -54,30 +75,122 @@ class PublisherSurface(Generic[D, Q]):
         side mid-batch), the content header must fit the broker's ``frame_max`` once it is known
         (a larger one makes the broker close the whole connection), and ``user_id`` must be the
         user the publisher connects as (the broker closes the channel otherwise).
+
+        ``properties`` is the caller's keywords dict (this call's own: it is consumed).
         """
-        message = build_message(
-            exchange, routing_key, body, mandatory=mandatory, properties=properties
-        )
-        props = message.properties
-        if props.headers:
-            table = encode_table(props.headers)
-            frame_max = self._supervisor.frame_max
-            if frame_max and len(table) + _OTHER_PROPERTIES_MAX > frame_max:
-                extra = _ENGINE_HEADERS_MAX
-                if self.options.dedup_header is not None:
-                    extra += len(self.options.dedup_header) + len(message.message_id) + 8
-                size = header_frame_size(message, extra)
-                if size > frame_max:
-                    raise InvalidMessage("headers", header_too_large(size, frame_max))
-        if props.user_id is not None:
-            users = {self.options.login(url)[0] for url in self.options.urls}
-            if props.user_id not in users:
-                raise InvalidMessage(
-                    "user_id",
-                    f"{props.user_id!r} is not the user this publisher connects as "
-                    f"({', '.join(sorted(map(repr, users)))}); the broker would close the channel",
-                )
+        if (exchange, routing_key) not in self._routes:
+            self._check_route(exchange, routing_key)
+        if type(body) is not bytes:
+            body = check_body(body)
+        if mandatory is not False and mandatory is not True:
+            check_mandatory(mandatory)
+        if not properties:
+            return new_outgoing(
+                exchange, routing_key, body, DEFAULT_BASE, mandatory, new_message_id()
+            )
+        message_id = check_message_id(properties.pop("message_id", None)) or new_message_id()
+        base = self._base(properties) if properties else DEFAULT_BASE
+        message = new_outgoing(exchange, routing_key, body, base, mandatory, message_id)
+        if base.headers and self._supervisor.frame_max:
+            self._check_header_size(message)
         return message
+
+    def _messages(
+        self,
+        exchange: str,
+        routing_key: str,
+        bodies: Iterable[bytes],
+        mandatory: bool,
+        properties: dict[str, Any],
+    ) -> list[OutgoingMessage]:
+        """The validated messages of a ``publish_many()`` call: the shared arguments checked
+        once, every body checked before any message is built."""
+        if (exchange, routing_key) not in self._routes:
+            self._check_route(exchange, routing_key)
+        if mandatory is not False and mandatory is not True:
+            check_mandatory(mandatory)
+        if "message_id" in properties:
+            raise InvalidMessage(
+                "message_id",
+                "publish_many() gives every message its own id: publish messages with ids "
+                "of your own one by one with publish()",
+            )
+        if isinstance(bodies, (bytes, bytearray, memoryview, str)):
+            raise InvalidMessage(
+                "bodies", f"must be an iterable of bodies, not one {type(bodies).__name__}"
+            )
+        try:
+            data = list(bodies)
+        except TypeError:
+            raise InvalidMessage(
+                "bodies", f"must be an iterable of bodies, not {type(bodies).__name__}"
+            ) from None
+        for i, body in enumerate(data):
+            if type(body) is not bytes:
+                try:
+                    data[i] = check_body(body)
+                except InvalidMessage as exc:
+                    raise InvalidMessage(f"bodies[{i}]", exc.problem) from None
+        base = self._base(properties) if properties else DEFAULT_BASE
+        messages = [
+            new_outgoing(exchange, routing_key, body, base, mandatory, new_message_id())
+            for body in data
+        ]
+        if base.headers and self._supervisor.frame_max and messages:
+            self._check_header_size(messages[-1])  # the last id is the longest
+        return messages
+
+    def _check_route(self, exchange: str, routing_key: str) -> None:
+        check_route(exchange, routing_key)
+        routes = self._routes
+        if len(routes) >= _CACHE_MAX:
+            routes.clear()
+        routes.add((exchange, routing_key))
+
+    def _base(self, given: dict[str, Any]) -> MessageProperties:
+        """Checked properties for the keywords ``given`` (no message_id), cached when every
+        value is a str or an int (not a bool: it would equal 1 in the key)."""
+        key: tuple[tuple[str, Any], ...] | None = None
+        for value in given.values():
+            kind = type(value)
+            if kind is not str and kind is not int and value is not None:
+                break
+        else:
+            key = tuple(given.items())
+            base = self._bases.get(key)
+            if base is not None:
+                return base
+        base = build_base(given)
+        if base.headers:
+            encode_table(base.headers)  # raises InvalidMessage here, not on the I/O side
+        if base.user_id is not None:
+            self._check_user(base.user_id)
+        if key is not None:
+            bases = self._bases
+            if len(bases) >= _CACHE_MAX:
+                bases.clear()
+            bases[key] = base
+        return base
+
+    def _check_header_size(self, message: OutgoingMessage) -> None:
+        frame_max = self._supervisor.frame_max
+        table = encode_table(message.base.headers or {})
+        if len(table) + _OTHER_PROPERTIES_MAX > frame_max:
+            extra = _ENGINE_HEADERS_MAX
+            if self.options.dedup_header is not None:
+                extra += len(self.options.dedup_header) + len(message.message_id) + 8
+            size = header_frame_size(message, extra)
+            if size > frame_max:
+                raise InvalidMessage("headers", header_too_large(size, frame_max))
+
+    def _check_user(self, user_id: str) -> None:
+        users = {self.options.login(url)[0] for url in self.options.urls}
+        if user_id not in users:
+            raise InvalidMessage(
+                "user_id",
+                f"{user_id!r} is not the user this publisher connects as "
+                f"({', '.join(sorted(map(repr, users)))}); the broker would close the channel",
+            )
 
     def __repr__(self) -> str:
         urls = ", ".join(redact_url(u) for u in self.options.urls)

@@ -41,8 +41,36 @@ def test_frame_max_zero_means_no_limit() -> None:
     )
     out: list[bytes | memoryview] = []
     publish_frames(1, message, None, 0, out)
-    assert b"".join(out).endswith(b"0123456789\xce")
-    assert sum(1 for part in out if part == b"\xce") == 2  # the header frame, one body frame
+    data = b"".join(out)
+    assert data.endswith(b"0123456789\xce")
+    assert [kind for kind, _ in _frames(data)] == [1, 2, 3]  # method, header, one body frame
+
+
+def _frames(data: bytes) -> list[tuple[int, bytes]]:
+    """(frame type, payload) of each frame in ``data``, checking the frame end octets."""
+    frames = []
+    at = 0
+    while at < len(data):
+        kind, size = data[at], int.from_bytes(data[at + 3 : at + 7], "big")
+        assert data[at + 7 + size] == 0xCE
+        frames.append((kind, data[at + 7 : at + 7 + size]))
+        at += 8 + size
+    return frames
+
+
+def test_a_body_larger_than_frame_max_is_split_into_frames_of_frame_max() -> None:
+    message = build_message("", "q", b"x" * 10_000)
+    out: list[bytes | memoryview] = []
+    publish_frames(1, message, None, 4096, out)
+    frames = _frames(b"".join(out))
+    assert [kind for kind, _ in frames] == [1, 2, 3, 3, 3]
+    assert [len(p) for _, p in frames[2:]] == [4088, 4088, 10_000 - 2 * 4088]
+
+
+def test_an_empty_body_has_no_body_frame() -> None:
+    out: list[bytes | memoryview] = []
+    publish_frames(1, build_message("", "q", b""), None, 4096, out)
+    assert [kind for kind, _ in _frames(b"".join(out))] == [1, 2]
 
 
 @pytest.mark.parametrize(

@@ -526,7 +526,7 @@ def _unencodable() -> OutgoingMessage:
     """A message ``publish()``'s checks would refuse: a header value with no AMQP type."""
     good = build_message("good", "rk", b"bad")
     props = MessageProperties(headers={"k": object()}, message_id="bad-one")
-    return dataclasses.replace(good, properties=props)
+    return good.replace(properties=props)
 
 
 def test_a_message_that_cannot_be_encoded_fails_alone_and_gives_its_tag_back() -> None:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 from dataclasses import dataclass
 
@@ -335,7 +334,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         message = build_message("X" if kind == "X" else "good", "rk", bytes(size))
         if kind == "bad":  # a gap in publish()'s checks: it cannot be encoded
             props = MessageProperties(headers={"k": object()}, message_id="bad")
-            message = dataclasses.replace(message, properties=props)
+            message = message.replace(properties=props)
         index = self.window.take(size)
         self.sup.engine.accept(message, Handle(index), self.now)
         self.published += 1

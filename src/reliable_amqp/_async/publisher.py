@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -31,6 +31,7 @@ from reliable_amqp._core.errors import (
     ConfigurationError,
     OperationTimeout,
     PublisherClosed,
+    PublishTimeout,
     ReliableAmqpError,
 )
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
@@ -81,6 +82,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             self.options, borrowed=connection is not None
         )
         self._engine = self._supervisor.engine
+        self._init_checks()
         self._window = Window(self.options.max_in_flight, self.options.max_in_flight_bytes)
         self._topology = Topology()
         self._pump = Pump(
@@ -223,6 +225,60 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         self._engine.accept(message, handle, time.monotonic())
         self._pump.wake()
         return future
+
+    async def publish_many(
+        self,
+        exchange: str,
+        routing_key: str,
+        bodies: Iterable[bytes],
+        *,
+        mandatory: bool = False,
+        **properties: Any,
+    ) -> list[asyncio.Future[Confirmation]]:
+        """Send many messages to one route with the same properties; one future per body.
+
+        Each message is as if published alone by :meth:`publish` (its own generated
+        ``message_id``, its own outcome and retries), in the order of ``bodies``; the shared
+        arguments are checked once, and the whole call takes the window and wakes the writer
+        once. ``message_id`` cannot be given (each message has its own). Raises
+        :class:`InvalidMessage` (naming ``bodies[i]`` for a bad body) before sending any.
+
+        Waits only as :meth:`publish` does, while the window is full; when the window stays full
+        for ``publish_timeout``, :class:`PublishTimeout` is raised if no message of the call was
+        taken yet, else the futures of the messages left over fail with it.
+        """
+        messages = self._messages(exchange, routing_key, bodies, mandatory, properties)
+        if not messages:
+            return []
+        if not self._pump.ready.is_set():
+            await self.connect()
+        loop = self._pump.loop
+        futures: list[asyncio.Future[Confirmation]] = [loop.create_future() for _ in messages]
+        sizes = [len(m.body) for m in messages]
+        window = self._window
+        engine = self._engine
+        done = 0
+        total = len(messages)
+        while done < total:
+            self._check_accepting(messages[done])
+            if self._room_waiters or not window.fits(sizes[done]):
+                try:
+                    await self._wait_for_room(sizes[done], messages[done])
+                except PublishTimeout as exc:
+                    if not done:
+                        raise
+                    for future in futures[done:]:
+                        future.set_exception(exc)
+                    break
+            first = window.issued + 1
+            taken = window.take_many(sizes, done)
+            handles = [_Handle(futures[done + i], first + i) for i in range(taken)]
+            engine.accept_many(
+                zip(messages[done : done + taken], handles, strict=True), time.monotonic()
+            )
+            done += taken
+            self._pump.wake()
+        return futures
 
     async def publish_and_wait(
         self,

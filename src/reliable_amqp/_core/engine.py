@@ -14,7 +14,7 @@ import heapq
 import random
 import re
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -127,6 +127,18 @@ class PublishEngine(Generic[H]):
         self.counters.published += 1
         return entry
 
+    def accept_many(self, items: Iterable[tuple[OutgoingMessage, H]], now: float) -> None:
+        """Take many messages at once (``(message, handle)`` pairs), queued in order."""
+        deadline = now + self.delivery_timeout
+        entries = [
+            Entry(message, handle, deadline, len(message.body), accepted=now)
+            for message, handle in items
+        ]
+        self._sendq.extend(entries)
+        self._fifo.extend(entries)
+        self._live += len(entries)
+        self.counters.published += len(entries)
+
     def has_sendable(self) -> bool:
         """Whether :meth:`next_to_send` has something (possibly an already-resolved entry)."""
         return bool(self._sendq)
@@ -179,7 +191,7 @@ class PublishEngine(Generic[H]):
         message = entry.message
         if not message.mandatory and self.dedup_header is None:
             return None
-        headers = dict(message.properties.headers or {})
+        headers = dict(message.base.headers or {})
         if message.mandatory:
             headers[ATTEMPT_HEADER] = attempt_tag(entry.key)
         if self.dedup_header is not None:

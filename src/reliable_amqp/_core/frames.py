@@ -122,8 +122,12 @@ def _encode_decimal(value: decimal.Decimal, path: str) -> bytes:
     return _decimal(b"D", scale, raw)
 
 
-def _properties(props: MessageProperties, headers: Mapping[str, Any] | None) -> tuple[int, bytes]:
-    """Property flags and the encoded property list."""
+def _properties(
+    props: MessageProperties, headers: Mapping[str, Any] | None
+) -> tuple[int, bytes, bytes]:
+    """Property flags and the encoded property list around ``message_id``: (flags, the
+    properties before it, the properties after it). ``props.message_id`` is not encoded (the
+    message's own id goes between the two parts) and its flag is not set."""
     flags = 0
     parts: list[bytes] = []
     if props.content_type is not None:
@@ -150,9 +154,8 @@ def _properties(props: MessageProperties, headers: Mapping[str, Any] | None) -> 
     if props.expiration is not None:
         flags |= _EXPIRATION
         parts.append(_shortstr(props.expiration))
-    if props.message_id is not None:
-        flags |= _MESSAGE_ID
-        parts.append(_shortstr(props.message_id))
+    before = b"".join(parts)
+    parts.clear()
     if props.timestamp is not None:
         flags |= _TIMESTAMP
         parts.append(_u64(props.timestamp))
@@ -165,7 +168,21 @@ def _properties(props: MessageProperties, headers: Mapping[str, Any] | None) -> 
     if props.app_id is not None:
         flags |= _APP_ID
         parts.append(_shortstr(props.app_id))
-    return flags, b"".join(parts)
+    return flags, before, b"".join(parts)
+
+
+# The encoded properties of each shared ``base`` (see OutgoingMessage), by id: the entry holds
+# the base itself, so an id is not reused while cached. Bounded; cleared when full.
+_encoded_bases: dict[int, tuple[MessageProperties, int, bytes, bytes]] = {}
+_BASE_CACHE_MAX = 1024
+
+
+def _encoded_base(base: MessageProperties) -> tuple[MessageProperties, int, bytes, bytes]:
+    flags, before, after = _properties(base, base.headers)
+    if len(_encoded_bases) >= _BASE_CACHE_MAX:
+        _encoded_bases.clear()
+    cached = _encoded_bases[id(base)] = (base, flags, before, after)
+    return cached
 
 
 # Whole basic.publish method frames by (channel, exchange, routing key, mandatory): producers
@@ -199,9 +216,17 @@ def header_too_large(size: int, frame_max: int) -> str:
 
 def header_frame_size(message: OutgoingMessage, extra: int = 0) -> int:
     """Bytes of ``message``'s content-header frame, plus ``extra`` for headers added later."""
-    props = message.properties
-    _, encoded = _properties(props, props.headers)
-    return _content_head_size + len(encoded) + FRAME_OVERHEAD + extra
+    base = message.base
+    _, before, after = _properties(base, base.headers)
+    mid = len(message.message_id.encode("utf-8")) + 1 if message.message_id else 0
+    return _content_head_size + len(before) + mid + len(after) + FRAME_OVERHEAD + extra
+
+
+_header_head = struct.Struct(
+    ">BHIHHQH"
+).pack  # frame type, channel, size; class, weight, body size, flags
+_body_head = struct.Struct(">cBHI").pack  # the header frame's end octet, then the body frame's head
+_HEADER_FIXED = _content_head_size + FRAME_OVERHEAD
 
 
 def publish_frames(
@@ -218,30 +243,51 @@ def publish_frames(
     size negotiated in ``connection.tune``. Appends nothing when it raises (a value that cannot
     be encoded), so the caller can take the publish back.
     """
-    props = message.properties
-    flags, encoded = _properties(props, props.headers if headers is None else headers)
-    body = message.body
-    header = _content_head(_BASIC_CLASS, 0, len(body), flags) + encoded
-    if frame_max and len(header) + FRAME_OVERHEAD > frame_max:
+    base = message.base
+    if headers is None:
+        cached = _encoded_bases.get(id(base))
+        if cached is None or cached[0] is not base:
+            cached = _encoded_base(base)
+        _, flags, before, after = cached
+    else:
+        flags, before, after = _properties(base, headers)
+    message_id = message.message_id
+    if message_id:
+        data = message_id.encode("utf-8")
+        mid = bytes((len(data),)) + data
+        flags |= _MESSAGE_ID
+    else:
+        mid = b""
+    size = _content_head_size + len(before) + len(mid) + len(after)
+    if frame_max and size + FRAME_OVERHEAD > frame_max:
         # The broker would close the whole connection (501 FRAME_ERROR), not just the channel.
-        raise InvalidMessage("headers", header_too_large(len(header) + FRAME_OVERHEAD, frame_max))
+        raise InvalidMessage("headers", header_too_large(size + FRAME_OVERHEAD, frame_max))
     route = (channel, message.exchange, message.routing_key, message.mandatory)
     method = _method_frames.get(route)
     if method is None:
         method = _method_frame(route)
-    out.append(method)
-    out.append(_frame_head(FRAME_HEADER, channel, len(header)))
-    out.append(header)
-    out.append(FRAME_END)
-    limit = frame_max - FRAME_OVERHEAD if frame_max > FRAME_OVERHEAD else len(body) or 1
-    if len(body) <= limit:
-        if body:
-            out.append(_frame_head(FRAME_BODY, channel, len(body)))
-            out.append(body)
-            out.append(FRAME_END)
+    body = message.body
+    length = len(body)
+    head = _header_head(FRAME_HEADER, channel, size, _BASIC_CLASS, 0, length, flags)
+    limit = frame_max - FRAME_OVERHEAD if frame_max > FRAME_OVERHEAD else length or 1
+    if length <= limit:
+        if length:
+            out += (
+                method,
+                head,
+                before,
+                mid,
+                after,
+                _body_head(FRAME_END, FRAME_BODY, channel, length),
+                body,
+                FRAME_END,
+            )
+        else:
+            out += (method, head, before, mid, after, FRAME_END)
         return
+    out += (method, head, before, mid, after, FRAME_END)
     view = memoryview(body)
-    for start in range(0, len(body), limit):
+    for start in range(0, length, limit):
         chunk = view[start : start + limit]
         out.append(_frame_head(FRAME_BODY, channel, len(chunk)))
         out.append(chunk)  # b"".join takes views: the body is copied once, not twice

@@ -10,12 +10,13 @@ from __future__ import annotations
 import base64
 import binascii
 import calendar
+import dataclasses
 import datetime as _dt
 import itertools
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
@@ -91,20 +92,102 @@ class MessageProperties:
     app_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+#: The properties of a message given none: persistent, nothing else (its id is the message's).
+DEFAULT_BASE = MessageProperties()
+
+
 class OutgoingMessage:
-    """One message as accepted by a publisher; it stays the same across republishes."""
+    """One message as accepted by a publisher; it stays the same across republishes.
+
+    ``OutgoingMessage(exchange, routing_key, body, properties, mandatory)``, immutable. Held as
+    the properties without the id (``base``, shared by every message published with the same
+    properties) plus ``message_id``: a publish then builds no properties object of its own, and
+    the frames of a ``base`` are encoded once. ``properties`` (with the id) is built on first use.
+    """
+
+    __slots__ = (
+        "_properties",
+        "base",
+        "body",
+        "exchange",
+        "mandatory",
+        "message_id",
+        "routing_key",
+    )
 
     exchange: str
     routing_key: str
     body: bytes
-    properties: MessageProperties = field(default_factory=MessageProperties)
-    mandatory: bool = False
+    mandatory: bool
+    #: the stable id consumers use to drop duplicates (generated when none was given; "" when a
+    #: message was built by hand without one)
+    message_id: str
+    #: the properties without ``message_id`` (shared between messages)
+    base: MessageProperties
+    _properties: MessageProperties | None
+
+    def __init__(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        properties: MessageProperties | None = None,
+        mandatory: bool = False,
+    ) -> None:
+        props = DEFAULT_BASE if properties is None else properties
+        base = props if props.message_id is None else _without_id(props)
+        _init_message(self, exchange, routing_key, body, base, mandatory, props.message_id or "")
+        _set_cached_properties(self, props)
 
     @property
-    def message_id(self) -> str:
-        """The stable id consumers use to drop duplicates (generated when none was given)."""
-        return self.properties.message_id or ""
+    def properties(self) -> MessageProperties:
+        """The AMQP basic properties, ``message_id`` included."""
+        props = self._properties
+        if props is None:
+            props = self.base
+            if self.message_id:
+                props = _with_id(props, self.message_id)
+            _set_cached_properties(self, props)
+        return props
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, OutgoingMessage):
+            return NotImplemented
+        return (
+            self.exchange == other.exchange
+            and self.routing_key == other.routing_key
+            and self.body == other.body
+            and self.mandatory == other.mandatory
+            and self.message_id == other.message_id
+            and self.base == other.base
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.exchange, self.routing_key, self.body, self.message_id))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            OutgoingMessage,
+            (self.exchange, self.routing_key, self.body, self.properties, self.mandatory),
+        )
+
+    def replace(self, **changes: Any) -> OutgoingMessage:
+        """A copy with some of the constructor's arguments changed."""
+        args: dict[str, Any] = {
+            "exchange": self.exchange,
+            "routing_key": self.routing_key,
+            "body": self.body,
+            "properties": self.properties,
+            "mandatory": self.mandatory,
+        }
+        args.update(changes)
+        return OutgoingMessage(**args)
 
     def __repr__(self) -> str:
         return (
@@ -112,6 +195,14 @@ class OutgoingMessage:
             f"message_id={self.message_id!r}, body=<{len(self.body)} bytes>, "
             f"mandatory={self.mandatory})"
         )
+
+
+def _without_id(props: MessageProperties) -> MessageProperties:
+    return dataclasses.replace(props, message_id=None)
+
+
+def _with_id(props: MessageProperties, message_id: str) -> MessageProperties:
+    return dataclasses.replace(props, message_id=message_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +253,7 @@ _set_priority = _slot_setter(MessageProperties, "priority")
 _set_correlation_id = _slot_setter(MessageProperties, "correlation_id")
 _set_reply_to = _slot_setter(MessageProperties, "reply_to")
 _set_expiration = _slot_setter(MessageProperties, "expiration")
-_set_message_id = _slot_setter(MessageProperties, "message_id")
+_set_props_message_id = _slot_setter(MessageProperties, "message_id")
 _set_timestamp = _slot_setter(MessageProperties, "timestamp")
 _set_type = _slot_setter(MessageProperties, "type")
 _set_user_id = _slot_setter(MessageProperties, "user_id")
@@ -170,40 +261,75 @@ _set_app_id = _slot_setter(MessageProperties, "app_id")
 _set_exchange = _slot_setter(OutgoingMessage, "exchange")
 _set_routing_key = _slot_setter(OutgoingMessage, "routing_key")
 _set_body = _slot_setter(OutgoingMessage, "body")
-_set_properties = _slot_setter(OutgoingMessage, "properties")
+_set_base = _slot_setter(OutgoingMessage, "base")
 _set_mandatory = _slot_setter(OutgoingMessage, "mandatory")
+_set_message_id = _slot_setter(OutgoingMessage, "message_id")
+_set_cached_properties = _slot_setter(OutgoingMessage, "_properties")
 
 
-def _default_properties(message_id: str) -> MessageProperties:
-    """``MessageProperties(message_id=message_id)``, built fast."""
-    props: MessageProperties = _new(MessageProperties)
-    _set_content_type(props, None)
-    _set_content_encoding(props, None)
-    _set_headers(props, None)
-    _set_delivery_mode(props, PERSISTENT)
-    _set_priority(props, None)
-    _set_correlation_id(props, None)
-    _set_reply_to(props, None)
-    _set_expiration(props, None)
-    _set_message_id(props, message_id)
-    _set_timestamp(props, None)
-    _set_type(props, None)
-    _set_user_id(props, None)
-    _set_app_id(props, None)
-    return props
+def _init_message(  # noqa: PLR0917
+    message: OutgoingMessage,
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    base: MessageProperties,
+    mandatory: bool,
+    message_id: str,
+) -> None:
+    _set_exchange(message, exchange)
+    _set_routing_key(message, routing_key)
+    _set_body(message, body)
+    _set_base(message, base)
+    _set_mandatory(message, mandatory)
+    _set_message_id(message, message_id)
+
+
+def new_outgoing(  # noqa: PLR0917
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    base: MessageProperties,
+    mandatory: bool,
+    message_id: str,
+) -> OutgoingMessage:
+    """An :class:`OutgoingMessage` from checked parts, built fast (``base`` has no id)."""
+    message: OutgoingMessage = _new(OutgoingMessage)
+    _set_exchange(message, exchange)
+    _set_routing_key(message, routing_key)
+    _set_body(message, body)
+    _set_base(message, base)
+    _set_mandatory(message, mandatory)
+    _set_message_id(message, message_id)
+    _set_cached_properties(message, None)
+    return message
 
 
 def _outgoing(
     exchange: str, routing_key: str, body: bytes, props: MessageProperties, mandatory: bool
 ) -> OutgoingMessage:
     """``OutgoingMessage(exchange, routing_key, body, props, mandatory)``, built fast."""
-    message: OutgoingMessage = _new(OutgoingMessage)
-    _set_exchange(message, exchange)
-    _set_routing_key(message, routing_key)
-    _set_body(message, body)
-    _set_properties(message, props)
-    _set_mandatory(message, mandatory)
-    return message
+    if props.message_id is None:
+        return new_outgoing(exchange, routing_key, body, props, mandatory, "")
+    if _is_default_but_id(props):
+        return new_outgoing(exchange, routing_key, body, DEFAULT_BASE, mandatory, props.message_id)
+    return OutgoingMessage(exchange, routing_key, body, props, mandatory)
+
+
+def _is_default_but_id(props: MessageProperties) -> bool:
+    return (
+        props.headers is None
+        and props.delivery_mode == PERSISTENT
+        and props.content_type is None
+        and props.content_encoding is None
+        and props.priority is None
+        and props.correlation_id is None
+        and props.reply_to is None
+        and props.expiration is None
+        and props.timestamp is None
+        and props.type is None
+        and props.user_id is None
+        and props.app_id is None
+    )
 
 
 _set_confirmed_id = _slot_setter(Confirmation, "message_id")
@@ -231,31 +357,64 @@ def build_message(
     Raises :class:`InvalidMessage` naming the field for anything AMQP cannot carry: a body that is
     not bytes-like, a name over 255 bytes, an unknown property, a header value with no AMQP type.
     """
+    check_route(exchange, routing_key)
+    assert isinstance(exchange, str) and isinstance(routing_key, str)
+    data = check_body(body)
+    check_mandatory(mandatory)
+    if not properties:
+        return new_outgoing(exchange, routing_key, data, DEFAULT_BASE, mandatory, new_message_id())
+    given = dict(properties)
+    message_id = check_message_id(given.pop("message_id", None))
+    base = build_base(given)
+    return new_outgoing(
+        exchange, routing_key, data, base, mandatory, message_id or new_message_id()
+    )
+
+
+def check_route(exchange: object, routing_key: object) -> None:
+    """Raise :class:`InvalidMessage` unless ``exchange`` and ``routing_key`` can be sent."""
     _check_shortstr("exchange", exchange)
     _check_shortstr("routing_key", routing_key)
     assert isinstance(exchange, str) and isinstance(routing_key, str)
     if not exchange and routing_key.startswith(_REPLY_TO_PREFIX):
         _check_reply_address(routing_key)
+
+
+def check_body(body: object) -> bytes:
+    """``body`` as bytes; :class:`InvalidMessage` when it is not bytes-like."""
     if isinstance(body, bytes):
-        data = body
-    elif isinstance(body, (bytearray, memoryview)):
-        data = bytes(body)
-    else:
-        raise InvalidMessage(
-            "body",
-            f"must be bytes, bytearray or memoryview, not {type(body).__name__}"
-            + (" (encode str bodies first, e.g. body.encode())" if isinstance(body, str) else ""),
-        )
-    if not isinstance(mandatory, bool):
+        return body
+    if isinstance(body, (bytearray, memoryview)):
+        return bytes(body)
+    raise InvalidMessage(
+        "body",
+        f"must be bytes, bytearray or memoryview, not {type(body).__name__}"
+        + (" (encode str bodies first, e.g. body.encode())" if isinstance(body, str) else ""),
+    )
+
+
+def check_mandatory(mandatory: object) -> None:
+    """Raise :class:`InvalidMessage` unless ``mandatory`` is a bool."""
+    if mandatory is not True and mandatory is not False:
         raise InvalidMessage("mandatory", f"must be a bool, not {type(mandatory).__name__}")
-    props = _build_properties(properties or {})
-    return _outgoing(exchange, routing_key, data, props, mandatory)
 
 
-def _build_properties(given: Mapping[str, Any]) -> MessageProperties:
-    if not given:  # the hot path: no properties, all defaults
-        return _default_properties(new_message_id())
-    unknown = sorted(set(given) - PROPERTY_NAMES)
+def check_message_id(message_id: object) -> str | None:
+    """A caller's ``message_id`` checked (None: generate one)."""
+    if message_id is None:
+        return None
+    _check_shortstr("message_id", message_id)
+    assert isinstance(message_id, str)
+    if not message_id:
+        raise InvalidMessage("message_id", "must not be empty")
+    return message_id
+
+
+def build_base(given: Mapping[str, Any]) -> MessageProperties:
+    """Checked properties other than ``message_id`` (which must not be among ``given``)."""
+    if not given:
+        return DEFAULT_BASE
+    unknown = sorted(set(given) - _BASE_NAMES)
     if unknown:
         raise InvalidMessage(
             unknown[0],
@@ -289,8 +448,6 @@ def _build_properties(given: Mapping[str, Any]) -> MessageProperties:
             f"{DIRECT_REPLY_TO!r} needs a consumer of it on the publishing channel, which a "
             "publisher does not have (the broker would close the channel)",
         )
-    if "message_id" in values and not values["message_id"]:
-        raise InvalidMessage("message_id", "must not be empty")
     mode = values.get("delivery_mode", PERSISTENT)
     if type(mode) is not int or mode not in (TRANSIENT, PERSISTENT):
         raise InvalidMessage(
@@ -312,8 +469,12 @@ def _build_properties(given: Mapping[str, Any]) -> MessageProperties:
             if name in checked:
                 _check_routing_header(name, checked[name])
         values["headers"] = checked
-    values.setdefault("message_id", new_message_id())
+    if not values or values == {"delivery_mode": PERSISTENT}:
+        return DEFAULT_BASE
     return MessageProperties(**values)
+
+
+_BASE_NAMES = PROPERTY_NAMES - {"message_id"}
 
 
 def _check_routing_header(name: str, value: object) -> None:

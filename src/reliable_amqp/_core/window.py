@@ -11,6 +11,7 @@ on one event loop.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -63,6 +64,31 @@ class Window:
         self.bytes += size
         self.issued += 1
         return self.issued
+
+    def take_many(self, sizes: Sequence[int], start: int = 0) -> int:
+        """Count as many of ``sizes[start:]`` as fit now (at least one when the window is
+        empty); return how many. Their indexes follow ``issued`` before the call, in order."""
+        count = self.count
+        room = self.max_count - count
+        end = min(len(sizes), start + room)
+        if end <= start:
+            return 0
+        total = self.bytes
+        limit = self.max_bytes
+        taken = start
+        if count == 0:  # the first message goes through alone, whatever its size
+            total += sizes[start]
+            taken += 1
+        for size in itertools.islice(sizes, taken, end):
+            if total + size > limit:
+                break
+            total += size
+            taken += 1
+        n = taken - start
+        self.count = count + n
+        self.bytes = total
+        self.issued += n
+        return n
 
     def free_slots(self) -> int:
         """How many more messages the count bound admits (the byte bound aside)."""

@@ -172,9 +172,7 @@ class IOThread:
         items = self._handoff.take_outbox()
         if items is None:
             return
-        accept = self._engine.accept
-        for message, future in items:
-            accept(message, future, now)
+        self._engine.accept_many(items, now)
         self._schedule()  # their deadlines may come before the timer set (for liveness, say)
 
     # --- timers -----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 from reliable_amqp._core.errors import (
     OperationTimeout,
     PublisherClosed,
+    PublishTimeout,
     ReliableAmqpError,
 )
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
@@ -66,6 +67,7 @@ class Publisher(PublisherSurface[None, str]):
         self._handoff = Handoff(self.options)
         self._window = self._handoff.window
         self._supervisor: Supervisor[PublishFuture] = Supervisor(self.options)
+        self._init_checks()
         self._io = IOThread(params, self._handoff, self._supervisor, Topology())
         _live_handoffs.add(self._handoff)
         # Dropped without close(): the thread holds no reference to this object, so it can be
@@ -181,16 +183,80 @@ class Publisher(PublisherSurface[None, str]):
         with handoff.lock:
             if not window.fits(size):
                 self._wait_for_room(size, message)
-            self._check_accepting(message)
+            if handoff.fatal is not None or not handoff.accepting:
+                self._check_accepting(message)
             future.index = window.take(size)
             handoff.outbox.append((message, future))
-            wake = None
-            if not handoff.wake_pending:
-                wake = handoff.wake_loop
-                handoff.wake_pending = wake is not None
+            if handoff.wake_pending:
+                return future
+            wake = handoff.wake_loop
+            handoff.wake_pending = wake is not None
         if wake is not None:
             wake()
         return future
+
+    def publish_many(
+        self,
+        exchange: str,
+        routing_key: str,
+        bodies: Iterable[bytes],
+        *,
+        mandatory: bool = False,
+        **properties: Any,
+    ) -> list[Future[Confirmation]]:
+        """Send many messages to one route with the same properties; one future per body.
+
+        Each message is as if published alone by :meth:`publish` (its own generated
+        ``message_id``, its own outcome and retries), in the order of ``bodies``; the shared
+        arguments are checked once, and the whole call takes the window and wakes the I/O thread
+        once. ``message_id`` cannot be given (each message has its own). Raises
+        :class:`InvalidMessage` (naming ``bodies[i]`` for a bad body) before sending any.
+
+        Waits only as :meth:`publish` does, while the window is full; when the window stays full
+        for ``publish_timeout``, :class:`PublishTimeout` is raised if no message of the call was
+        taken yet, else the futures of the messages left over fail with it.
+        """
+        messages = self._messages(exchange, routing_key, bodies, mandatory, properties)
+        handoff = self._handoff
+        if not messages:
+            return []
+        if not self._io.opened.is_set():
+            self._check_accepting(messages[0])
+            self.connect()
+        lock = handoff.future_lock
+        futures = [PublishFuture(lock, 0, handoff) for _ in messages]
+        sizes = [len(m.body) for m in messages]
+        window = self._window
+        done = 0
+        total = len(messages)
+        while done < total:
+            with handoff.lock:
+                if not window.fits(sizes[done]):
+                    try:
+                        self._wait_for_room(sizes[done], messages[done])
+                    except PublishTimeout as exc:
+                        if not done:
+                            raise
+                        for future in futures[done:]:
+                            future.set_exception(exc)
+                        return list(futures)
+                if handoff.fatal is not None or not handoff.accepting:
+                    self._check_accepting(messages[done])
+                first = window.issued + 1
+                taken = window.take_many(sizes, done)
+                for i in range(done, done + taken):
+                    futures[i].index = first + i - done
+                handoff.outbox.extend(
+                    zip(messages[done : done + taken], futures[done : done + taken], strict=True)
+                )
+                done += taken
+                wake = None
+                if not handoff.wake_pending:
+                    wake = handoff.wake_loop
+                    handoff.wake_pending = wake is not None
+            if wake is not None:
+                wake()
+        return list(futures)
 
     def publish_and_wait(
         self, exchange: str, routing_key: str, body: bytes, **options: Any
