@@ -40,7 +40,30 @@ def test_this_python_gets_the_light_future() -> None:
     # Fails when a Python release changes Future's fields: the fallback then is a plain Future
     # (correct, slower), and _compat/futures.py should learn the new layout.
     assert compat_futures.LIGHT_FUTURES
-    assert set(vars(PublishFuture(threading.RLock(), 1))) == set(vars(Future()))
+    # the same fields, but the lists of waiters and callbacks are made when first used
+    lazy = {"_waiters": "_lazy_waiters", "_done_callbacks": "_lazy_callbacks"}
+    expected = {lazy.get(name, name) for name in vars(Future())}
+    assert set(vars(PublishFuture(threading.RLock(), 1))) == expected
+
+
+def test_futures_sharing_a_condition_settle_in_one_go_and_skip_cancelled_ones() -> None:
+    condition = compat_futures.SharedLockCondition(threading.RLock())
+    futures = [PublishFuture(condition, i) for i in range(4)]
+    seen: list[object] = []
+    futures[0].add_done_callback(lambda f: seen.append(f.result()))
+    assert futures[2].cancel()
+    error = MessageNacked(build_message("", "q", b"x"), 1)
+    assert wait(futures[1:2], timeout=0).not_done  # makes (and empties) one's list of waiters
+    compat_futures.settle(
+        condition,
+        [(futures[0], Confirmation("a", 1)), (futures[1], error), (futures[2], error)],
+    )
+    assert seen == [Confirmation("a", 1)]
+    assert futures[1].exception(timeout=0) is error
+    assert futures[2].cancelled()
+    assert not futures[3].done()
+    with pytest.raises(TimeoutError):
+        futures[3].result(timeout=0.05)
 
 
 def test_result_waits_for_another_thread_to_set_it() -> None:

@@ -19,10 +19,12 @@ which the test suite asserts is True on every supported Python.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
-__all__ = ["LIGHT_FUTURES", "LightFuture", "SharedLockCondition", "probe"]
+__all__ = ["LIGHT_FUTURES", "LightFuture", "SharedLockCondition", "probe", "settle"]
 
 T = TypeVar("T")
 
@@ -46,7 +48,19 @@ def probe(future_class: type[Future[Any]] = Future) -> bool:
 
 #: False on a Python whose Future sets other fields: LightFuture is then a plain Future
 LIGHT_FUTURES = probe()
-_PENDING = Future()._state
+
+
+def _states() -> tuple[str, str, str]:
+    pending: Future[None] = Future()
+    running: Future[None] = Future()
+    running.set_running_or_notify_cancel()
+    finished: Future[None] = Future()
+    finished.set_result(None)
+    return pending._state, running._state, finished._state
+
+
+_PENDING, _RUNNING, _FINISHED = _states()
+_NOT_DONE = (_PENDING, _RUNNING)
 
 
 class SharedLockCondition:
@@ -94,16 +108,117 @@ class SharedLockCondition:
 
 
 class LightFuture(Future[T]):
-    """A ``Future`` whose condition is a :class:`SharedLockCondition` over ``lock``."""
+    """A ``Future`` whose condition is a :class:`SharedLockCondition` shared with its siblings.
 
-    def __init__(self, lock: threading.RLock) -> None:
+    Its lists of waiters and callbacks are made only when something is put in them (most
+    futures never have either), so a future is one object for the garbage collector to track,
+    not four. The condition being shared, a wake-up may be meant for a sibling: ``result()`` and
+    ``exception()`` wait in a loop until this future is done or the timeout is spent.
+    """
+
+    def __init__(self, condition: SharedLockCondition) -> None:
         if LIGHT_FUTURES:
-            # Future.__init__, with the shared-lock condition in place of a new Condition.
-            self._condition = SharedLockCondition(lock)  # type: ignore[assignment]
+            # Future.__init__, with the shared condition and the lists left for later.
+            self._condition = condition  # type: ignore[assignment]
             self._state = _PENDING
             self._result = None
             self._exception = None
-            self._waiters: list[Any] = []
-            self._done_callbacks: list[Any] = []
+            self._lazy_waiters: list[Any] | None = None
+            self._lazy_callbacks: list[Any] | None = None
         else:  # pragma: no cover - a Python whose Future has other fields
+            self._lazy_waiters = None
+            self._lazy_callbacks = None
             super().__init__()
+
+    @property
+    def _waiters(self) -> list[Any]:
+        waiters = self._lazy_waiters
+        if waiters is None:
+            waiters = self._lazy_waiters = []
+        return waiters
+
+    @_waiters.setter
+    def _waiters(self, value: list[Any]) -> None:
+        self._lazy_waiters = value
+
+    @property
+    def _done_callbacks(self) -> list[Any]:
+        callbacks = self._lazy_callbacks
+        if callbacks is None:
+            callbacks = self._lazy_callbacks = []
+        return callbacks
+
+    @_done_callbacks.setter
+    def _done_callbacks(self, value: list[Any]) -> None:
+        self._lazy_callbacks = value
+
+    def _wait_done(self, timeout: float | None) -> None:
+        """Wait (on the shared condition) until done or ``timeout`` is spent."""
+        end = None if timeout is None else time.monotonic() + timeout
+        with self._condition:
+            while self._state in _NOT_DONE:
+                if end is None:
+                    self._condition.wait()
+                    continue
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._condition.wait(remaining)
+
+    def result(self, timeout: float | None = None) -> T:
+        """As ``Future.result``."""
+        if self._state is not _FINISHED:
+            self._wait_done(timeout)
+        return super().result(0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """As ``Future.exception``."""
+        if self._state is not _FINISHED:
+            self._wait_done(timeout)
+        return super().exception(0)
+
+
+def settle(
+    condition: SharedLockCondition, outcomes: Iterable[tuple[LightFuture[Any], Any]]
+) -> None:
+    """Resolve many futures that share ``condition``: ``(future, result)`` pairs, where a
+    result that is an exception instance is set as the exception.
+
+    What ``set_result``/``set_exception`` do for each, under one taking of the shared lock and
+    one notify; a future that is already done (cancelled by its caller) is left as it is.
+    Callbacks run after the lock is released, as a plain Future runs them.
+    """
+    if not LIGHT_FUTURES:  # pragma: no cover - a Python whose Future has other fields
+        for future, outcome in outcomes:
+            try:
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+            except InvalidStateError:
+                pass
+        return
+    with_callbacks: list[LightFuture[Any]] = []
+    with condition:
+        for future, outcome in outcomes:
+            if future._state not in _NOT_DONE:
+                continue
+            if isinstance(outcome, BaseException):
+                future._exception = outcome
+                future._state = _FINISHED
+                waiters = future._lazy_waiters
+                if waiters:
+                    for waiter in waiters:
+                        waiter.add_exception(future)
+            else:
+                future._result = outcome
+                future._state = _FINISHED
+                waiters = future._lazy_waiters
+                if waiters:
+                    for waiter in waiters:
+                        waiter.add_result(future)
+            if future._lazy_callbacks:
+                with_callbacks.append(future)
+        condition.notify_all()
+    for future in with_callbacks:
+        future._invoke_callbacks()  # type: ignore[attr-defined]

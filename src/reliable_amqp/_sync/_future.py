@@ -34,8 +34,16 @@ class PublishFuture(LightFuture[Confirmation]):
 
     __slots__ = ("guard", "index")
 
-    def __init__(self, lock: threading.RLock, index: int, guard: WaitGuard | None = None) -> None:
-        LightFuture.__init__(self, lock)
+    def __init__(
+        self,
+        condition: SharedLockCondition | threading.RLock,
+        index: int,
+        guard: WaitGuard | None = None,
+    ) -> None:
+        if type(condition) is not SharedLockCondition:
+            # a lock of its own (tests); publishers pass the condition their futures share
+            condition = SharedLockCondition(condition)  # type: ignore[arg-type]
+        LightFuture.__init__(self, condition)
         self.index = index
         self.guard = guard
 

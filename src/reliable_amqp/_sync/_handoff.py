@@ -12,11 +12,11 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import InvalidStateError
 
+from reliable_amqp._compat.futures import SharedLockCondition, settle
 from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import PublisherForked, ReliableAmqpError, WouldDeadlock
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.window import Window
 from reliable_amqp._sync._future import PublishFuture
@@ -32,7 +32,8 @@ class Handoff:
         self.window = Window(options.max_in_flight, options.max_in_flight_bytes)
         self.outbox: deque[tuple[OutgoingMessage, PublishFuture]] = deque()
         self.requests: deque[Request] = deque()
-        self.future_lock = threading.RLock()  # shared by this publisher's futures
+        #: the condition (over one lock) this publisher's futures share
+        self.futures = SharedLockCondition(threading.RLock())
         #: set while a wake-up of the I/O thread is on its way (publishers need not send more)
         self.wake_pending = False
         #: how to wake the I/O thread while its loop runs (None: it is between connections)
@@ -79,15 +80,8 @@ class Handoff:
         """Turn resolutions into settled futures and free their room in the window."""
         if not resolutions:
             return
-        for r in resolutions:
-            future = r.entry.handle
-            try:
-                if isinstance(r.result, Confirmation):
-                    future.set_result(r.result)
-                else:
-                    future.set_exception(r.result)
-            except InvalidStateError:
-                pass  # the caller cancelled it; the message was still settled
+        # a future the caller cancelled is left as it is; the message was still settled
+        settle(self.futures, [(r.entry.handle, r.result) for r in resolutions])
         with self.room:  # held briefly: publishing threads wait on this lock
             self.window.release(resolutions)
             self.room.notify_all()
@@ -125,7 +119,7 @@ class Handoff:
         # The lock may have been held by a parent thread at fork(): take a fresh one.
         self.lock = threading.Lock()
         self.room = threading.Condition(self.lock)
-        self.future_lock = threading.RLock()
+        self.futures = SharedLockCondition(threading.RLock())
         self.accepting = False
         self.wake_loop = None
         self.fatal = PublisherForked(

@@ -177,7 +177,7 @@ class Publisher(PublisherSurface[None, str]):
             self._check_accepting(message)
             self.connect()
         # Cancelling the future only means the caller stopped caring: the message stays tracked.
-        future = PublishFuture(handoff.future_lock, 0, handoff)
+        future = PublishFuture(handoff.futures, 0, handoff)
         size = len(message.body)
         window = self._window
         with handoff.lock:
@@ -223,8 +223,8 @@ class Publisher(PublisherSurface[None, str]):
         if not self._io.opened.is_set():
             self._check_accepting(messages[0])
             self.connect()
-        lock = handoff.future_lock
-        futures = [PublishFuture(lock, 0, handoff) for _ in messages]
+        condition = handoff.futures
+        futures = [PublishFuture(condition, 0, handoff) for _ in messages]
         sizes = [len(m.body) for m in messages]
         window = self._window
         done = 0
