@@ -1,4 +1,5 @@
-"""The ``reliable-amqp`` command line: ``publish`` messages with confirms, ``bench`` a broker.
+"""The ``reliable-amqp`` command line: ``publish`` messages with confirms, ``bench`` a broker,
+look into a ``spool``.
 
 Run ``reliable-amqp --help`` (or ``python -m reliable_amqp --help``). Exit codes: 0 every message
 confirmed, 1 some not confirmed, 2 bad arguments or input (nothing published), 3 the broker could
@@ -11,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp._core.errors import ConfigurationError, SpoolError
 from reliable_amqp.cli._bench import add_bench_arguments, run_bench
 from reliable_amqp.cli._parse import (
     EXIT_CONNECTION,
@@ -24,6 +25,7 @@ from reliable_amqp.cli._parse import (
     printable,
 )
 from reliable_amqp.cli._publish import add_publish_arguments, run_publish
+from reliable_amqp.cli._spool import add_spool_arguments, run_spool
 
 __all__ = [
     "EXIT_CONNECTION",
@@ -37,14 +39,16 @@ __all__ = [
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    parser = build_parser(add_publish_arguments, add_bench_arguments)
+    parser = build_parser(add_publish_arguments, add_bench_arguments, add_spool_arguments)
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
     try:
         if args.command == "publish":
             return run_publish(args)
+        if args.command == "spool":
+            return run_spool(args)
         return run_bench(args)
-    except (UsageError, ConfigurationError) as exc:
+    except (UsageError, ConfigurationError, SpoolError) as exc:
         # one line, no traceback; a ConfigurationError never holds a password
         message = printable(exc).replace("\n", " ")
         print(f"reliable-amqp {args.command}: error: {message}", file=sys.stderr)

@@ -340,8 +340,9 @@ class UsageError(Exception):
 def build_parser(
     add_publish: Callable[[argparse.ArgumentParser], None],
     add_bench: Callable[[argparse.ArgumentParser], None],
+    add_spool: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> argparse.ArgumentParser:
-    """The top-level parser with its ``publish`` and ``bench`` sub-commands."""
+    """The top-level parser with its ``publish``, ``bench`` and ``spool`` sub-commands."""
     from reliable_amqp import __version__
 
     parser = argparse.ArgumentParser(
@@ -369,4 +370,13 @@ def build_parser(
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_bench(bench)
+    if add_spool is not None:
+        spool = sub.add_parser(
+            "spool",
+            help="show what a publisher's spool directory holds; export or drop failed messages",
+            description="Pending and failed messages of a spool (Publisher(spool=DIR)), counted\n"
+            "and sized. Works while a publisher has the spool open.",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        add_spool(spool)
     return parser

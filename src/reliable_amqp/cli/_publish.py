@@ -230,9 +230,9 @@ def run_publish(args: argparse.Namespace) -> int:
     return code
 
 
-def open_failed_file(path: str) -> IO[str]:
-    """Open ``--failed PATH`` for writing: created 0600, never through a symlink (truncated only
-    when the failures are written).
+def open_failed_file(path: str, flag: str = "--failed") -> IO[str]:
+    """Open ``--failed PATH`` (or ``flag``'s file) for writing: created 0600, never through a
+    symlink (truncated only when the failures are written).
 
     Failed messages are message bodies: they get the permissions of a private file. An existing
     file is made 0600 as well. ``O_NOFOLLOW`` refuses a symbolic link planted at ``PATH``
@@ -241,16 +241,16 @@ def open_failed_file(path: str) -> IO[str]:
     flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         if os.path.islink(path):
-            raise UsageError(f"refusing to write --failed {path}: it is a symbolic link")
+            raise UsageError(f"refusing to write {flag} {path}: it is a symbolic link")
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
         if os.path.islink(path):
-            raise UsageError(f"refusing to write --failed {path}: it is a symbolic link") from None
-        raise UsageError(f"cannot write --failed {path}: {exc.strerror or exc}") from None
+            raise UsageError(f"refusing to write {flag} {path}: it is a symbolic link") from None
+        raise UsageError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"refusing to write --failed {path}: not a regular file")
+            raise UsageError(f"refusing to write {flag} {path}: not a regular file")
         os.fchmod(fd, 0o600)
         # truncated when written, after publishing: a run stopped before that leaves it as it was
         return os.fdopen(fd, "w", encoding="utf-8")

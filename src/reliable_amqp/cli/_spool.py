@@ -1,0 +1,148 @@
+"""``reliable-amqp spool DIR``: what a publisher's spool holds, and its failed messages.
+
+Shows pending and failed counts and bytes (while a publisher has the spool open, too: reading
+takes no lock). ``--export-failed FILE`` writes the failed messages as JSON lines that
+``reliable-amqp publish --format jsonl FILE`` publishes again, with their message ids;
+``--drop-failed`` empties the failed table (refused while a publisher has the spool open). Both
+together drop exactly what was exported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import datetime as dt
+import json
+import sys
+from typing import Any
+
+from reliable_amqp._spool import drop_failed as _drop_failed
+from reliable_amqp._spool import failed_entries, inspect
+from reliable_amqp._spool._inspect import FailedEntry
+from reliable_amqp._spool._lock import in_use_by
+from reliable_amqp.cli._io import ERROR_FIELD, _json_default, set_properties
+from reliable_amqp.cli._parse import EXIT_OK, UsageError
+
+
+def add_spool_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``reliable-amqp spool``."""
+    parser.add_argument("directory", metavar="DIR", help="the spool directory (spool=DIR)")
+    parser.add_argument(
+        "--export-failed",
+        metavar="FILE",
+        help="write the failed messages to FILE as JSON lines (created 0600), which "
+        "`reliable-amqp publish --format jsonl FILE` publishes again",
+    )
+    parser.add_argument(
+        "--drop-failed",
+        action="store_true",
+        help="empty the failed table (with --export-failed: exactly what was exported); "
+        "refused while a publisher has the spool open",
+    )
+    parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="show the library's log")
+
+
+def run_spool(args: argparse.Namespace) -> int:
+    """Run ``reliable-amqp spool``; SpoolError and ConfigurationError reach the caller."""
+    if args.drop_failed:
+        holder = in_use_by(args.directory)
+        if holder is not None:
+            who = f"process {holder}" if holder > 0 else "another process"
+            raise UsageError(
+                f"--drop-failed: the spool {args.directory} is in use by {who}; close that "
+                "publisher first (nothing was exported or dropped)"
+            )
+    exported = dropped = None
+    last_seq: int | None = None
+    summary = inspect(args.directory)  # SpoolError when it is no spool
+    if args.export_failed:
+        from reliable_amqp.cli._publish import open_failed_file
+
+        stream = open_failed_file(args.export_failed, flag="--export-failed")
+        with stream:
+            stream.truncate(0)
+            exported = 0
+            for entry in failed_entries(args.directory):
+                stream.write(json.dumps(failed_record(entry), default=_json_default))
+                stream.write("\n")
+                exported += 1
+                last_seq = entry.seq
+    if args.drop_failed:
+        if args.export_failed:
+            dropped = _drop_failed(args.directory, up_to=last_seq) if last_seq is not None else 0
+        else:
+            dropped = _drop_failed(args.directory)
+        summary = inspect(args.directory)
+    if args.json:
+        shown: dict[str, Any] = {
+            "directory": summary.directory,
+            "in_use_by": summary.in_use_by,
+            "pending": summary.pending,
+            "pending_bytes": summary.pending_bytes,
+            "failed": summary.failed,
+            "failed_bytes": summary.failed_bytes,
+            "file_bytes": summary.file_bytes,
+        }
+        if exported is not None:
+            shown["exported"] = exported
+        if dropped is not None:
+            shown["dropped"] = dropped
+        print(json.dumps(shown))
+        return EXIT_OK
+    out = sys.stdout
+    use = (
+        "not in use"
+        if summary.in_use_by is None
+        else f"in use by process {summary.in_use_by}"
+        if summary.in_use_by > 0
+        else "in use"
+    )
+    print(f"spool {summary.directory} ({use})", file=out)
+    print(
+        f"  pending  {summary.pending:>12,} messages  {_size(summary.pending_bytes):>10}", file=out
+    )
+    print(f"  failed   {summary.failed:>12,} messages  {_size(summary.failed_bytes):>10}", file=out)
+    print(f"  on disk  {'':>12}           {_size(summary.file_bytes):>10}", file=out)
+    if exported is not None:
+        print(
+            f"{exported:,} failed messages written to {args.export_failed}; publish them again "
+            f"with: reliable-amqp publish --format jsonl {args.export_failed}",
+            file=out,
+        )
+    if dropped is not None:
+        print(f"{dropped:,} failed messages dropped", file=out)
+    return EXIT_OK
+
+
+def failed_record(entry: FailedEntry) -> dict[str, Any]:
+    """The JSON line of a failed message (``publish --format jsonl`` input; ``error`` is
+    ignored there)."""
+    message = entry.message
+    record: dict[str, Any] = {}
+    try:
+        record["body"] = message.body.decode("utf-8")
+    except UnicodeDecodeError:
+        record["body"] = base64.b64encode(message.body).decode("ascii")
+        record["body_encoding"] = "base64"
+    record["exchange"] = message.exchange
+    record["routing_key"] = message.routing_key
+    if message.mandatory:
+        record["mandatory"] = True
+    record.update(set_properties(message))
+    record[ERROR_FIELD] = {
+        "type": "SpoolFailed",
+        "reason": entry.reason,
+        "failed_at": dt.datetime.fromtimestamp(entry.failed_at, dt.timezone.utc).isoformat(),
+        "seq": entry.seq,
+    }
+    return record
+
+
+def _size(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{count} B"

@@ -1,0 +1,154 @@
+"""`reliable-amqp spool DIR`: counts, --export-failed (JSON lines `publish --format jsonl`
+accepts, message ids kept), --drop-failed (refused while a publisher has the spool open)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from broker_support import BrokerAdmin
+from reliable_amqp._core.message import OutgoingMessage, build_message
+from reliable_amqp._spool import Spool
+from reliable_amqp.cli._io import Defaults, read_messages
+
+
+def run_cli(*args: str, url: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELIABLE_AMQP_")}
+    env.pop("AMQP_URL", None)
+    if url is not None:
+        env["AMQP_URL"] = url
+    return subprocess.run(
+        [sys.executable, "-m", "reliable_amqp", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def _spool_with_failures(directory: Path, routing_key: str = "q") -> list[OutgoingMessage]:
+    """A spool with 6 pending and 4 failed messages; returns the failed ones, in order."""
+    sent = [
+        build_message(
+            "",
+            routing_key,
+            body,
+            mandatory=n % 2 == 0,
+            properties={
+                "message_id": f"id-{n}",
+                "content_type": "application/octet-stream",
+                "headers": {"n": n, "text": "é", "flag": True},
+                "priority": 3,
+                "timestamp": 1_700_000_000 + n,
+            },
+        )
+        for n, body in enumerate([b"plain text", b"\x00\xffbinary", b"", "ünï".encode()] * 3)
+        if n < 10
+    ]
+    spool = Spool(directory)
+    for message in sent:
+        spool.append(message)
+    spool.persist()
+    failed = [2, 3, 5, 8]
+    for seq in failed:
+        spool.fail(seq, f"returned: 312 NO_ROUTE (seq {seq})")
+    spool.close()
+    return [sent[seq - 1] for seq in failed]
+
+
+def test_counts(tmp_path: Path) -> None:
+    _spool_with_failures(tmp_path / "s")
+    result = run_cli("spool", str(tmp_path / "s"))
+    assert result.returncode == 0, result.stderr
+    assert "not in use" in result.stdout
+    lines = result.stdout.splitlines()
+    assert lines[1].split()[:3] == ["pending", "6", "messages"]
+    assert lines[2].split()[:3] == ["failed", "4", "messages"]
+    shown = json.loads(run_cli("spool", str(tmp_path / "s"), "--json").stdout)
+    assert (shown["pending"], shown["failed"], shown["in_use_by"]) == (6, 4, None)
+    assert shown["pending_bytes"] > 0 and shown["failed_bytes"] > 0
+
+
+def test_export_failed_writes_what_publish_reads_back_equal(tmp_path: Path) -> None:
+    failed = _spool_with_failures(tmp_path / "s")
+    out = tmp_path / "failed.jsonl"
+    result = run_cli("spool", str(tmp_path / "s"), "--export-failed", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "4 failed messages written" in result.stdout
+    assert out.stat().st_mode & 0o777 == 0o600
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["error"]["reason"] for r in records] == [
+        f"returned: 312 NO_ROUTE (seq {seq})" for seq in (2, 3, 5, 8)
+    ]
+    items = read_messages(io.BytesIO(out.read_bytes()), str(out), "jsonl", Defaults())
+    assert [item.message for item in items] == failed  # bodies, properties, ids, mandatory
+    # exporting does not drop
+    assert json.loads(run_cli("spool", str(tmp_path / "s"), "--json").stdout)["failed"] == 4
+
+
+def test_drop_failed_drops_exactly_what_was_exported(tmp_path: Path) -> None:
+    _spool_with_failures(tmp_path / "s")
+    out = tmp_path / "failed.jsonl"
+    result = run_cli(
+        "spool", str(tmp_path / "s"), "--export-failed", str(out), "--drop-failed", "--json"
+    )
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert (shown["exported"], shown["dropped"], shown["failed"], shown["pending"]) == (4, 4, 0, 6)
+    result = run_cli("spool", str(tmp_path / "s"), "--drop-failed")
+    assert result.returncode == 0, result.stderr
+    assert "0 failed messages dropped" in result.stdout
+
+
+def test_drop_failed_is_refused_while_a_publisher_holds_the_spool(tmp_path: Path) -> None:
+    _spool_with_failures(tmp_path / "s")
+    spool = Spool(tmp_path / "s")  # this process holds the lock
+    try:
+        shown = run_cli("spool", str(tmp_path / "s"))  # reading is fine
+        assert shown.returncode == 0
+        assert f"in use by process {os.getpid()}" in shown.stdout
+        result = run_cli("spool", str(tmp_path / "s"), "--drop-failed")
+        assert result.returncode == 2
+        assert f"in use by process {os.getpid()}" in result.stderr
+    finally:
+        spool.close()
+    assert json.loads(run_cli("spool", str(tmp_path / "s"), "--json").stdout)["failed"] == 4
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [(None, "no spool"), (b"garbage" * 1000, "not a database")],
+)
+def test_a_missing_or_damaged_spool_exits_2_naming_it(
+    tmp_path: Path, content: bytes | None, expected: str
+) -> None:
+    (tmp_path / "s").mkdir()
+    if content is not None:
+        (tmp_path / "s" / "spool.db").write_bytes(content)
+    result = run_cli("spool", str(tmp_path / "s"))
+    assert result.returncode == 2
+    assert expected in result.stderr
+    assert str(tmp_path / "s") in result.stderr
+
+
+@pytest.mark.broker
+def test_exported_messages_publish_again_with_their_ids(
+    amqp_url: str, broker: BrokerAdmin, tmp_path: Path
+) -> None:
+    queue = broker.queue()
+    failed = _spool_with_failures(tmp_path / "s", routing_key=queue)
+    out = tmp_path / "failed.jsonl"
+    assert run_cli("spool", str(tmp_path / "s"), "--export-failed", str(out)).returncode == 0
+    result = run_cli("publish", "--format", "jsonl", str(out), url=amqp_url)
+    assert result.returncode == 0, result.stderr
+    got = broker.drain(queue)
+    assert [(props.message_id, body) for props, body in got] == [
+        (m.message_id, m.body) for m in failed
+    ]
