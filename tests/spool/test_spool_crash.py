@@ -42,10 +42,13 @@ while True:
 def _stored_ids(directory: Path) -> list[str]:
     spool = Spool(directory)
     try:
-        ids, after = [], 0
+        ids, after, size = [], 0, 0
         while entries := spool.read(after, 10_000):
             ids.extend(e.message.message_id for e in entries)
+            size += sum(e.size for e in entries)
             after = entries[-1].seq
+        # the counts kept beside the table were committed with it
+        assert (spool.pending, spool.pending_bytes) == (len(ids), size)
         return ids
     finally:
         spool.close()

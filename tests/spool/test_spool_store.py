@@ -154,9 +154,19 @@ def test_bytes_are_counted_and_recounted_on_reopen(open_spool: OpenSpool) -> Non
     again = open_spool()
     assert (again.pending, again.pending_bytes) == (50, expected)
     again.remove(range(1, 26))
+    again.fail(30, "nacked")
     again.persist()
-    _wait(lambda: again.pending == 25)
-    assert again.pending_bytes == sum(Spool.encode(m)[1] for m in sent[25:])
+    _wait(lambda: again.pending == 24)
+    assert again.pending_bytes == sum(
+        Spool.encode(m)[1] for i, m in enumerate(sent) if i >= 25 and i != 29
+    )
+    again.close()
+    conn = sqlite3.connect(again.path)
+    counted = conn.execute("SELECT count(*), total(size) FROM pending").fetchone()
+    kept = dict(conn.execute("SELECT key, value FROM info").fetchall())
+    conn.close()
+    assert counted == (24, again.pending_bytes)
+    assert (kept["pending_count"], kept["pending_bytes"]) == counted
 
 
 def test_a_full_spool_waits_for_room_then_raises_publish_timeout(open_spool: OpenSpool) -> None:

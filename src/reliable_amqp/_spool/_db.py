@@ -32,7 +32,7 @@ _SCHEMA = (
     "CREATE TABLE failed (seq INTEGER PRIMARY KEY, size INTEGER NOT NULL, crc INTEGER NOT NULL,"
     " meta BLOB NOT NULL, body BLOB NOT NULL, reason TEXT NOT NULL, failed_at REAL NOT NULL)",
     "CREATE TABLE info (key TEXT PRIMARY KEY, value) WITHOUT ROWID",
-    "INSERT INTO info (key, value) VALUES ('syncs', 0)",
+    "INSERT INTO info (key, value) VALUES ('syncs', 0), ('pending_count', 0), ('pending_bytes', 0)",
 )
 
 
@@ -86,6 +86,22 @@ def connect(directory: str, *, create: bool, read_only: bool = False) -> sqlite3
     if create and not exists:
         _sync_directory(directory)
     return conn
+
+
+def pending_counts(conn: sqlite3.Connection, path: str) -> tuple[int, int]:
+    """(messages, bytes) in the pending table, as kept in the info table by every commit."""
+    try:
+        found = dict(
+            conn.execute(
+                "SELECT key, value FROM info WHERE key IN ('pending_count', 'pending_bytes')"
+            ).fetchall()
+        )
+    except sqlite3.Error as exc:
+        raise SpoolError(f"{path} cannot be read: {describe(exc)}") from exc
+    count, size = found.get("pending_count"), found.get("pending_bytes")
+    if not isinstance(count, int) or not isinstance(size, int) or count < 0 or size < 0:
+        raise SpoolError(f"{path} is a damaged spool: its pending counts are {count!r}, {size!r}")
+    return count, size
 
 
 def _uri_path(path: str) -> str:

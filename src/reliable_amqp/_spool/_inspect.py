@@ -62,9 +62,7 @@ def inspect(directory: str | os.PathLike[str]) -> SpoolSummary:
     holder = in_use_by(path)
     conn = _db.connect(path, create=False, read_only=True)
     try:
-        pending, pending_bytes = conn.execute(
-            "SELECT count(*), total(size) FROM pending"
-        ).fetchone()
+        pending, pending_bytes = _db.pending_counts(conn, _db.db_path(path))
         failed, failed_bytes = conn.execute("SELECT count(*), total(size) FROM failed").fetchone()
     except sqlite3.Error as exc:
         raise SpoolError(f"{_db.db_path(path)} cannot be read: {_db.describe(exc)}") from exc

@@ -142,15 +142,14 @@ class Spool:
         return f"Spool({self.directory!r}, pending={self._count}, bytes={self._bytes})"
 
     def _read_counts(self, conn: sqlite3.Connection) -> tuple[int, int, int]:
-        """(highest seq ever used, pending count, pending bytes)."""
+        """(highest seq in the file, pending count, pending bytes)."""
         try:
-            count, size, top = conn.execute(
-                "SELECT count(*), total(size), max(seq) FROM pending"
-            ).fetchone()
+            (top,) = conn.execute("SELECT max(seq) FROM pending").fetchone()
             (failed_top,) = conn.execute("SELECT max(seq) FROM failed").fetchone()
         except sqlite3.Error as exc:
             raise SpoolError(f"{self.path} cannot be read: {_db.describe(exc)}") from exc
-        return max(top or 0, failed_top or 0), int(count), int(size)
+        count, size = _db.pending_counts(conn, self.path)
+        return max(top or 0, failed_top or 0), count, size
 
     # --- the caller's side ----------------------------------------------------------------------
 
@@ -451,7 +450,8 @@ class Spool:
         """One transaction; returns (bytes, messages) that left the pending table."""
         conn = self._conn
         gone = set(removes)
-        freed = freed_count = 0
+        freed = freed_count = 0  # all that left the pending count
+        stored = stored_bytes = 0  # the change of what the table holds
         rows = appends
         if gone and appends:
             rows = []
@@ -468,6 +468,8 @@ class Spool:
             conn.executemany(
                 "INSERT INTO pending (seq, size, crc, meta, body) VALUES (?, ?, ?, ?, ?)", rows
             )
+            stored = len(rows)
+            stored_bytes = sum(row[1] for row in rows)
         now = time.time()
         for seq, reason in fails:
             found = conn.execute("SELECT size FROM pending WHERE seq = ?", (seq,)).fetchone()
@@ -481,6 +483,8 @@ class Spool:
             conn.execute("DELETE FROM pending WHERE seq = ?", (seq,))
             freed += found[0]
             freed_count += 1
+            stored -= 1
+            stored_bytes -= found[0]
         for low, high in _runs(sorted(gone)):
             count, size = conn.execute(
                 "SELECT count(*), total(size) FROM pending WHERE seq BETWEEN ? AND ?", (low, high)
@@ -489,7 +493,16 @@ class Spool:
                 conn.execute("DELETE FROM pending WHERE seq BETWEEN ? AND ?", (low, high))
                 freed += int(size)
                 freed_count += count
-        if durable and not rows and not fails and not gone:
+                stored -= count
+                stored_bytes -= int(size)
+        if stored or stored_bytes:
+            # the counts kept beside the table, in the same transaction: opening a spool of
+            # a million messages reads two numbers rather than scanning a gigabyte
+            conn.executemany(
+                "UPDATE info SET value = value + ? WHERE key = ?",
+                ((stored, "pending_count"), (stored_bytes, "pending_bytes")),
+            )
+        elif durable and not rows and not fails and not gone:
             # nothing to write, but earlier commits must reach the disk: a commit in FULL mode
             # fsyncs the whole WAL
             conn.execute("UPDATE info SET value = value + 1 WHERE key = 'syncs'")
