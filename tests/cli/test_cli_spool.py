@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,27 @@ def test_a_missing_or_damaged_spool_exits_2_naming_it(
     assert result.returncode == 2
     assert expected in result.stderr
     assert str(tmp_path / "s") in result.stderr
+
+
+def test_check_names_damaged_entries(tmp_path: Path) -> None:
+    _spool_with_failures(tmp_path / "s")
+    result = run_cli("spool", str(tmp_path / "s"), "--check")
+    assert result.returncode == 0, result.stderr
+    assert "check: no problems" in result.stdout
+    conn = sqlite3.connect(tmp_path / "s" / "spool.db")
+    conn.execute("UPDATE pending SET body = x'00' WHERE seq IN (4, 9)")
+    conn.execute("UPDATE failed SET meta = x'01' WHERE seq = 5")
+    conn.commit()
+    conn.close()
+    result = run_cli("spool", str(tmp_path / "s"), "--check")
+    assert result.returncode == 1
+    damaged = [line for line in result.stdout.splitlines() if line.startswith("damaged:")]
+    assert len(damaged) == 3
+    assert "pending entry 4 is damaged" in damaged[0]
+    assert "pending entry 9 is damaged" in damaged[1]
+    assert "failed entry 5 is damaged" in damaged[2]
+    shown = json.loads(run_cli("spool", str(tmp_path / "s"), "--check", "--json").stdout)
+    assert len(shown["problems"]) == 3
 
 
 @pytest.mark.broker

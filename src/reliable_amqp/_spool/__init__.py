@@ -6,7 +6,13 @@ See ``docs/spool.md`` for what it guarantees.
 """
 
 from reliable_amqp._spool._db import DB_NAME
-from reliable_amqp._spool._inspect import SpoolSummary, drop_failed, failed_entries, inspect
+from reliable_amqp._spool._inspect import (
+    SpoolSummary,
+    check,
+    drop_failed,
+    failed_entries,
+    inspect,
+)
 from reliable_amqp._spool._lock import LOCK_NAME
 from reliable_amqp._spool._store import (
     DEFAULT_FSYNC,
@@ -27,6 +33,7 @@ __all__ = [
     "SpoolCounts",
     "SpoolEntry",
     "SpoolSummary",
+    "check",
     "drop_failed",
     "failed_entries",
     "inspect",

@@ -114,6 +114,66 @@ def failed_entries(directory: str | os.PathLike[str], chunk: int = 1000) -> Iter
         conn.close()
 
 
+def check(directory: str | os.PathLike[str]) -> list[str]:
+    """Read the whole spool the hard way: SQLite's ``quick_check`` of every page, then every
+    entry read back (checksum, decoding) and the kept counts compared with the table.
+
+    Returns what is wrong, one problem a line (empty: nothing). Takes no lock and changes
+    nothing; it takes as long as reading the file does.
+    """
+    path = _directory(directory)
+    conn = _db.connect(path, create=False, read_only=True)
+    file = _db.db_path(path)
+    problems: list[str] = []
+    try:
+        try:
+            problems += [
+                f"{file}: {row[0]}"
+                for row in conn.execute("PRAGMA quick_check").fetchall()
+                if row[0] != "ok"
+            ]
+            counted, counted_bytes = conn.execute(
+                "SELECT count(*), total(size) FROM pending"
+            ).fetchone()
+        except sqlite3.Error as exc:
+            return [f"{file} cannot be read: {_db.describe(exc)}"]
+        kept = _db.pending_counts(conn, file)
+        if kept != (counted, int(counted_bytes)):
+            problems.append(
+                f"{file}: the kept counts say {kept[0]:,} pending messages of {kept[1]:,} bytes, "
+                f"the table holds {counted:,} of {int(counted_bytes):,}"
+            )
+        lock = threading.Lock()
+        for table in ("pending", "failed"):
+            after = 0
+            while True:
+                try:
+                    seqs = [
+                        seq
+                        for (seq,) in conn.execute(
+                            f"SELECT seq FROM {table} WHERE seq > ? ORDER BY seq LIMIT 1000",
+                            (after,),
+                        )
+                    ]
+                except sqlite3.Error as exc:
+                    problems.append(f"{file} cannot be read: {_db.describe(exc)}")
+                    break
+                if not seqs:
+                    break
+                try:
+                    read_entries(conn, lock, file, after=after, limit=len(seqs), table=table)
+                except SpoolError:  # one by one, to name every damaged entry
+                    for seq in seqs:
+                        try:
+                            read_entries(conn, lock, file, after=seq - 1, limit=1, table=table)
+                        except SpoolError as exc:
+                            problems.append(str(exc))
+                after = seqs[-1]
+    finally:
+        conn.close()
+    return problems
+
+
 def drop_failed(directory: str | os.PathLike[str], up_to: int | None = None) -> int:
     """Empty the failed table (only entries with seq <= ``up_to`` when given); returns how many.
 

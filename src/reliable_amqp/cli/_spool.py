@@ -4,7 +4,8 @@ Shows pending and failed counts and bytes (while a publisher has the spool open,
 takes no lock). ``--export-failed FILE`` writes the failed messages as JSON lines that
 ``reliable-amqp publish --format jsonl FILE`` publishes again, with their message ids;
 ``--drop-failed`` empties the failed table (refused while a publisher has the spool open). Both
-together drop exactly what was exported.
+together drop exactly what was exported. ``--check`` reads everything and names what is damaged
+(exit 1 then).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ import json
 import sys
 from typing import Any
 
+from reliable_amqp._spool import check, failed_entries, inspect
 from reliable_amqp._spool import drop_failed as _drop_failed
-from reliable_amqp._spool import failed_entries, inspect
 from reliable_amqp._spool._inspect import FailedEntry
 from reliable_amqp._spool._lock import in_use_by
 from reliable_amqp.cli._io import ERROR_FIELD, _json_default, set_properties
-from reliable_amqp.cli._parse import EXIT_OK, UsageError
+from reliable_amqp.cli._parse import EXIT_NOT_CONFIRMED, EXIT_OK, UsageError
 
 
 def add_spool_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,12 @@ def add_spool_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="empty the failed table (with --export-failed: exactly what was exported); "
         "refused while a publisher has the spool open",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="read the whole spool (every page, every message's checksum) and list what is "
+        "damaged; exit 1 when something is",
     )
     parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="show the library's log")
@@ -56,6 +63,7 @@ def run_spool(args: argparse.Namespace) -> int:
     exported = dropped = None
     last_seq: int | None = None
     summary = inspect(args.directory)  # SpoolError when it is no spool
+    problems = check(args.directory) if args.check else None
     if args.export_failed:
         from reliable_amqp.cli._publish import open_failed_file
 
@@ -88,8 +96,10 @@ def run_spool(args: argparse.Namespace) -> int:
             shown["exported"] = exported
         if dropped is not None:
             shown["dropped"] = dropped
+        if problems is not None:
+            shown["problems"] = problems
         print(json.dumps(shown))
-        return EXIT_OK
+        return EXIT_NOT_CONFIRMED if problems else EXIT_OK
     out = sys.stdout
     use = (
         "not in use"
@@ -112,7 +122,11 @@ def run_spool(args: argparse.Namespace) -> int:
         )
     if dropped is not None:
         print(f"{dropped:,} failed messages dropped", file=out)
-    return EXIT_OK
+    if problems is not None:
+        for problem in problems:
+            print(f"damaged: {problem}", file=out)
+        print(f"check: {len(problems):,} problems" if problems else "check: no problems", file=out)
+    return EXIT_NOT_CONFIRMED if problems else EXIT_OK
 
 
 def failed_record(entry: FailedEntry) -> dict[str, Any]:
