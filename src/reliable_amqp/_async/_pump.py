@@ -36,11 +36,10 @@ from reliable_amqp._compat.aiormq import (
     watch_blocked,
     write_payload,
 )
-from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
 from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
 from reliable_amqp._core.topology import Topology
-from reliable_amqp._core.tracker import ATTEMPT_HEADER
+from reliable_amqp._core.tracker import ATTEMPT_HEADER, Entry
 
 H = TypeVar("H")
 
@@ -56,7 +55,7 @@ class Pump(Generic[H]):
         source: ConnectionSource,
         topology: Topology,
         *,
-        settle: Callable[[list[Resolution[H]]], None],
+        settle: Callable[[list[Entry[H]]], None],
         on_end: Callable[[], None],
     ) -> None:
         self.supervisor = supervisor

@@ -26,7 +26,6 @@ import aio_pika.abc
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._async._pump import Pump
-from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import (
     ConfigurationError,
     OperationTimeout,
@@ -38,6 +37,7 @@ from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
+from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._surface import PublisherSurface
 
@@ -370,16 +370,17 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
 
     # --- settling ----------------------------------------------------------------------------
 
-    def _resolve(self, resolutions: list[Resolution[_Handle]]) -> None:
+    def _resolve(self, resolutions: list[Entry[_Handle]]) -> None:
         if not resolutions:
             return
-        for r in resolutions:
-            future = r.entry.handle.future
+        for entry in resolutions:
+            future = entry.handle.future
             if not future.done():  # done: the caller cancelled it; the message was settled
-                if isinstance(r.result, Confirmation):
-                    future.set_result(r.result)
-                else:
-                    future.set_exception(r.result)
+                result = entry.result
+                if isinstance(result, Confirmation):
+                    future.set_result(result)
+                elif result is not None:
+                    future.set_exception(result)
         for barrier in self._window.release(resolutions):
             waiter = barrier.waiter
             if isinstance(waiter, asyncio.Future) and not waiter.done():

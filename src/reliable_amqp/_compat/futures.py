@@ -179,17 +179,18 @@ class LightFuture(Future[T]):
 
 
 def settle(
-    condition: SharedLockCondition, outcomes: Iterable[tuple[LightFuture[Any], Any]]
+    condition: SharedLockCondition, futures: Iterable[LightFuture[Any]], outcomes: Iterable[Any]
 ) -> None:
-    """Resolve many futures that share ``condition``: ``(future, result)`` pairs, where a
-    result that is an exception instance is set as the exception.
+    """Resolve many futures that share ``condition`` with their ``outcomes`` (in the same
+    order): a result, or an exception instance, which is set as the exception.
 
     What ``set_result``/``set_exception`` do for each, under one taking of the shared lock and
     one notify; a future that is already done (cancelled by its caller) is left as it is.
     Callbacks run after the lock is released, as a plain Future runs them.
     """
+    pairs = zip(futures, outcomes, strict=True)
     if not LIGHT_FUTURES:  # pragma: no cover - a Python whose Future has other fields
-        for future, outcome in outcomes:
+        for future, outcome in pairs:
             try:
                 if isinstance(outcome, BaseException):
                     future.set_exception(outcome)
@@ -200,7 +201,7 @@ def settle(
         return
     with_callbacks: list[LightFuture[Any]] = []
     with condition:
-        for future, outcome in outcomes:
+        for future, outcome in pairs:
             if future._state not in _NOT_DONE:
                 continue
             if isinstance(outcome, BaseException):

@@ -35,7 +35,6 @@ from reliable_amqp._core.tracker import (
     ConfirmTracker,
     Entry,
     Outcome,
-    Settled,
     Stage,
     attempt_tag,
 )
@@ -44,7 +43,7 @@ H = TypeVar("H")
 
 # module globals: enum attribute lookups cost 0.1 us on the hot path
 WAITING, WIRE, BACKOFF, DONE = Stage.WAITING, Stage.WIRE, Stage.BACKOFF, Stage.DONE
-_ACKED, _RETURNED = Outcome.ACKED, Outcome.RETURNED  # module globals: enum lookups cost 0.1 us
+_ACKED, _NACKED = Outcome.ACKED, Outcome.NACKED  # module globals: enum lookups cost 0.1 us
 
 # Codes with which a broker closes a channel because of one publish. A message that keeps
 # causing them must fail; anything else (320 forced, 541 internal, a lost socket) is the
@@ -64,9 +63,14 @@ def is_permanent_channel_close(reply_code: int | None, reply_text: str) -> bool:
     return cls is not None and not cls.retriable and reply_code != 320
 
 
-@dataclass(slots=True)  # not frozen: one is made per message, and frozen costs 2.5x
+@dataclass(slots=True)
 class Resolution(Generic[H]):
-    """A message's final outcome: a :class:`Confirmation` or the :class:`PublishError`."""
+    """A message's final outcome: a :class:`Confirmation` or the :class:`PublishError`.
+
+    The engine hands back the resolved :class:`Entry` itself, which has the same ``entry``,
+    ``result`` and ``ok`` (no object is made per resolved message); this class builds one
+    by hand (tests).
+    """
 
     entry: Entry[H]
     result: Confirmation | PublishError
@@ -200,13 +204,39 @@ class PublishEngine(Generic[H]):
 
     # --- frames from the broker ---------------------------------------------------------------
 
-    def on_ack(self, generation: int, tag: int, multiple: bool, now: float) -> list[Resolution[H]]:
+    def on_ack(self, generation: int, tag: int, multiple: bool, now: float) -> list[Entry[H]]:
         """``basic.ack`` on the channel of ``generation``."""
-        return self._resolve_settled(self.tracker.on_ack(generation, tag, multiple), now)
+        settled = self.tracker.settle(generation, tag, multiple)
+        if not settled:
+            return settled
+        resolved: list[Entry[H]] = []
+        latencies = self.counters.latencies
+        confirmed = 0
+        for entry in settled:
+            if entry.state is not WIRE:  # expired or closed meanwhile; already resolved
+                continue
+            if entry.returned is not None or entry.isolated:
+                resolved.append(self._resolve_one(entry, _ACKED, now))
+                continue
+            # _finish() for a confirm, inlined: this loop runs for every confirmed message
+            entry.state = DONE
+            latencies.append(now - entry.accepted)
+            entry.result = new_confirmation(entry.message.message_id, entry.attempts)
+            resolved.append(entry)
+            confirmed += 1
+        self._live -= confirmed
+        self.counters.confirmed += confirmed
+        return resolved
 
-    def on_nack(self, generation: int, tag: int, multiple: bool, now: float) -> list[Resolution[H]]:
+    def on_nack(self, generation: int, tag: int, multiple: bool, now: float) -> list[Entry[H]]:
         """``basic.nack``: retried under the nack policy (with backoff), or failed."""
-        return self._resolve_settled(self.tracker.on_nack(generation, tag, multiple), now)
+        resolved: list[Entry[H]] = []
+        for entry in self.tracker.settle(generation, tag, multiple):
+            if entry.state is WIRE:
+                done = self._resolve_one(entry, _NACKED, now)
+                if done is not None:
+                    resolved.append(done)
+        return resolved
 
     def on_return(self, attempt: object, reply_code: int, reply_text: str) -> None:
         """``basic.return``; ``attempt`` is the returned message's attempt header value."""
@@ -214,7 +244,7 @@ class PublishEngine(Generic[H]):
 
     def on_channel_lost(
         self, reply_code: int | None, reply_text: str, now: float
-    ) -> list[Resolution[H]]:
+    ) -> list[Entry[H]]:
         """The channel (or its connection) is gone; its unconfirmed messages go out again.
 
         With a code that blames a message (404 missing exchange, 406 oversize, ...), the message
@@ -231,9 +261,7 @@ class PublishEngine(Generic[H]):
             return self._isolate(unconfirmed, reply_code, reply_text)
         return self._requeue(unconfirmed, culprit, reply_code, reply_text)
 
-    def on_connection_error(
-        self, reply_code: int, reply_text: str, now: float
-    ) -> list[Resolution[H]]:
+    def on_connection_error(self, reply_code: int, reply_text: str, now: float) -> list[Entry[H]]:
         """The broker closed the connection because of something a publish carried (501 frame
         error, 502 syntax error, 505 unexpected frame, 541 internal error).
 
@@ -246,7 +274,7 @@ class PublishEngine(Generic[H]):
 
     def _isolate(
         self, unconfirmed: list[Entry[H]], reply_code: int, reply_text: str
-    ) -> list[Resolution[H]]:
+    ) -> list[Entry[H]]:
         wire = [e for e in unconfirmed if e.state is WIRE]
         if len(wire) == 1:
             return self._requeue(wire, wire[0], reply_code, reply_text)
@@ -263,8 +291,8 @@ class PublishEngine(Generic[H]):
         culprit: Entry[H] | None,
         reply_code: int,
         reply_text: str,
-    ) -> list[Resolution[H]]:
-        resolutions: list[Resolution[H]] = []
+    ) -> list[Entry[H]]:
+        resolutions: list[Entry[H]] = []
         if culprit is not None:
             error = MessageRejected(culprit.message, culprit.attempts, reply_code, reply_text)
             resolutions.append(self._finish(culprit, error))
@@ -277,7 +305,7 @@ class PublishEngine(Generic[H]):
 
     # --- time ---------------------------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Resolution[H]]:
+    def tick(self, now: float) -> list[Entry[H]]:
         """Move due nack retries back to the send queue and expire messages past deadline."""
         retry = self._retry
         while retry and retry[0][0] <= now:
@@ -285,7 +313,7 @@ class PublishEngine(Generic[H]):
             if entry.state is BACKOFF:
                 entry.state = WAITING
                 self._sendq.append(entry)
-        resolutions: list[Resolution[H]] = []
+        resolutions: list[Entry[H]] = []
         fifo = self._fifo
         while fifo and (fifo[0].state is DONE or fifo[0].deadline <= now):
             entry = fifo.popleft()
@@ -319,7 +347,7 @@ class PublishEngine(Generic[H]):
             return retry if due is None or retry < due else due
         return due
 
-    def close_all(self, reason: str = "") -> list[Resolution[H]]:
+    def close_all(self, reason: str = "") -> list[Entry[H]]:
         """Fail every unresolved message with :class:`PublisherClosed`."""
         pending = [e for e in self._fifo if e.state is not DONE]
         for entry in pending:
@@ -332,49 +360,37 @@ class PublishEngine(Generic[H]):
         self._retry.clear()
         return resolutions
 
-    def fail(self, entry: Entry[H], error: PublishError) -> Resolution[H]:
+    def fail(self, entry: Entry[H], error: PublishError) -> Entry[H]:
         """Fail one unresolved entry that is not on the wire (it could not be written)."""
         self.tracker.discard(entry)
         return self._finish(entry, error)
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _resolve_settled(self, settled: list[Settled[H]], now: float) -> list[Resolution[H]]:
-        resolutions: list[Resolution[H]] = []
-        latencies = self.counters.latencies
-        for item in settled:
-            entry = item.entry
-            if entry.state is not WIRE:  # expired or closed meanwhile; already resolved
-                continue
-            outcome = item.outcome
-            if outcome is _ACKED:
-                latencies.append(now - entry.accepted)
-                resolutions.append(
-                    self._finish(entry, new_confirmation(entry.message.message_id, entry.attempts))
+    def _resolve_one(self, entry: Entry[H], outcome: Outcome, now: float) -> Entry[H] | None:
+        """Settle one entry that was on the wire: resolved (returned) or None (retried)."""
+        if outcome is _ACKED:
+            if entry.returned is None:
+                self.counters.latencies.append(now - entry.accepted)
+                return self._finish(
+                    entry, new_confirmation(entry.message.message_id, entry.attempts)
                 )
-            elif outcome is _RETURNED:
-                code, text = entry.returned or (312, "NO_ROUTE")
-                resolutions.append(
-                    self._finish(entry, MessageReturned(entry.message, entry.attempts, code, text))
-                )
-            else:
-                entry.nacks += 1
-                self.counters.nacked += 1
-                delay = self.nack_policy.delay(entry.nacks, self._rng)
-                if (
-                    self.nack_policy.allows(entry.nacks, now - entry.accepted)
-                    and now + delay < entry.deadline
-                ):
-                    entry.state = BACKOFF
-                    self._retry_seq += 1
-                    heapq.heappush(self._retry, (now + delay, self._retry_seq, entry))
-                else:
-                    resolutions.append(
-                        self._finish(entry, MessageNacked(entry.message, entry.attempts))
-                    )
-        return resolutions
+            code, text = entry.returned
+            return self._finish(entry, MessageReturned(entry.message, entry.attempts, code, text))
+        entry.nacks += 1
+        self.counters.nacked += 1
+        delay = self.nack_policy.delay(entry.nacks, self._rng)
+        if (
+            self.nack_policy.allows(entry.nacks, now - entry.accepted)
+            and now + delay < entry.deadline
+        ):
+            entry.state = BACKOFF
+            self._retry_seq += 1
+            heapq.heappush(self._retry, (now + delay, self._retry_seq, entry))
+            return None
+        return self._finish(entry, MessageNacked(entry.message, entry.attempts))
 
-    def _finish(self, entry: Entry[H], result: Confirmation | PublishError) -> Resolution[H]:
+    def _finish(self, entry: Entry[H], result: Confirmation | PublishError) -> Entry[H]:
         entry.state = DONE
         self._live -= 1
         if entry.isolated:
@@ -392,7 +408,8 @@ class PublishEngine(Generic[H]):
             counters.timed_out += 1
         else:
             counters.closed += 1
-        return Resolution(entry, result)
+        entry.result = result
+        return entry
 
     def stats(self) -> Stats:
         """A snapshot of the counters (safe to call from another thread)."""

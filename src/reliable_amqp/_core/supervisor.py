@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from reliable_amqp._core.engine import PublishEngine, Resolution, is_permanent_channel_close
+from reliable_amqp._core.engine import PublishEngine, is_permanent_channel_close
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     InvalidMessage,
@@ -31,6 +31,7 @@ from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import EventKind
+from reliable_amqp._core.tracker import Entry
 
 H = TypeVar("H")
 
@@ -157,7 +158,7 @@ class Supervisor(Generic[H]):
         *,
         established: bool,
         reply: tuple[int, str] | None = None,
-    ) -> tuple[list[Resolution[H]], Reconnect | GiveUp | None]:
+    ) -> tuple[list[Entry[H]], Reconnect | GiveUp | None]:
         """The connection is gone, or an attempt failed (``established`` False).
 
         ``reply`` is the broker's ``connection.close`` (code, text) when it sent one. Whatever
@@ -220,7 +221,7 @@ class Supervisor(Generic[H]):
 
     def channel_closed(
         self, reply_code: int | None, reply_text: str, now: float
-    ) -> tuple[list[Resolution[H]], float]:
+    ) -> tuple[list[Entry[H]], float]:
         """The broker closed the publishing channel while its connection stays open.
 
         The message that caused a permanent close (404, 406, ...) fails alone; the others go out
@@ -246,7 +247,7 @@ class Supervisor(Generic[H]):
 
     def on_confirm(
         self, generation: int, ack: bool, tag: int, multiple: bool, now: float
-    ) -> list[Resolution[H]]:
+    ) -> list[Entry[H]]:
         """``basic.ack`` (``ack``) or ``basic.nack`` from the channel of ``generation``."""
         self._channel_failures = 0
         if ack:
@@ -275,7 +276,7 @@ class Supervisor(Generic[H]):
         """Whether messages may be written now (channel open, not blocked, not closing)."""
         return self.state.writable and not self.stopping
 
-    def write(self, channel: int, out: list[bytes | memoryview]) -> tuple[int, list[Resolution[H]]]:
+    def write(self, channel: int, out: list[bytes | memoryview]) -> tuple[int, list[Entry[H]]]:
         """Append the frames of the next batch to ``out``: (messages written, resolutions).
 
         Bodies are split at the ``frame_max`` the connection negotiated. A message whose
@@ -285,7 +286,7 @@ class Supervisor(Generic[H]):
         engine = self.engine
         frame_max = self.frame_max
         count = size = 0
-        failed: list[Resolution[H]] = []
+        failed: list[Entry[H]] = []
         while count < BATCH_COUNT and size < BATCH_BYTES:
             entry = engine.next_to_send()
             if entry is None:
@@ -308,7 +309,7 @@ class Supervisor(Generic[H]):
 
     # --- time -----------------------------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Resolution[H]]:
+    def tick(self, now: float) -> list[Entry[H]]:
         """Release due nack retries and expire messages past their deadline."""
         return self.engine.tick(now)
 
@@ -354,7 +355,7 @@ class Supervisor(Generic[H]):
         if self.state.state not in (State.CLOSING, State.CLOSED):
             self.state.transition(State.CLOSING)
 
-    def shutdown(self) -> list[Resolution[H]]:
+    def shutdown(self) -> list[Entry[H]]:
         """The end (closing begins if it had not): fail what is left, with the fatal error as
         cause when the publisher gave up."""
         self.begin_close()

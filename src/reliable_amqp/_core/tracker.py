@@ -19,7 +19,8 @@ from typing import Generic, TypeVar
 
 from sortedcontainers import SortedDict
 
-from reliable_amqp._core.message import OutgoingMessage
+from reliable_amqp._core.errors import PublishError
+from reliable_amqp._core.message import Confirmation, OutgoingMessage
 
 H = TypeVar("H")
 
@@ -73,6 +74,19 @@ class Entry(Generic[H]):
     accepted: float = 0.0
     #: where the message is (see PublishEngine)
     state: Stage = Stage.WAITING
+    #: the outcome, once resolved: a Confirmation or the PublishError
+    result: Confirmation | PublishError | None = None
+
+    # An entry the engine resolved is its own resolution (no object is made for it):
+    @property
+    def entry(self) -> Entry[H]:
+        """The entry itself (a resolved entry serves as its :class:`Resolution`)."""
+        return self
+
+    @property
+    def ok(self) -> bool:
+        """True when the message was confirmed."""
+        return isinstance(self.result, Confirmation)
 
 
 @dataclass(slots=True)  # not frozen: one is made per confirmed message, and frozen costs 2.5x
@@ -203,13 +217,23 @@ class ConfirmTracker(Generic[H]):
     def _settle(
         self, generation: int, tag: int, multiple: bool, outcome: Outcome
     ) -> list[Settled[H]]:
+        settled = self._settled
+        return [settled(entry, outcome) for entry in self.settle(generation, tag, multiple)]
+
+    def settle(self, generation: int, tag: int, multiple: bool) -> list[Entry[H]]:
+        """The entries an ack or nack of ``tag`` (with ``multiple``) settles, in publish order,
+        taken out of the tracker (the bulk form of :meth:`on_ack`/:meth:`on_nack`: no object
+        per entry; an acked entry with ``returned`` set was returned)."""
         if generation != self._generation or tag <= 0:
             return []
         key = pack_key(generation, tag)
         entries = self._entries
         if not multiple:
             entry = entries.pop(key, None)
-            return [] if entry is None else [self._settled(entry, outcome)]
+            if entry is None:
+                return []
+            entry.key = -1
+            return [entry]
         # Everything up to and including ``tag``. Only the current generation is ever tracked
         # (new_generation() empties the map), so that is a prefix, taken and deleted as one slice:
         # O(log n + k) (sortedcontainers rebuilds instead when k is over n/8).
@@ -218,12 +242,12 @@ class ConfirmTracker(Generic[H]):
             return []
         acked = entries.values()[:stop]
         del entries.keys()[:stop]
-        settled = self._settled
-        return [settled(entry, outcome) for entry in acked]
+        for entry in acked:
+            entry.key = -1
+        return acked
 
     @staticmethod
     def _settled(entry: Entry[H], outcome: Outcome) -> Settled[H]:
-        entry.key = -1
         if outcome is Outcome.ACKED and entry.returned is not None:
             outcome = Outcome.RETURNED
         return Settled(entry, outcome)

@@ -15,7 +15,6 @@ import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import PublishTimeout
 
 
@@ -23,6 +22,14 @@ class Indexed(Protocol):
     """What the engine holds per message for the window: its issue number (1, 2, ...)."""
 
     index: int
+
+
+class Resolved(Protocol):
+    """A resolved message as the window sees it (an engine Entry, or a Resolution)."""
+
+    @property
+    def entry(self) -> Any:
+        """Its entry: ``size`` and ``handle`` (:class:`Indexed`)."""
 
 
 class Barrier:
@@ -94,7 +101,7 @@ class Window:
         """How many more messages the count bound admits (the byte bound aside)."""
         return self.max_count - self.count
 
-    def release(self, resolutions: Sequence[Resolution[Any]]) -> list[Barrier]:
+    def release(self, resolutions: Sequence[Resolved]) -> list[Barrier]:
         """Messages resolved (their handles are :class:`Indexed`); returns the barriers that
         reached zero with them."""
         self.count -= len(resolutions)

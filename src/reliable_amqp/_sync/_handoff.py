@@ -14,10 +14,10 @@ from collections import deque
 from collections.abc import Callable
 
 from reliable_amqp._compat.futures import SharedLockCondition, settle
-from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import PublisherForked, ReliableAmqpError, WouldDeadlock
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync.topology import Request
@@ -76,12 +76,12 @@ class Handoff:
             self.requests.clear()
             return requests
 
-    def resolve(self, resolutions: list[Resolution[PublishFuture]]) -> None:
+    def resolve(self, resolutions: list[Entry[PublishFuture]]) -> None:
         """Turn resolutions into settled futures and free their room in the window."""
         if not resolutions:
             return
         # a future the caller cancelled is left as it is; the message was still settled
-        settle(self.futures, [(r.entry.handle, r.result) for r in resolutions])
+        settle(self.futures, [e.handle for e in resolutions], [e.result for e in resolutions])
         with self.room:  # held briefly: publishing threads wait on this lock
             self.window.release(resolutions)
             self.room.notify_all()
