@@ -200,7 +200,7 @@ def _hook(event: PublisherEvent) -> None:
 def test_kwargs_names_every_option_but_the_urls() -> None:
     options = PublisherOptions.create(URL)
     names = {f.name for f in dataclasses.fields(PublisherOptions)} - {"urls"}
-    assert set(options.kwargs()) == names and len(names) == 24
+    assert set(options.kwargs()) == names and len(names) == 27
     assert options.kwargs() == {
         "max_in_flight": 10_000,
         "max_in_flight_bytes": 64 * 1024 * 1024,
@@ -224,6 +224,9 @@ def test_kwargs_names_every_option_but_the_urls() -> None:
         "key_password": None,
         "server_hostname": None,
         "tls_verify": True,
+        "spool": None,
+        "spool_max_bytes": 1024**3,
+        "spool_fsync": "persist",
         "tracer_provider": None,
         "meter_provider": None,
     }

@@ -8,6 +8,7 @@ environment variables, command-line flags).
 from __future__ import annotations
 
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -29,6 +30,14 @@ if TYPE_CHECKING:
 DEFAULT_CONNECT_POLICY = RetryPolicy(
     max_attempts=20, initial_delay=0.1, max_delay=5.0, multiplier=2.0, jitter=0.2, deadline=60.0
 )
+#: With a spool: reconnect for as long as it takes (the spool holds what waits meanwhile).
+SPOOL_CONNECT_POLICY = RetryPolicy(
+    max_attempts=None, initial_delay=0.1, max_delay=5.0, multiplier=2.0, jitter=0.2, deadline=None
+)
+#: With a spool, ``delivery_timeout`` unless given: ten years, i.e. no deadline.
+SPOOL_DELIVERY_TIMEOUT = 10 * 365 * 86400.0
+#: The values of ``spool_fsync`` (see docs/spool.md).
+SPOOL_FSYNC_POLICIES = ("commit", "persist", "never")
 #: Default nack policy: a nack from a full queue (x-overflow=reject-publish) gets time to drain.
 DEFAULT_NACK_POLICY = RetryPolicy(
     max_attempts=5, initial_delay=0.1, max_delay=2.0, multiplier=2.0, jitter=0.05
@@ -317,6 +326,16 @@ class PublisherOptions:
     #: verify the broker's certificate chain and host name; False (logged as a warning) accepts
     #: any certificate: encryption without authentication
     tls_verify: bool = True
+    #: durable spool directory (docs/spool.md): ``publish()`` appends each message to it and the
+    #: broker's confirm removes it, so a crash of the process or a long broker outage loses
+    #: nothing; None: unconfirmed messages live in memory only
+    spool: str | None = None
+    #: bytes of messages the spool may hold; beyond it ``publish()`` waits for room, then raises
+    #: PublishTimeout after ``publish_timeout``
+    spool_max_bytes: int = 1024**3
+    #: when the spool's writes are forced to disk: "commit" (every batch the writer commits),
+    #: "persist" (at ``persist()`` and ``close()``) or "never" (docs/spool.md#what-is-guaranteed)
+    spool_fsync: str = "persist"
     #: OpenTelemetry ``TracerProvider`` for this publisher's PRODUCER spans, instead of the
     #: global one (needs the ``otel`` extra; see docs/observability.md)
     tracer_provider: TracerProvider | None = None
@@ -354,6 +373,7 @@ class PublisherOptions:
                 raise ConfigurationError(f"{name} must be a RetryPolicy")
         if self.on_event is not None and not callable(self.on_event):
             raise ConfigurationError("on_event must be callable")
+        self._check_spool()
         for name, method in (("tracer_provider", "get_tracer"), ("meter_provider", "get_meter")):
             provider = getattr(self, name)
             if provider is not None and not callable(getattr(provider, method, None)):
@@ -361,6 +381,18 @@ class PublisherOptions:
                     f"{name} must be an OpenTelemetry provider (with {method}()), "
                     f"got {type(provider).__name__}"
                 )
+
+    def _check_spool(self) -> None:
+        if self.spool is not None and (not isinstance(self.spool, str) or not self.spool):
+            raise ConfigurationError(
+                f"spool must be a directory path (str) or None, got {self.spool!r}"
+            )
+        _positive_int("spool_max_bytes", self.spool_max_bytes)
+        if self.spool_fsync not in SPOOL_FSYNC_POLICIES:
+            raise ConfigurationError(
+                f"spool_fsync must be one of {', '.join(SPOOL_FSYNC_POLICIES)}, "
+                f"got {self.spool_fsync!r}"
+            )
 
     def _check_credentials_and_tls(self) -> None:
         for name in _CREDENTIAL_AND_TLS_STRINGS:
@@ -444,6 +476,13 @@ class PublisherOptions:
         for name in ("connect_policy", "nack_policy"):
             if name in options and not isinstance(options[name], RetryPolicy):
                 options[name] = RetryPolicy.from_dict(options[name], base=_DEFAULT_POLICIES[name])
+        if options.get("spool") is not None:
+            if isinstance(options["spool"], os.PathLike):
+                options["spool"] = os.fspath(options["spool"])
+            # a spooled message waits for the broker as long as it takes (the spool bounds it,
+            # not a clock), and the publisher keeps reconnecting: unless told otherwise
+            options.setdefault("delivery_timeout", SPOOL_DELIVERY_TIMEOUT)
+            options.setdefault("connect_policy", SPOOL_CONNECT_POLICY)
         if "heartbeat" not in options:
             # ?heartbeat=N in the URLs is the heartbeat option (the liveness check reads it)
             given = {_url_heartbeat_or_none(u) for u in urls if isinstance(u, str)} - {None}
@@ -518,8 +557,10 @@ _CREDENTIAL_AND_TLS_STRINGS = (
     "key_password",
     "server_hostname",
 )
-_STRING_OPTIONS = frozenset({"dedup_header", "connection_name", *_CREDENTIAL_AND_TLS_STRINGS})
-_INT_OPTIONS = {"max_in_flight", "max_in_flight_bytes", "heartbeat"}
+_STRING_OPTIONS = frozenset(
+    {"dedup_header", "connection_name", "spool", "spool_fsync", *_CREDENTIAL_AND_TLS_STRINGS}
+)
+_INT_OPTIONS = {"max_in_flight", "max_in_flight_bytes", "heartbeat", "spool_max_bytes"}
 _FLOAT_OPTIONS = {
     "publish_timeout",
     "delivery_timeout",

@@ -33,6 +33,7 @@ from reliable_amqp._core.errors import (
     SpoolWriteError,
 )
 from reliable_amqp._core.message import OutgoingMessage
+from reliable_amqp._core.options import SPOOL_FSYNC_POLICIES
 from reliable_amqp._spool import _codec, _db
 from reliable_amqp._spool._lock import DirectoryLock
 
@@ -41,7 +42,7 @@ _encode = _codec.encode
 _crc32 = zlib.crc32
 
 #: the values of the ``spool_fsync`` option, from the safest to the fastest
-FSYNC_POLICIES = ("commit", "persist", "never")
+FSYNC_POLICIES = SPOOL_FSYNC_POLICIES
 DEFAULT_FSYNC = "persist"
 DEFAULT_MAX_BYTES = 1024**3
 #: how long the writer waits before it tries a failed commit (a full disk) again, at most
