@@ -28,12 +28,18 @@ class Lifecycle:
         #: what was lost ("connection" or "channel") and since when, until recovered
         self._lost: tuple[str, float] | None = None
 
-    def emit(self, kind: EventKind, detail: str, downtime: float | None = None) -> None:
+    def emit(
+        self,
+        kind: EventKind,
+        detail: str,
+        downtime: float | None = None,
+        error: BaseException | None = None,
+    ) -> None:
         """Call the hook, if any; a hook that raises is logged, not propagated."""
         if self._hook is None:
             return
         try:
-            self._hook(PublisherEvent(kind, detail, self._clock(), downtime))
+            self._hook(PublisherEvent(kind, detail, self._clock(), downtime, error))
         except Exception:
             log.exception("reliable-amqp: on_event hook raised (ignored)")
 

@@ -18,6 +18,9 @@ class EventKind(enum.Enum):
     UNBLOCKED = "unblocked"
     RECOVERY_FAILED = "recovery_failed"
     CLOSED = "closed"
+    #: a message recovered from the spool (no caller future) failed for good: it was moved to
+    #: the spool's failed table; ``error`` is the PublishError, with the message
+    SPOOL_FAILED = "spool_failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +32,8 @@ class PublisherEvent:
     at: float
     #: for RECOVERED: seconds since the connection (or channel) was lost
     downtime: float | None = None
+    #: for SPOOL_FAILED: what became of the message (a PublishError; ``.message`` is it)
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)
