@@ -109,4 +109,5 @@ def test_events_default_to_no_downtime_and_are_frozen() -> None:
         "unblocked",
         "recovery_failed",
         "closed",
+        "spool_failed",
     ]
