@@ -42,6 +42,7 @@ from reliable_amqp.spark._publish import (
     publish_partition,
 )
 from reliable_amqp.spark._sink import AmqpSink, WriteSummary
+from reliable_amqp.spark._totals import SinkTotals
 
 __all__ = [
     "KNOWN_COLUMNS",
@@ -55,6 +56,7 @@ __all__ = [
     "PartitionResult",
     "RowsNotConfirmed",
     "SinkConfig",
+    "SinkTotals",
     "WriteSummary",
     "close_cached_publishers",
     "publish_partition",

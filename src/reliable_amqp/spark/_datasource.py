@@ -4,12 +4,17 @@ Register it once per session with :func:`register` (or ``spark.dataSource.regist
 Options arrive as strings, lower-cased by Spark; see :meth:`SinkConfig.from_strings`. The schema
 is checked when Spark asks for a writer, on the driver, before any task runs. Each task publishes
 its partition (from Arrow batches) with :func:`publish_partition` and returns an
-:class:`AmqpCommitMessage` with its counts; the driver-side ``commit`` logs the totals.
+:class:`AmqpCommitMessage` with its counts; the driver-side ``commit`` logs the totals at INFO,
+and ``abort`` logs what was confirmed and how many partitions failed, at WARNING. Both run in a
+Python worker Spark starts on the driver, which configures no logging: there they log to stderr
+unless ``RELIABLE_AMQP_SPARK_LOG`` or a handler says otherwise.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -27,8 +32,9 @@ from pyspark.sql.types import StructType
 
 from reliable_amqp import ConfigurationError
 from reliable_amqp.spark._mapping import ColumnPlan
-from reliable_amqp.spark._publish import SinkConfig
+from reliable_amqp.spark._publish import LOG_ENV, SinkConfig
 from reliable_amqp.spark._sink import publish_arrow
+from reliable_amqp.spark._trace import capture
 
 log = logging.getLogger("reliable_amqp.spark")
 
@@ -56,21 +62,43 @@ class CommitTotals:
     partitions: int
     job: str
     publishers: int = 0
+    #: tasks that reported nothing: they failed (their rows are in the job's error)
+    failed_partitions: int = 0
 
     def __str__(self) -> str:
+        failed = (
+            f"; {self.failed_partitions} partition{'' if self.failed_partitions == 1 else 's'} "
+            "failed"
+            if self.failed_partitions
+            else ""
+        )
         return (
             f"{self.rows} rows confirmed from {self.partitions} "
             f"partition{'' if self.partitions == 1 else 's'} "
             f"(ids {self.job}:*; {self.publishers} cached "
-            f"publisher{'' if self.publishers == 1 else 's'})"
+            f"publisher{'' if self.publishers == 1 else 's'}){failed}"
         )
 
 
 def commit_totals(messages: Sequence[WriterCommitMessage | None], job: str) -> CommitTotals:
-    """Sum the per-partition counts of the tasks that succeeded."""
+    """Sum the per-partition counts of the tasks that succeeded; count those that did not."""
     done = [m for m in messages if isinstance(m, AmqpCommitMessage)]
     publishers = len({m.publisher for m in done})
-    return CommitTotals(sum(m.rows for m in done), len(done), job, publishers)
+    failed = len(messages) - len(done)
+    return CommitTotals(sum(m.rows for m in done), len(done), job, publishers, failed)
+
+
+def _driver_log() -> logging.Logger:
+    """The logger, with a stderr handler at INFO when nothing in this process configures one:
+    ``commit`` and ``abort`` run in a Python worker Spark starts on the driver, where nobody
+    configures logging, and their totals should show by default."""
+    if not log.handlers and not logging.getLogger().handlers and not os.environ.get(LOG_ENV):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        if log.level == logging.NOTSET:
+            log.setLevel(logging.INFO)
+    return log
 
 
 class AmqpDataSource(DataSource):
@@ -99,7 +127,9 @@ class AmqpDataSource(DataSource):
     def writer(self, schema: StructType, overwrite: bool) -> AmqpBatchWriter:
         """A batch writer (called on the driver; checks options and schema)."""
         config, plan = self._config(schema, overwrite)
-        return AmqpBatchWriter(config, plan, config.id_prefix or uuid.uuid4().hex)
+        writer = AmqpBatchWriter(config, plan, config.id_prefix or uuid.uuid4().hex)
+        writer.trace = capture(config.publisher)  # the driver's trace context, if any
+        return writer
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> AmqpStreamWriter:
         """A streaming writer (called on the driver; checks options and schema)."""
@@ -114,23 +144,24 @@ class AmqpBatchWriter(DataSourceArrowWriter):
         self.config = config
         self.plan = plan
         self.job = job
+        self.trace: dict[str, str] | None = None
 
     def write(self, iterator: Iterator[Any]) -> AmqpCommitMessage:
         """Publish one partition (Arrow batches); return its counts."""
-        result = publish_arrow(self.config, self.plan, self.job, iterator)
+        result = publish_arrow(self.config, self.plan, self.job, iterator, self.trace)
         return AmqpCommitMessage(
             result.partition, result.rows, result.seconds, self.job, result.publisher
         )
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         """Log the totals of the write (on the driver, once every task succeeded)."""
-        log.info("amqp: %s", commit_totals(messages, self.job))
+        _driver_log().info("amqp: %s", commit_totals(messages, self.job))
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         """Log what was confirmed before the write failed (those rows stay published)."""
-        log.warning(
-            "amqp: write %s failed; %s before the failure (at least once: a rerun with the same "
-            "id_prefix republishes the same message ids)",
+        _driver_log().warning(
+            "amqp: write %s failed: %s (at least once: a rerun with the same id_prefix "
+            "republishes the same message ids)",
             self.job,
             commit_totals(messages, self.job),
         )
@@ -171,11 +202,18 @@ class AmqpStreamWriter(DataSourceStreamArrowWriter):
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Log the micro-batch's totals."""
         jobs = {m.job for m in messages if isinstance(m, AmqpCommitMessage)}
-        log.info("amqp: micro-batch %d: %s", batchId, commit_totals(messages, "/".join(jobs)))
+        _driver_log().info(
+            "amqp: micro-batch %d: %s", batchId, commit_totals(messages, "/".join(jobs))
+        )
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Log a failed micro-batch (Spark replays it with the same batch id and message ids)."""
-        log.warning("amqp: micro-batch %d failed; Spark replays it with the same ids", batchId)
+        jobs = {m.job for m in messages if isinstance(m, AmqpCommitMessage)}
+        _driver_log().warning(
+            "amqp: micro-batch %d failed; %s; Spark replays it with the same ids",
+            batchId,
+            commit_totals(messages, "/".join(jobs) or "?"),
+        )
 
 
 def register(spark: SparkSession) -> None:

@@ -39,7 +39,9 @@ from reliable_amqp import (
     ReliableAmqpError,
     State,
 )
+from reliable_amqp._otel import check_provider_options
 from reliable_amqp.spark._mapping import Chunk, ColumnPlan, plan_for_row, plan_for_schema
+from reliable_amqp.spark._trace import attached
 
 log = logging.getLogger("reliable_amqp.spark")
 
@@ -95,6 +97,8 @@ class SinkConfig:
     flush_timeout: float | None = None
 
     def __post_init__(self) -> None:
+        # provider objects would be pickled to the executors: each process uses its own globals
+        check_provider_options(self.publisher, "the Spark sink")
         for name in ("exchange", "routing_key_column", "body_column"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigurationError(f"{name} must be a str, got {getattr(self, name)!r}")
@@ -330,14 +334,26 @@ class _Outcome:
 
 
 def publish_partition(
-    config: SinkConfig, chunks: Iterable[Chunk], id_base: str, partition: int
+    config: SinkConfig,
+    chunks: Iterable[Chunk],
+    id_base: str,
+    partition: int,
+    trace: Mapping[str, str] | None = None,
 ) -> PartitionResult:
     """Publish every row of one partition and wait for every confirm; raise if any failed.
 
     Rows without a ``message_id`` get ``f"{id_base}:{position}"``: the same on every attempt of
     the task. If reading the rows fails (an upstream error), what was already handed to the
-    publisher is flushed first, so the cached publisher starts the next task clean.
+    publisher is flushed first, so the cached publisher starts the next task clean. ``trace``
+    is the driver's trace context (propagation headers): the messages' spans continue it.
     """
+    with attached(trace):
+        return _publish_partition(config, chunks, id_base, partition)
+
+
+def _publish_partition(
+    config: SinkConfig, chunks: Iterable[Chunk], id_base: str, partition: int
+) -> PartitionResult:
     started = time.perf_counter()
     publisher = cached_publisher(config.publisher)
     outcome = _Outcome()
@@ -388,7 +404,7 @@ def publish_partition(
     if outcome.reasons:
         raise RowsNotConfirmed(partition, position, outcome.reasons, outcome.sample_ids)
     seconds = time.perf_counter() - started
-    log.debug(
+    log.info(
         "partition %d: %d rows confirmed in %.2f s (ids %s:*)",
         partition,
         position,

@@ -34,6 +34,8 @@ from reliable_amqp.spark._publish import (
     chunk_rows,
     publish_partition,
 )
+from reliable_amqp.spark._totals import SinkTotals, driver_accumulator
+from reliable_amqp.spark._trace import capture
 
 _RESULT_SCHEMA = "partition int, rows long, seconds double, publisher string"
 
@@ -73,6 +75,10 @@ class AmqpSink:
     otherwise a uuid minted on the driver: per ``write()`` call, per sink for
     ``foreachPartition`` (plus the stage id, so two jobs never share ids), per micro-batch for
     ``for_batch`` (the streaming query id and batch id, stable across restarts).
+
+    ``df.foreachPartition(sink)`` reports to the driver through an accumulator (classic
+    sessions): :attr:`totals`, logged at INFO as each task's update arrives. A write started
+    inside an OpenTelemetry span carries that trace context to the tasks.
     """
 
     def __init__(
@@ -99,6 +105,8 @@ class AmqpSink:
             flush_timeout=flush_timeout,
         )
         self._job = uuid.uuid4().hex
+        self._totals: Any = driver_accumulator()
+        self._trace: dict[str, str] | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, str]) -> AmqpSink:
@@ -106,7 +114,29 @@ class AmqpSink:
         sink = cls.__new__(cls)
         sink.config = SinkConfig.from_strings(options)
         sink._job = uuid.uuid4().hex
+        sink._totals = driver_accumulator()
+        sink._trace = None
         return sink
+
+    @property
+    def totals(self) -> SinkTotals | None:
+        """What this sink's ``df.foreachPartition(sink)`` jobs confirmed so far, on the driver:
+        rows and partitions of the tasks that succeeded (Spark drops the updates of failed
+        attempts; their rows are in the job's error). None through Spark Connect, which has no
+        accumulators: use ``sink.write(df, via="rows")`` there for totals."""
+        if self._totals is None:
+            return None
+        value: SinkTotals = self._totals.value
+        return value
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled on the driver when a job ships the sink (foreachPartition): make the
+        # accumulator if the session came after the sink, and take the caller's trace context.
+        if self._totals is None:
+            self._totals = driver_accumulator()
+        state = dict(self.__dict__)
+        state["_trace"] = capture(self.config.publisher)
+        return state
 
     def __repr__(self) -> str:
         urls = ", ".join(redact_url(u) for u in self.config.publisher.urls)
@@ -123,9 +153,15 @@ class AmqpSink:
         partition = ctx.partitionId() if ctx is not None else 0
         stage = ctx.stageId() if ctx is not None else 0
         job = self.config.id_prefix or f"{self._job}:s{stage}"
-        publish_partition(
-            self.config, chunk_rows(None, self.config, rows), f"{job}:{partition}", partition
+        result = publish_partition(
+            self.config,
+            chunk_rows(None, self.config, rows),
+            f"{job}:{partition}",
+            partition,
+            self._trace,
         )
+        if self._totals is not None:
+            self._totals.add(SinkTotals(result.rows, 1))
 
     # --- driver-side writes --------------------------------------------------------------------
 
@@ -155,14 +191,15 @@ class AmqpSink:
     def _write(self, df: DataFrame, job: str, via: str) -> WriteSummary:
         plan = self.check(df.schema)
         started = time.perf_counter()
+        trace = capture(self.config.publisher)
         if via == "arrow":
-            task = _ArrowTask(self.config, plan, job)
+            task = _ArrowTask(self.config, plan, job, trace)
             results = _results(df.mapInArrow(task, _RESULT_SCHEMA).collect())
         elif via == "rows" and is_connect(df):  # Spark Connect has no RDDs
-            rows_task = _ArrowRowTask(self.config, plan, job, df.schema)
+            rows_task = _ArrowRowTask(self.config, plan, job, df.schema, trace)
             results = _results(df.mapInArrow(rows_task, _RESULT_SCHEMA).collect())
         elif via == "rows":
-            results = df.rdd.mapPartitions(_RowTask(self.config, plan, job)).collect()
+            results = df.rdd.mapPartitions(_RowTask(self.config, plan, job, trace)).collect()
         else:
             raise ConfigurationError(f'via must be "arrow" or "rows", not {via!r}')
         return WriteSummary(
@@ -201,23 +238,34 @@ def _result_batch(result: PartitionResult) -> Any:
 class _ArrowTask:
     """The ``mapInArrow`` function: publish a partition's Arrow batches, yield its counts."""
 
-    def __init__(self, config: SinkConfig, plan: ColumnPlan, job: str) -> None:
+    def __init__(
+        self, config: SinkConfig, plan: ColumnPlan, job: str, trace: dict[str, str] | None
+    ) -> None:
         self.config = config
         self.plan = plan
         self.job = job
+        self.trace = trace
 
     def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
-        yield _result_batch(publish_arrow(self.config, self.plan, self.job, batches))
+        yield _result_batch(publish_arrow(self.config, self.plan, self.job, batches, self.trace))
 
 
 class _ArrowRowTask:
     """``via="rows"`` on Spark Connect: Arrow batches in, ``Row`` objects to the publisher."""
 
-    def __init__(self, config: SinkConfig, plan: ColumnPlan, job: str, schema: StructType) -> None:
+    def __init__(
+        self,
+        config: SinkConfig,
+        plan: ColumnPlan,
+        job: str,
+        schema: StructType,
+        trace: dict[str, str] | None,
+    ) -> None:
         self.config = config
         self.plan = plan
         self.job = job
         self.schema = schema
+        self.trace = trace
 
     def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
         partition = _partition_id()
@@ -228,6 +276,7 @@ class _ArrowRowTask:
                 chunk_rows(self.plan, self.config, rows),
                 f"{self.job}:{partition}",
                 partition,
+                self.trace,
             )
         )
 
@@ -249,10 +298,13 @@ def _arrow_rows(batch: Any, schema: StructType) -> list[Row]:
 class _RowTask:
     """The ``rdd.mapPartitions`` function: publish a partition's Rows, yield its counts."""
 
-    def __init__(self, config: SinkConfig, plan: ColumnPlan, job: str) -> None:
+    def __init__(
+        self, config: SinkConfig, plan: ColumnPlan, job: str, trace: dict[str, str] | None
+    ) -> None:
         self.config = config
         self.plan = plan
         self.job = job
+        self.trace = trace
 
     def __call__(self, rows: Iterable[Row]) -> Iterator[PartitionResult]:
         partition = _partition_id()
@@ -261,16 +313,21 @@ class _RowTask:
             chunk_rows(self.plan, self.config, rows),
             f"{self.job}:{partition}",
             partition,
+            self.trace,
         )
 
 
 def publish_arrow(
-    config: SinkConfig, plan: ColumnPlan, job: str, batches: Iterable[Any]
+    config: SinkConfig,
+    plan: ColumnPlan,
+    job: str,
+    batches: Iterable[Any],
+    trace: dict[str, str] | None = None,
 ) -> PartitionResult:
     """Publish one partition given as Arrow record batches (columns in schema order)."""
     partition = _partition_id()
     chunks = (plan.chunk_from_arrow(batch) for batch in batches)
-    return publish_partition(config, chunks, f"{job}:{partition}", partition)
+    return publish_partition(config, chunks, f"{job}:{partition}", partition, trace)
 
 
 def _partition_id() -> int:

@@ -1,0 +1,87 @@
+"""Totals the driver sees: foreachPartition through an accumulator (classic sessions; None
+through Connect), the data source's commit and abort; provider objects are refused."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+from spark_support import unique_name
+
+from reliable_amqp import ConfigurationError
+from reliable_amqp.spark import AmqpCommitMessage, AmqpSink, SinkTotals
+from reliable_amqp.spark._datasource import AmqpBatchWriter, AmqpStreamWriter
+from reliable_amqp.spark._sink import is_connect
+
+pytestmark = [pytest.mark.spark, pytest.mark.broker]
+
+
+@pytest.mark.spark_connect
+def test_foreach_partition_totals_reach_the_driver(
+    spark: SparkSession, broker: Any, amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    queue = broker.queue(unique_name("totals"))
+    sink = AmqpSink(amqp_url, routing_key=queue)
+    df = spark.range(0, 300, numPartitions=3).select(F.col("id").cast("string").alias("body"))
+    with caplog.at_level(logging.INFO, logger="reliable_amqp.spark"):
+        df.foreachPartition(sink)
+        df.limit(100).repartition(1).foreachPartition(sink)
+    assert broker.count(queue) == 400
+    if is_connect(df):
+        assert sink.totals is None  # Connect has no accumulators
+        return
+    assert sink.totals == SinkTotals(rows=400, partitions=4)
+    merged = [r.getMessage() for r in caplog.records if "foreachPartition" in r.getMessage()]
+    assert len(merged) == 4, merged
+    assert merged[-1].endswith("this sink so far: 400 rows confirmed from 4 partitions")
+
+
+def test_a_sink_made_before_the_session_gets_its_accumulator_when_shipped(
+    spark: SparkSession, broker: Any, amqp_url: str
+) -> None:
+    queue = broker.queue(unique_name("late"))
+    sink = AmqpSink(amqp_url, routing_key=queue)
+    sink._totals = None  # as if built before the SparkContext existed
+    spark.range(0, 10, numPartitions=2).select(
+        F.col("id").cast("string").alias("body")
+    ).foreachPartition(sink)
+    assert sink.totals == SinkTotals(rows=10, partitions=2)
+
+
+def test_provider_objects_are_refused_by_the_sink(amqp_url: str) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    with pytest.raises(ConfigurationError, match="tracer_provider cannot be used with"):
+        AmqpSink(amqp_url, routing_key="q", tracer_provider=TracerProvider())
+
+
+def _writer(amqp_url: str) -> AmqpBatchWriter:
+    from reliable_amqp.spark import SinkConfig
+
+    config = SinkConfig.from_strings({"url": amqp_url, "routing_key": "q"})
+    return AmqpBatchWriter(config, None, "job-1")  # type: ignore[arg-type]
+
+
+def test_commit_and_abort_log_confirmed_and_failed_partitions(
+    amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    writer = _writer(amqp_url)
+    done = [AmqpCommitMessage(0, 500, 0.1, "job-1", "1:1"), AmqpCommitMessage(1, 250, 0.1, "job-1")]
+    with caplog.at_level(logging.INFO, logger="reliable_amqp.spark"):
+        writer.commit(list(done))
+        writer.abort([done[0], None, None])
+    assert caplog.messages[0] == (
+        "amqp: 750 rows confirmed from 2 partitions (ids job-1:*; 2 cached publishers)"
+    )
+    assert caplog.messages[1].startswith(
+        "amqp: write job-1 failed: 500 rows confirmed from 1 partition (ids job-1:*; 1 cached "
+        "publisher); 2 partitions failed (at least once"
+    )
+    stream = AmqpStreamWriter(writer.config, writer.plan, "fallback")
+    with caplog.at_level(logging.INFO, logger="reliable_amqp.spark"):
+        stream.abort([None, done[1]], 7)
+    assert "micro-batch 7 failed; 250 rows confirmed from 1 partition" in caplog.messages[-1]
+    assert "1 partition failed" in caplog.messages[-1]
