@@ -201,7 +201,7 @@ class Handle:
 
 def resolution(index: int, size: int) -> Resolution[Handle]:
     message = build_message("x", "rk", b"")
-    entry = Entry(message=message, handle=Handle(index), deadline=0.0, size=size)
+    entry = Entry(message=message, handle=Handle(index), deadline=0.0, size=size, index=index)
     return Resolution(entry, Confirmation(message.message_id, 1))
 
 

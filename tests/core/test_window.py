@@ -21,7 +21,7 @@ class Handle:
 def resolved(index: int, size: int = 0, ok: bool = True) -> Resolution[Handle]:
     """The resolution of the message issued ``index``-th, of ``size`` body bytes."""
     message = build_message("x", "rk", bytes(size))
-    entry = Entry(message=message, handle=Handle(index), deadline=1.0, size=size)
+    entry = Entry(message=message, handle=Handle(index), deadline=1.0, size=size, index=index)
     result = new_confirmation(message.message_id, 1) if ok else PublisherClosed(message, 0)
     return Resolution(entry, result)
 

@@ -42,14 +42,8 @@ from reliable_amqp._core.window import Window
 from reliable_amqp._surface import PublisherSurface
 
 
-class _Handle:
-    """What the engine holds per message: the caller's future and its flush index."""
-
-    __slots__ = ("future", "index")
-
-    def __init__(self, future: asyncio.Future[Confirmation], index: int) -> None:
-        self.future = future
-        self.index = index
+#: what the engine holds per message: the caller's future
+_Handle = asyncio.Future[Confirmation]
 
 
 class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, Any, str]]):
@@ -221,8 +215,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         if self._room_waiters or not self._window.fits(size):
             await self._wait_for_room(size, message)
         future: asyncio.Future[Confirmation] = self._pump.loop.create_future()
-        handle = _Handle(future, self._window.take(size))
-        self._engine.accept(message, handle, time.monotonic())
+        self._engine.accept(message, future, time.monotonic(), self._window.take(size))
         self._pump.wake()
         return future
 
@@ -272,9 +265,10 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
                     break
             first = window.issued + 1
             taken = window.take_many(sizes, done)
-            handles = [_Handle(futures[done + i], first + i) for i in range(taken)]
             engine.accept_many(
-                zip(messages[done : done + taken], handles, strict=True), time.monotonic()
+                zip(messages[done : done + taken], futures[done : done + taken], strict=True),
+                time.monotonic(),
+                first,
             )
             done += taken
             self._pump.wake()
@@ -374,7 +368,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         if not resolutions:
             return
         for entry in resolutions:
-            future = entry.handle.future
+            future = entry.handle
             if not future.done():  # done: the caller cancelled it; the message was settled
                 result = entry.result
                 if isinstance(result, Confirmation):

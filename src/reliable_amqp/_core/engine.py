@@ -116,28 +116,38 @@ class PublishEngine(Generic[H]):
         """How many accepted messages are not resolved yet."""
         return self._live
 
-    def accept(self, message: OutgoingMessage, handle: H, now: float) -> Entry[H]:
-        """Take a message; it is queued to be written."""
-        entry = Entry(
-            message=message,
-            handle=handle,
-            deadline=now + self.delivery_timeout,
-            size=len(message.body),
-            accepted=now,
-        )
+    def accept(
+        self, message: OutgoingMessage, handle: H, now: float, index: int | None = None
+    ) -> Entry[H]:
+        """Take a message; it is queued to be written. ``index`` is its issue number in the
+        window (default: ``handle.index``)."""
+        entry = Entry(message, handle, now + self.delivery_timeout, len(message.body))
+        entry.accepted = now
+        entry.index = getattr(handle, "index", 0) if index is None else index
         self._sendq.append(entry)
         self._fifo.append(entry)
         self._live += 1
         self.counters.published += 1
         return entry
 
-    def accept_many(self, items: Iterable[tuple[OutgoingMessage, H]], now: float) -> None:
-        """Take many messages at once (``(message, handle)`` pairs), queued in order."""
+    def accept_many(
+        self,
+        items: Iterable[tuple[OutgoingMessage, H]],
+        now: float,
+        first_index: int | None = None,
+    ) -> None:
+        """Take many messages at once (``(message, handle)`` pairs), queued in order; their
+        issue numbers follow ``first_index`` (default: each ``handle.index``)."""
         deadline = now + self.delivery_timeout
-        entries = [
-            Entry(message, handle, deadline, len(message.body), accepted=now)
-            for message, handle in items
-        ]
+        entries = [Entry(message, handle, deadline, len(message.body)) for message, handle in items]
+        if first_index is None:
+            for entry in entries:
+                entry.accepted = now
+                entry.index = entry.handle.index  # type: ignore[attr-defined]
+        else:
+            for i, entry in enumerate(entries, first_index):
+                entry.accepted = now
+                entry.index = i
         self._sendq.extend(entries)
         self._fifo.extend(entries)
         self._live += len(entries)
@@ -216,7 +226,9 @@ class PublishEngine(Generic[H]):
             if entry.state is not WIRE:  # expired or closed meanwhile; already resolved
                 continue
             if entry.returned is not None or entry.isolated:
-                resolved.append(self._resolve_one(entry, _ACKED, now))
+                done = self._resolve_one(entry, _ACKED, now)
+                if done is not None:
+                    resolved.append(done)
                 continue
             # _finish() for a confirm, inlined: this loop runs for every confirmed message
             entry.state = DONE

@@ -76,6 +76,8 @@ class Entry(Generic[H]):
     state: Stage = Stage.WAITING
     #: the outcome, once resolved: a Confirmation or the PublishError
     result: Confirmation | PublishError | None = None
+    #: its issue number in the publisher's window (flush() counts by it)
+    index: int = 0
 
     # An entry the engine resolved is its own resolution (no object is made for it):
     @property

@@ -18,18 +18,12 @@ from typing import Any, Protocol
 from reliable_amqp._core.errors import PublishTimeout
 
 
-class Indexed(Protocol):
-    """What the engine holds per message for the window: its issue number (1, 2, ...)."""
-
-    index: int
-
-
 class Resolved(Protocol):
     """A resolved message as the window sees it (an engine Entry, or a Resolution)."""
 
     @property
     def entry(self) -> Any:
-        """Its entry: ``size`` and ``handle`` (:class:`Indexed`)."""
+        """Its entry: ``size`` and ``index`` (its issue number)."""
 
 
 class Barrier:
@@ -102,8 +96,7 @@ class Window:
         return self.max_count - self.count
 
     def release(self, resolutions: Sequence[Resolved]) -> list[Barrier]:
-        """Messages resolved (their handles are :class:`Indexed`); returns the barriers that
-        reached zero with them."""
+        """Messages resolved; returns the barriers that reached zero with them."""
         self.count -= len(resolutions)
         self.bytes -= sum(r.entry.size for r in resolutions)
         if not self._barriers:
@@ -113,7 +106,7 @@ class Window:
             if barrier.remaining <= 0:
                 continue
             mark = barrier.mark
-            barrier.remaining -= sum(1 for r in resolutions if r.entry.handle.index <= mark)
+            barrier.remaining -= sum(1 for r in resolutions if r.entry.index <= mark)
             if barrier.remaining <= 0:
                 cleared.append(barrier)
         return cleared
