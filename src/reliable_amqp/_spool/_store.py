@@ -97,7 +97,8 @@ class Spool:
         self.path = _db.db_path(self.directory)
         self.max_bytes = max_bytes
         self.fsync = fsync
-        self._on_commit = on_commit
+        #: called on the writer thread after every commit (settable after opening)
+        self.on_commit = on_commit
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
         except OSError as exc:
@@ -188,22 +189,32 @@ class Spool:
             ) from None
         return meta, len(meta) + len(message.body)
 
-    def append(self, message: OutgoingMessage, timeout: float | None = None) -> int:
+    def append(
+        self,
+        message: OutgoingMessage,
+        timeout: float | None = None,
+        encoded: bytes | None = None,
+    ) -> int:
         """Queue ``message`` for the spool; returns its seq. Cheap: the writer thread commits it.
 
+        ``encoded`` is the record :meth:`encode` made of it, if the caller has it already.
         Waits while the spool holds ``max_bytes`` already (one message larger than that is let in
         when the spool is empty), at most ``timeout`` seconds (None: no limit, 0: not at all),
         then raises :class:`PublishTimeout`. Raises :class:`SpoolFull` (or
         :class:`SpoolWriteError`) while the writer cannot write (disk full, I/O error).
         """
-        try:
-            meta = _encode(message)
-        except _codec.Unstorable as exc:
-            raise InvalidMessage(
-                exc.path, f"cannot be stored in the spool: {exc.problem}"
-            ) from None
+        if encoded is not None:
+            meta = encoded
+        else:
+            try:
+                meta = _encode(message)
+            except _codec.Unstorable as exc:
+                raise InvalidMessage(
+                    exc.path, f"cannot be stored in the spool: {exc.problem}"
+                ) from None
         body = message.body
         size = len(meta) + len(body)
+        crc = _crc32(body, _crc32(meta))
         with self._lock:
             if self._error is not None:
                 raise self._write_error(message)
@@ -213,7 +224,7 @@ class Spool:
                 self._wait_for_room(size, timeout, message)
             seq = self._next_seq
             self._next_seq = seq + 1
-            self._appends.append((seq, size, _crc32(body, _crc32(meta)), meta, body))
+            self._appends.append((seq, size, crc, meta, body))
             self._bytes += size
             self._count += 1
             if self._writer_idle:
@@ -428,9 +439,10 @@ class Spool:
                     self._count -= freed_count
                     self._changed.notify_all()
                     done = closing and not (self._appends or self._removes or self._fails)
-                if self._on_commit is not None:
+                on_commit = self.on_commit
+                if on_commit is not None:
                     try:
-                        self._on_commit()
+                        on_commit()
                     except Exception:
                         log.exception("spool %s: on_commit failed", self.path)
                 if done:

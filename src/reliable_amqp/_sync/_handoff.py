@@ -12,6 +12,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from reliable_amqp._compat.futures import SharedLockCondition, settle
 from reliable_amqp._core.errors import PublisherForked, ReliableAmqpError, WouldDeadlock
@@ -21,6 +22,9 @@ from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync.topology import Request
+
+if TYPE_CHECKING:
+    from reliable_amqp._sync._spooled import SpooledPublishing
 
 
 class Handoff:
@@ -46,6 +50,8 @@ class Handoff:
         self.io_ident: int | None = None
         #: the process this publisher belongs to (a forked child inherits a copy, not the thread)
         self.pid = os.getpid()
+        #: the durable spool's part (``spool=DIR``), else None
+        self.spooled: SpooledPublishing | None = None
 
     def wake(self, force: bool = False) -> None:
         """Make the I/O thread look at the outbox (once, however many publishes ask)."""
@@ -82,9 +88,13 @@ class Handoff:
             return
         # a future the caller cancelled is left as it is; the message was still settled
         settle(self.futures, [e.handle for e in resolutions], [e.result for e in resolutions])
+        spooled = self.spooled
         with self.room:  # held briefly: publishing threads wait on this lock
             self.window.release(resolutions)
+            failed = spooled.resolved_locked(resolutions) if spooled is not None else None
             self.room.notify_all()
+        if spooled is not None:
+            spooled.after_resolved(failed or [])
 
     def fail(self, fatal: ReliableAmqpError) -> None:
         """The publisher gave up: callers waiting for room or a connection learn it now."""

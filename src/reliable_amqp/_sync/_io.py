@@ -169,10 +169,18 @@ class IOThread:
         self._supervisor.closed()
 
     def _accept_outbox(self, now: float) -> None:
-        items = self._handoff.take_outbox()
-        if items is None:
+        handoff = self._handoff
+        items = handoff.take_outbox()
+        if items is not None:
+            self._engine.accept_many(items, now)
+        if handoff.spooled is not None:  # then what waited on disk, in order, as room allows
+            backlog = handoff.spooled.refill()
+            if backlog:
+                self._engine.accept_many(backlog, now)
+            elif items is None:
+                return
+        elif items is None:
             return
-        self._engine.accept_many(items, now)
         self._schedule()  # their deadlines may come before the timer set (for liveness, say)
 
     # --- timers -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Any
 
 from reliable_amqp._core.errors import (
+    ConfigurationError,
     OperationTimeout,
     PublisherClosed,
     PublishTimeout,
@@ -33,6 +34,7 @@ from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync._handoff import Handoff
 from reliable_amqp._sync._io import IOThread
 from reliable_amqp._sync._pika import connection_parameters
+from reliable_amqp._sync._spooled import SpooledPublishing
 
 # Publishers alive in this process: a forked child must not use the ones it inherited.
 _live_handoffs: weakref.WeakSet[Handoff] = weakref.WeakSet()
@@ -68,6 +70,13 @@ class Publisher(PublisherSurface[None, str]):
         self._window = self._handoff.window
         self._supervisor: Supervisor[PublishFuture] = Supervisor(self.options)
         self._init_checks()
+        #: the durable spool's part (spool=DIR): opening it takes its lock, or raises
+        self._spooled = (
+            SpooledPublishing(self.options, self._handoff, self._supervisor.events)
+            if self.options.spool is not None
+            else None
+        )
+        self._handoff.spooled = self._spooled
         self._io = IOThread(params, self._handoff, self._supervisor, Topology())
         _live_handoffs.add(self._handoff)
         # Dropped without close(): the thread holds no reference to this object, so it can be
@@ -88,6 +97,8 @@ class Publisher(PublisherSurface[None, str]):
             raise handoff.fatal
         handoff.check_wait("connect()")
         self._io.start()
+        if self._spooled is not None:
+            return self  # connects in the background; publish() goes to the spool meanwhile
         while not self._io.opened.wait(0.05):
             if handoff.fatal is not None:
                 raise handoff.fatal
@@ -119,9 +130,12 @@ class Publisher(PublisherSurface[None, str]):
         with handoff.room:
             handoff.accepting = False
             handoff.room.notify_all()
+        wait = self.options.close_timeout if timeout is None else timeout
         if not self._io.started:
+            if self._spooled is not None:
+                self._spooled.close(wait)
             return 0
-        left = self.flush(self.options.close_timeout if timeout is None else timeout)
+        left = self.flush(wait)
         self._io.stop()
         # The I/O thread settled everything it held; a publish that raced close() may remain.
         # The thread is gone, so the engine is this thread's to finish.
@@ -129,6 +143,8 @@ class Publisher(PublisherSurface[None, str]):
         for message, future in handoff.take_outbox() or ():
             engine.accept(message, future, time.monotonic())
         handoff.resolve(engine.close_all("publisher closed"))
+        if self._spooled is not None:  # what is left stays in the spool for the next publisher
+            self._spooled.close(wait)
         return left
 
     # --- topology ----------------------------------------------------------------------------
@@ -176,6 +192,8 @@ class Publisher(PublisherSurface[None, str]):
         if not self._io.opened.is_set():
             self._check_accepting(message)
             self.connect()
+        if self._spooled is not None:
+            return self._spooled.publish(message, self._check_accepting)
         # Cancelling the future only means the caller stopped caring: the message stays tracked.
         future = PublishFuture(handoff.futures, 0, handoff)
         size = len(message.body)
@@ -223,6 +241,8 @@ class Publisher(PublisherSurface[None, str]):
         if not self._io.opened.is_set():
             self._check_accepting(messages[0])
             self.connect()
+        if self._spooled is not None:
+            return [self._spooled.publish(m, self._check_accepting) for m in messages]
         condition = handoff.futures
         futures = [PublishFuture(condition, 0, handoff) for _ in messages]
         sizes = [len(m.body) for m in messages]
@@ -277,6 +297,8 @@ class Publisher(PublisherSurface[None, str]):
         if handoff.forked:
             return self._window.count  # nothing will resolve them here
         handoff.check_wait("flush()")
+        if self._spooled is not None:  # what waits on disk counts too
+            return self._spooled.flush(timeout)
         with handoff.room:
             barrier = self._window.barrier()
             try:
@@ -288,6 +310,17 @@ class Publisher(PublisherSurface[None, str]):
             finally:
                 self._window.end_barrier(barrier)
             return barrier.remaining
+
+    def persist(self, timeout: float | None = None) -> int:
+        """With a spool: wait until every message published so far is durable on disk
+        (committed, and fsynced unless ``spool_fsync="never"``): the commit point after which
+        a crash of this process loses none of them. Returns how many are not durable yet when
+        ``timeout`` passes first (0: all are). Raises :class:`SpoolError` when the spool cannot
+        be written (a full disk), :class:`ConfigurationError` without a spool.
+        """
+        if self._spooled is None:
+            raise ConfigurationError("persist() needs a spool: Publisher(url, spool=DIR)")
+        return self._spooled.persist(timeout)
 
     def _wait_for_room(self, size: int, message: OutgoingMessage) -> None:
         handoff = self._handoff

@@ -1,0 +1,150 @@
+"""What a publisher with a spool keeps beside its window: the bookkeeping both adapters share.
+
+Every message a spooled publisher accepts is appended to the spool first (its ``seq`` is its
+place in the append order) and goes to the engine in that order:
+
+- at once, when nothing older waits on disk and the in-flight window has room (the usual case:
+  the message never has to be read back);
+- otherwise it stays on disk only (the *backlog*: messages recovered from an earlier process, and
+  whatever did not fit in the window during an outage), and the adapter reads it back, in order,
+  as the window frees room (:meth:`SpoolFeed.take`). Memory holds at most a window of messages
+  however long the outage; a backlog message published here keeps only its future in memory.
+
+When the engine resolves a message, :meth:`SpoolFeed.resolved` decides what the spool does with
+it: a confirmed one is removed; one that failed with an error its caller holds (nacked,
+returned, rejected, timed out) is removed too; a recovered one (no caller) that failed goes to
+the failed table and is reported; one that failed with ``PublisherClosed`` (the publisher
+closed or gave up before the broker confirmed it) stays in the spool for the next publisher.
+
+Not thread-safe: the sync publisher calls it under its handoff lock, the async one on its loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, TypeVar
+
+from sortedcontainers import SortedList
+
+from reliable_amqp._core.errors import PublisherClosed, PublishError
+from reliable_amqp._core.message import Confirmation
+from reliable_amqp._core.tracker import Entry
+from reliable_amqp._spool._store import Spool, SpoolEntry
+
+H = TypeVar("H")
+
+#: entries read back from the spool at a time, at most
+READ_CHUNK = 1000
+
+
+class SpoolFeed(Generic[H]):
+    """Which messages are on disk only, which seq each message in memory has, what ``flush()``
+    waits for (see the module docstring)."""
+
+    def __init__(self, spool: Spool) -> None:
+        self.spool = spool
+        #: entries up to this seq were left by an earlier process: they have no caller future
+        self.recovered_top = spool.last_seq
+        #: every entry with a seq up to this one went to the engine (or never needs to)
+        self.fed = 0
+        #: futures (handles) of backlog messages published here, by seq
+        self.waiting: dict[int, H] = {}
+        #: the seq of each message in memory, by its handle
+        self._seqs: dict[Any, int] = {}
+        #: the seqs in memory, in order (flush() counts those up to its mark)
+        self._held: SortedList[int] = SortedList()
+        #: set when a read found fewer entries than the backlog holds: the rest are not
+        #: committed yet, and the writer's next commit should wake the adapter
+        self.want_commit = False
+
+    # --- publishing -----------------------------------------------------------------------------
+
+    def direct(self, seq: int) -> bool:
+        """Whether the message just appended as ``seq`` may go to the engine at once (nothing
+        older waits on disk); the caller also checks the window has room."""
+        return seq == self.fed + 1
+
+    def track(self, handle: H, seq: int) -> None:
+        """``handle``'s message (``seq``) goes to the engine now."""
+        self._seqs[handle] = seq
+        self._held.add(seq)
+        self.fed = max(self.fed, seq)
+
+    def park(self, handle: H, seq: int) -> None:
+        """``handle``'s message (``seq``) stays on disk until there is room for it."""
+        self.waiting[seq] = handle
+
+    # --- reading back ---------------------------------------------------------------------------
+
+    @property
+    def backlog(self) -> bool:
+        """Whether messages wait on disk to be read back."""
+        return self.fed < self.spool.last_seq
+
+    def read(self, room: int) -> list[SpoolEntry]:
+        """The next backlog entries, in order, at most ``room`` (and :data:`READ_CHUNK`).
+
+        Reads the disk: the sync adapter calls it outside its lock (nothing else moves
+        :attr:`fed` meanwhile: only the reading side does, and a publish goes to the backlog
+        while there is one).
+        """
+        if room <= 0 or not self.backlog:
+            return []
+        entries = self.spool.read(self.fed, min(room, READ_CHUNK))
+        last = entries[-1].seq if entries else self.fed
+        # what the writer has not committed yet is read after its next commit
+        self.want_commit = last < self.spool.last_seq and len(entries) < min(room, READ_CHUNK)
+        return entries
+
+    def take(self, entry: SpoolEntry, new_handle: Callable[[], H]) -> H:
+        """``entry`` goes to the engine: returns its handle (the caller's future, or a new one
+        for a recovered message)."""
+        handle = self.waiting.pop(entry.seq, None)
+        if handle is None:
+            handle = new_handle()
+        self.track(handle, entry.seq)
+        return handle
+
+    # --- resolving ------------------------------------------------------------------------------
+
+    def resolved(self, entries: Iterable[Entry[H]]) -> list[PublishError]:
+        """Messages the engine resolved: remove, keep or move each one's spool entry.
+
+        Returns the errors of the recovered messages that went to the failed table (the adapter
+        reports them through ``on_event``, outside its lock).
+        """
+        seqs = self._seqs
+        held = self._held
+        removes: list[int] = []
+        failed: list[PublishError] = []
+        for entry in entries:
+            seq = seqs.pop(entry.handle, None)
+            if seq is None:
+                continue
+            held.remove(seq)
+            result = entry.result
+            if type(result) is Confirmation or isinstance(result, Confirmation):
+                removes.append(seq)
+            elif isinstance(result, PublisherClosed):
+                pass  # not settled by the broker: stays for the next publisher on this spool
+            elif seq <= self.recovered_top and isinstance(result, PublishError):
+                self.spool.fail(seq, f"{type(result).__name__}: {result}")
+                failed.append(result)
+            else:
+                removes.append(seq)  # the caller holds the error, and the message with it
+        if removes:
+            self.spool.remove(removes)
+        return failed
+
+    def unresolved(self, mark: int) -> int:
+        """Messages with a seq up to ``mark`` not resolved yet (in memory or on disk).
+
+        The part on disk is counted from seqs (exact but for gaps a recovered spool may have).
+        """
+        on_disk = max(0, min(mark, self.spool.last_seq) - self.fed)
+        return on_disk + self._held.bisect_right(mark)
+
+    @property
+    def held(self) -> int:
+        """Spooled messages in memory (in the engine)."""
+        return len(self._held)

@@ -1,0 +1,213 @@
+"""The durable spool's part of the sync :class:`~reliable_amqp.Publisher` (``spool=DIR``).
+
+``publish()`` appends the message to the spool and hands it to the I/O thread as without a
+spool when nothing older waits on disk and the window has room; otherwise it leaves it on disk
+(it never waits for the broker, only for room in the spool). The I/O thread reads the backlog
+back as the window frees room (:meth:`SpooledPublishing.refill`, called where it takes the
+outbox), and every resolution goes through :meth:`SpoolFeed.resolved` (from
+:meth:`Handoff.resolve`). The bookkeeping is :class:`~reliable_amqp._spool._feed.SpoolFeed`,
+shared with the async publisher.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from reliable_amqp._core.errors import PublisherClosed, PublishError, PublishTimeout
+from reliable_amqp._core.message import OutgoingMessage
+from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.stats import EventKind
+from reliable_amqp._core.tracker import Entry
+from reliable_amqp._spool import Spool
+from reliable_amqp._spool._feed import SpoolFeed
+from reliable_amqp._sync._future import PublishFuture
+
+if TYPE_CHECKING:
+    from reliable_amqp._core.lifecycle import Lifecycle
+    from reliable_amqp._sync._handoff import Handoff
+
+log = logging.getLogger("reliable_amqp")
+
+
+class SpooledPublishing:
+    """A sync publisher's spool, its feed, and the calls its publisher and I/O thread make."""
+
+    def __init__(self, options: PublisherOptions, handoff: Handoff, events: Lifecycle) -> None:
+        assert options.spool is not None
+        self.options = options
+        self.spool = Spool(
+            options.spool, max_bytes=options.spool_max_bytes, fsync=options.spool_fsync
+        )
+        self.feed: SpoolFeed[PublishFuture] = SpoolFeed(self.spool)
+        self._handoff = handoff
+        self._events = events
+        if self.spool.pending:
+            log.warning(
+                "reliable-amqp: spool %s holds %d messages from before: sending them first",
+                self.spool.directory,
+                self.spool.pending,
+            )
+        self.spool.on_commit = self._on_commit
+
+    # --- the caller's side ----------------------------------------------------------------------
+
+    def publish(
+        self, message: OutgoingMessage, check: Callable[[OutgoingMessage], None]
+    ) -> PublishFuture:
+        """Append ``message`` to the spool and return its future (see the module docstring).
+
+        ``check`` raises when the publisher no longer accepts messages (closed, gave up).
+        """
+        handoff = self._handoff
+        spool = self.spool
+        meta, size = spool.encode(message)  # InvalidMessage for what cannot be stored
+        timeout = self.options.publish_timeout
+        end = time.monotonic() + timeout
+        body_size = len(message.body)
+        window = handoff.window
+        feed = self.feed
+        while True:
+            if not spool.has_room(size):
+                # only confirms make room, and only the I/O thread reads them
+                handoff.check_wait("publish() into a full spool")
+                check(message)
+                spool.wait_for_room(size, max(0.0, end - time.monotonic()))
+            with handoff.lock:
+                check(message)
+                try:
+                    seq = spool.append(message, 0, meta)
+                except PublishTimeout:
+                    if time.monotonic() < end:
+                        continue  # another thread took the room first: wait again
+                    raise PublishTimeout(
+                        f"the spool {spool.directory} held {spool.pending_bytes:,} of its "
+                        f"{spool.max_bytes:,} bytes (spool_max_bytes) for {timeout:g} s: no "
+                        f"room for a message of {size:,} bytes; the broker is not confirming "
+                        "(down or blocked?)"
+                    ) from None
+                future = PublishFuture(handoff.futures, 0, handoff)
+                if feed.direct(seq) and window.fits(body_size):
+                    future.index = window.take(body_size)
+                    feed.track(future, seq)
+                    handoff.outbox.append((message, future))
+                elif window.free_slots() <= 0:
+                    feed.park(future, seq)  # read back when confirms free room
+                    return future
+                else:
+                    feed.park(future, seq)  # room now: have the I/O thread read it back
+                if handoff.wake_pending:
+                    return future
+                wake = handoff.wake_loop
+                handoff.wake_pending = wake is not None
+            if wake is not None:
+                wake()
+            else:
+                handoff.idle.set()
+            return future
+
+    def flush(self, timeout: float | None) -> int:
+        """Wait until every message published so far (and every recovered one) is resolved;
+        return how many are not."""
+        end = None if timeout is None else time.monotonic() + timeout
+        handoff = self._handoff
+        with handoff.room:
+            mark = self.spool.last_seq
+            while (left := self.feed.unresolved(mark)) > 0:
+                remaining = None if end is None else end - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    break
+                handoff.room.wait(remaining if remaining is None else min(remaining, 1.0))
+            return left
+
+    def persist(self, timeout: float | None) -> int:
+        """Wait until everything published so far is durable; return how many are not."""
+        self._handoff.check_wait("persist()")
+        return self.spool.persist(timeout)
+
+    def close(self, timeout: float) -> None:
+        """After the I/O thread is gone: fail the futures of what stayed on disk (it stays in
+        the spool for the next publisher), then close the spool (durably)."""
+        feed = self.feed
+        with self._handoff.lock:
+            waiting = dict(feed.waiting)
+            feed.waiting.clear()
+        if waiting:
+            self.spool.persist(timeout)
+            reason = (
+                "publisher closed; the message stays in the spool "
+                f"{self.spool.directory} and goes out with the next publisher opened on it"
+            )
+            futures: list[PublishFuture] = []
+            errors: list[BaseException] = []
+            after = min(waiting) - 1
+            while waiting and (entries := self.spool.read(after, 1000)):
+                for entry in entries:
+                    future = waiting.pop(entry.seq, None)
+                    if future is not None:
+                        futures.append(future)
+                        errors.append(PublisherClosed(entry.message, 0, reason))
+                after = entries[-1].seq
+            for future in waiting.values():  # never written (the disk failed): say so
+                futures.append(future)
+                errors.append(
+                    PublisherClosed(
+                        OutgoingMessage("", "", b""),
+                        0,
+                        "publisher closed; the spool could not store the message",
+                    )
+                )
+            for future, error in zip(futures, errors, strict=True):
+                if not future.done():
+                    future.set_exception(error)
+        self.spool.close(timeout)
+
+    # --- the I/O thread's side ------------------------------------------------------------------
+
+    def refill(self) -> list[tuple[OutgoingMessage, PublishFuture]]:
+        """The backlog messages the window has room for now, read back in order."""
+        feed = self.feed
+        if not feed.backlog:
+            return []
+        handoff = self._handoff
+        window = handoff.window
+        with handoff.lock:
+            room = window.free_slots()
+        entries = feed.read(room)  # the disk, outside the lock
+        if not entries:
+            return []
+        items: list[tuple[OutgoingMessage, PublishFuture]] = []
+        condition = handoff.futures
+        with handoff.lock:
+            for entry in entries:
+                size = len(entry.message.body)
+                if entry.seq <= feed.fed or not window.fits(size):
+                    break
+                future = feed.take(entry, lambda: PublishFuture(condition, 0, handoff))
+                future.index = window.take(size)
+                items.append((entry.message, future))
+        return items
+
+    def resolved_locked(self, resolutions: list[Entry[PublishFuture]]) -> list[PublishError]:
+        """Called by :meth:`Handoff.resolve` under its lock, before flushes are woken."""
+        return self.feed.resolved(resolutions)
+
+    def after_resolved(self, failed: list[PublishError]) -> None:
+        """Called by :meth:`Handoff.resolve` after its lock: report, and read more back."""
+        for error in failed:
+            self._events.emit(
+                EventKind.SPOOL_FAILED,
+                f"recovered message {error.message.message_id!r} moved to the spool's failed "
+                f"table: {error}",
+                error=error,
+            )
+        if self.feed.backlog:
+            self._handoff.wake()
+
+    def _on_commit(self) -> None:
+        # the writer's thread: a read that found the backlog uncommitted can go on now
+        if self.feed.want_commit:
+            self.feed.want_commit = False
+            self._handoff.wake()
