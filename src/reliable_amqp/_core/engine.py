@@ -109,6 +109,9 @@ class PublishEngine(Generic[H]):
         self._isolated = 0  # unresolved isolated entries
         self._probe: Entry[H] | None = None  # the isolated entry on the wire, alone
         self.counters = Counters()
+        #: told of each message that goes out again, with "retry" (nacked, after its backoff)
+        #: or "republish" (its channel or connection was lost): telemetry's span events
+        self.on_resend: Callable[[Entry[H], str], None] | None = None
 
     # --- accepting and sending --------------------------------------------------------------
 
@@ -312,6 +315,9 @@ class PublishEngine(Generic[H]):
         for entry in again:
             entry.state = WAITING
         self.counters.republished += len(again)
+        if self.on_resend is not None:
+            for entry in again:
+                self.on_resend(entry, "republish")
         self._sendq.extendleft(reversed(again))
         return resolutions
 
@@ -399,6 +405,8 @@ class PublishEngine(Generic[H]):
             entry.state = BACKOFF
             self._retry_seq += 1
             heapq.heappush(self._retry, (now + delay, self._retry_seq, entry))
+            if self.on_resend is not None:
+                self.on_resend(entry, "retry")
             return None
         return self._finish(entry, MessageNacked(entry.message, entry.attempts))
 

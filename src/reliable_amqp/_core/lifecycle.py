@@ -22,6 +22,8 @@ class Lifecycle:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._hook = on_event
+        #: told of every event before the hook (telemetry: blocked time); must not raise
+        self.listener: Callable[[PublisherEvent], None] | None = None
         self._counters = counters
         self._clock = clock
         self._ever_opened = False
@@ -36,10 +38,15 @@ class Lifecycle:
         error: BaseException | None = None,
     ) -> None:
         """Call the hook, if any; a hook that raises is logged, not propagated."""
+        if self._hook is None and self.listener is None:
+            return
+        event = PublisherEvent(kind, detail, self._clock(), downtime, error)
+        if self.listener is not None:
+            self.listener(event)
         if self._hook is None:
             return
         try:
-            self._hook(PublisherEvent(kind, detail, self._clock(), downtime, error))
+            self._hook(event)
         except Exception:
             log.exception("reliable-amqp: on_event hook raised (ignored)")
 
