@@ -26,6 +26,7 @@ import aio_pika.abc
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._async._pump import Pump
+from reliable_amqp._async._spooled import AsyncSpooled
 from reliable_amqp._core.errors import (
     ConfigurationError,
     OperationTimeout,
@@ -40,7 +41,6 @@ from reliable_amqp._core.topology import Topology, TopologyOp
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._surface import PublisherSurface
-
 
 #: what the engine holds per message: the caller's future
 _Handle = asyncio.Future[Confirmation]
@@ -88,6 +88,12 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         )
         self._room_waiters: deque[asyncio.Future[None]] = deque()
         self._accepting = True
+        #: the durable spool's part (spool=DIR): opening it takes its lock, or raises
+        self._spooled: AsyncSpooled | None = (
+            AsyncSpooled(self.options, self._supervisor, self._window, self._pump.wake)
+            if self.options.spool is not None
+            else None
+        )
 
     @classmethod
     def from_connection(
@@ -115,6 +121,10 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             if not self._accepting:
                 raise ReliableAmqpError("publisher is closed")
             pump.start()
+            if self._spooled is not None:
+                self._spooled.start(pump.loop)
+        if self._spooled is not None:
+            return self  # connects in the background; publish() goes to the spool meanwhile
         await pump.ready.wait()
         if pump.fatal is not None:
             raise pump.fatal
@@ -143,18 +153,23 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         self._accepting = False
         self._release_room_waiters()
         pump = self._pump
+        wait = self.options.close_timeout if timeout is None else timeout
         if not pump.started:
             pump.ready.set()
+            if self._spooled is not None:
+                await self._spooled.aclose(wait)
             return 0
         left = 0
         try:
             if not pump.stopping:
-                left = await self.flush(self.options.close_timeout if timeout is None else timeout)
+                left = await self.flush(wait)
         finally:
             # Even when aclose() itself is cancelled, nothing stays unresolved.
             self._resolve(self._engine.close_all("publisher closed"))
             pump.stop()
         await pump.join()
+        if self._spooled is not None:  # what is left stays in the spool for the next publisher
+            await self._spooled.aclose(wait)
         return left
 
     # --- topology ----------------------------------------------------------------------------
@@ -208,6 +223,12 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         caring: the message stays tracked until the broker settles it.
         """
         message = self._message(exchange, routing_key, body, mandatory, properties)
+        if self._spooled is not None:
+            if not self._pump.started:
+                await self.connect()
+            return await self._spooled.publish(
+                message, self._check_accepting, lambda: bool(self._room_waiters)
+            )
         if not self._pump.ready.is_set():
             await self.connect()
         self._check_accepting(message)
@@ -243,6 +264,12 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         messages = self._messages(exchange, routing_key, bodies, mandatory, properties)
         if not messages:
             return []
+        if self._spooled is not None:
+            if not self._pump.started:
+                await self.connect()
+            spooled = self._spooled
+            queued = lambda: bool(self._room_waiters)  # noqa: E731
+            return [await spooled.publish(m, self._check_accepting, queued) for m in messages]
         if not self._pump.ready.is_set():
             await self.connect()
         loop = self._pump.loop
@@ -302,6 +329,8 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
 
         Messages published by other tasks after this call started are not waited for.
         """
+        if self._spooled is not None:  # what waits on disk counts too
+            return await self._spooled.flush(timeout)
         barrier = self._window.barrier()
         if barrier.remaining > 0:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -311,6 +340,17 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             finally:
                 self._window.end_barrier(barrier)
         return max(0, barrier.remaining)
+
+    async def persist(self, timeout: float | None = None) -> int:
+        """With a spool: wait until every message published so far is durable on disk
+        (committed, and fsynced unless ``spool_fsync="never"``): the commit point after which
+        a crash of this process loses none of them. Returns how many are not durable yet when
+        ``timeout`` passes first (0: all are). Raises :class:`SpoolError` when the spool cannot
+        be written (a full disk), :class:`ConfigurationError` without a spool.
+        """
+        if self._spooled is None:
+            raise ConfigurationError("persist() needs a spool: AsyncPublisher(url, spool=DIR)")
+        return await self._spooled.persist(timeout)
 
     async def _wait_for_room(self, size: int, message: OutgoingMessage) -> None:
         # FIFO: a publish that finds others waiting queues behind them even if it would fit.
@@ -381,6 +421,8 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
                 waiter.set_result(None)
         if self._room_waiters:
             self._wake_room()
+        if self._spooled is not None:
+            self._spooled.resolved(resolutions)
 
 
 def _discard_outcome(future: asyncio.Future[Confirmation]) -> None:

@@ -1,0 +1,244 @@
+"""The durable spool's part of :class:`~reliable_amqp.AsyncPublisher` (``spool=DIR``).
+
+As for the sync publisher (:mod:`reliable_amqp._sync._spooled`): ``publish()`` appends the
+message to the spool and hands it to the engine when nothing older waits on disk and the window
+has room, else leaves it on disk; the backlog is read back in order as resolutions free room;
+every resolution goes through :meth:`SpoolFeed.resolved`. Everything runs on the publisher's
+event loop but the spool's writer, whose commits wake the loop when a read back found the
+backlog not yet committed, and the waits that block (room in the spool, ``persist()``,
+closing), which run in the loop's default executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from reliable_amqp._core.errors import PublisherClosed, PublishTimeout
+from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.stats import EventKind
+from reliable_amqp._core.supervisor import Supervisor
+from reliable_amqp._core.tracker import Entry
+from reliable_amqp._core.window import Window
+from reliable_amqp._spool import Spool
+from reliable_amqp._spool._feed import SpoolFeed
+
+log = logging.getLogger("reliable_amqp")
+
+
+#: what the async publisher's engine holds per message: the caller's future
+Handle = asyncio.Future[Confirmation]
+
+
+class AsyncSpooled:
+    """An async publisher's spool, its feed, and the calls its publisher makes."""
+
+    def __init__(
+        self,
+        options: PublisherOptions,
+        supervisor: Supervisor[Handle],
+        window: Window,
+        wake: Callable[[], None],
+    ) -> None:
+        assert options.spool is not None
+        self.options = options
+        self.spool = Spool(
+            options.spool, max_bytes=options.spool_max_bytes, fsync=options.spool_fsync
+        )
+        self.feed: SpoolFeed[Handle] = SpoolFeed(self.spool)
+        self._supervisor = supervisor
+        self._engine = supervisor.engine
+        self._window = window
+        self._wake = wake
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._refill_due = False
+        self._flush_waiters: list[asyncio.Future[None]] = []
+        if self.spool.pending:
+            log.warning(
+                "reliable-amqp: spool %s holds %d messages from before: sending them first",
+                self.spool.directory,
+                self.spool.pending,
+            )
+        self.spool.on_commit = self._on_commit
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The publisher runs on ``loop`` now: read back what waits (recovered messages)."""
+        self._loop = loop
+        self.schedule_refill()
+
+    # --- publishing -----------------------------------------------------------------------------
+
+    async def publish(
+        self,
+        message: OutgoingMessage,
+        check: Callable[[OutgoingMessage], None],
+        queued: Callable[[], bool],
+    ) -> asyncio.Future[Confirmation]:
+        """Append ``message`` to the spool; its future (see the module docstring).
+
+        ``check`` raises when the publisher no longer accepts messages; ``queued`` says whether
+        publishes wait for room in the window (they go first).
+        """
+        spool = self.spool
+        loop = asyncio.get_running_loop()
+        meta, size = spool.encode(message)  # InvalidMessage for what cannot be stored
+        timeout = self.options.publish_timeout
+        end = loop.time() + timeout
+        while True:
+            check(message)
+            if spool.has_room(size):
+                try:
+                    seq = spool.append(message, 0, meta)
+                    break
+                except PublishTimeout:
+                    pass  # room went to another thread's publisher: wait again
+            left = end - loop.time()
+            if left <= 0:
+                raise PublishTimeout(
+                    f"the spool {spool.directory} held {spool.pending_bytes:,} of its "
+                    f"{spool.max_bytes:,} bytes (spool_max_bytes) for {timeout:g} s: no room "
+                    f"for a message of {size:,} bytes; the broker is not confirming (down or "
+                    "blocked?)"
+                )
+            # only confirms make room: wait for them off the loop (which settles them)
+            await loop.run_in_executor(None, spool.wait_for_room, size, min(left, 1.0))
+        future: asyncio.Future[Confirmation] = loop.create_future()
+        body_size = len(message.body)
+        window = self._window
+        feed = self.feed
+        if feed.direct(seq) and not queued() and window.fits(body_size):
+            feed.track(future, seq)
+            self._engine.accept(message, future, time.monotonic(), window.take(body_size))
+            self._wake()
+        else:
+            feed.park(future, seq)
+            if window.free_slots() > 0:
+                self.schedule_refill()
+        return future
+
+    async def flush(self, timeout: float | None) -> int:
+        """Wait until every message published so far (and every recovered one) is resolved;
+        return how many are not."""
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
+        mark = self.spool.last_seq
+        while (left := self.feed.unresolved(mark)) > 0:
+            remaining = None if end is None else end - loop.time()
+            if remaining is not None and remaining <= 0:
+                break
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._flush_waiters.append(waiter)
+            try:
+                await asyncio.wait({waiter}, timeout=remaining)
+            finally:
+                if waiter in self._flush_waiters:
+                    self._flush_waiters.remove(waiter)
+        return left
+
+    async def persist(self, timeout: float | None) -> int:
+        """Wait until everything published so far is durable; return how many are not."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(None, self.spool.persist, timeout)
+
+    async def aclose(self, timeout: float) -> None:
+        """After the engine closed: fail the futures of what stayed on disk (it stays in the
+        spool for the next publisher), then close the spool (durably)."""
+        loop = asyncio.get_running_loop()
+        waiting = dict(self.feed.waiting)
+        self.feed.waiting.clear()
+        if waiting:
+            await loop.run_in_executor(None, self.spool.persist, timeout)
+            reason = (
+                "publisher closed; the message stays in the spool "
+                f"{self.spool.directory} and goes out with the next publisher opened on it"
+            )
+            after = min(waiting) - 1
+            while waiting and (entries := self.spool.read(after, 1000)):
+                for entry in entries:
+                    future = waiting.pop(entry.seq, None)
+                    if future is not None and not future.done():
+                        future.set_exception(PublisherClosed(entry.message, 0, reason))
+                after = entries[-1].seq
+            for future in waiting.values():  # never written (the disk failed): say so
+                if not future.done():
+                    future.set_exception(
+                        PublisherClosed(
+                            OutgoingMessage("", "", b""),
+                            0,
+                            "publisher closed; the spool could not store the message",
+                        )
+                    )
+        await loop.run_in_executor(None, self.spool.close, timeout)
+
+    # --- reading back and resolving -------------------------------------------------------------
+
+    def schedule_refill(self) -> None:
+        """Read the backlog back soon (once, however many ask)."""
+        loop = self._loop
+        if self._refill_due or loop is None or not self.feed.backlog:
+            return
+        self._refill_due = True
+        loop.call_soon(self._refill)
+
+    def _refill(self) -> None:
+        self._refill_due = False
+        feed = self.feed
+        window = self._window
+        loop = self._loop
+        if loop is None or not feed.backlog or self._supervisor.stopping:
+            return
+        entries = feed.read(window.free_slots())  # at most READ_CHUNK: a few ms of the loop
+        if not entries:
+            return
+        items: list[tuple[OutgoingMessage, Handle]] = []
+        first = window.issued + 1  # one loop, nothing else takes room meanwhile: consecutive
+        for entry in entries:
+            size = len(entry.message.body)
+            if entry.seq <= feed.fed or not window.fits(size):
+                break
+            future = feed.take(entry, lambda: self._recovered_future(loop))
+            window.take(size)
+            items.append((entry.message, future))
+        if items:
+            self._engine.accept_many(items, time.monotonic(), first)
+            self._wake()
+            if window.free_slots() > 0:
+                self.schedule_refill()  # more room: the next chunk after what is queued
+
+    @staticmethod
+    def _recovered_future(loop: asyncio.AbstractEventLoop) -> Handle:
+        future: asyncio.Future[Confirmation] = loop.create_future()
+        future.add_done_callback(_discard_outcome)  # nobody awaits it: no "never retrieved"
+        return future
+
+    def resolved(self, resolutions: list[Entry[Handle]]) -> None:
+        """The publisher settled ``resolutions`` and freed their room."""
+        for error in self.feed.resolved(resolutions):
+            self._supervisor.events.emit(
+                EventKind.SPOOL_FAILED,
+                f"recovered message {error.message.message_id!r} moved to the spool's failed "
+                f"table: {error}",
+                error=error,
+            )
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self.schedule_refill()
+
+    def _on_commit(self) -> None:
+        # the writer's thread: a read that found the backlog uncommitted can go on now
+        loop = self._loop
+        if self.feed.want_commit and loop is not None:
+            self.feed.want_commit = False
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(self.schedule_refill)
+
+
+def _discard_outcome(future: asyncio.Future[Confirmation]) -> None:
+    if not future.cancelled():
+        future.exception()
