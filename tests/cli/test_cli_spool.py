@@ -174,3 +174,59 @@ def test_exported_messages_publish_again_with_their_ids(
     assert [(props.message_id, body) for props, body in got] == [
         (m.message_id, m.body) for m in failed
     ]
+
+
+def run_publish(*args: str, url: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELIABLE_AMQP_")}
+    env["AMQP_URL"] = url
+    return subprocess.run(
+        [sys.executable, "-m", "reliable_amqp", "publish", *args],
+        input=stdin,
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+
+
+@pytest.mark.broker
+def test_publish_with_a_spool_leaves_it_empty(
+    amqp_url: str, broker: BrokerAdmin, tmp_path: Path
+) -> None:
+    queue = broker.queue()
+    lines = "".join(f"line {i}\n" for i in range(500))
+    result = run_publish(
+        "--routing-key", queue, "--spool", str(tmp_path / "s"), url=amqp_url, stdin=lines
+    )
+    assert result.returncode == 0, result.stderr
+    assert [body for _, body in broker.drain(queue)] == [f"line {i}".encode() for i in range(500)]
+    shown = json.loads(run_cli("spool", str(tmp_path / "s"), "--json").stdout)
+    assert (shown["pending"], shown["failed"]) == (0, 0)
+
+
+@pytest.mark.broker
+def test_what_an_unreachable_broker_left_goes_out_with_the_next_run(
+    amqp_url: str, broker: BrokerAdmin, tmp_path: Path
+) -> None:
+    queue = broker.queue()
+    spool = str(tmp_path / "s")
+    lines = "".join(f"line {i}\n" for i in range(300))
+    down = run_publish(
+        "--routing-key",
+        queue,
+        "--spool",
+        spool,
+        "-o",
+        "connect_policy.max_attempts=2",
+        url="amqp://guest:guest@127.0.0.1:1/%2F",
+        stdin=lines,
+    )
+    assert down.returncode == 3, down.stderr
+    assert f"300 messages stay in the spool {spool}" in down.stderr
+    assert json.loads(run_cli("spool", spool, "--json").stdout)["pending"] == 300
+    # the next run, broker up, with nothing new to send
+    up = run_publish("--routing-key", queue, "--spool", spool, url=amqp_url, stdin="")
+    assert up.returncode == 0, up.stderr
+    assert [body for _, body in broker.drain(queue)] == [f"line {i}".encode() for i in range(300)]
+    assert json.loads(run_cli("spool", spool, "--json").stdout)["pending"] == 0

@@ -292,6 +292,13 @@ def publisher_options(args: argparse.Namespace) -> PublisherOptions:
         ("connect_policy", DEFAULT_CONNECT_POLICY),
     ):
         _complete_policy(strings, name, default)
+    if getattr(args, "spool", None):
+        strings["spool"] = args.spool
+        # a command gives up on an unreachable broker as without a spool (what is left stays
+        # there for the next run), unless told otherwise
+        if not any(key.startswith("connect_policy") for key in strings):
+            for field, value in DEFAULT_CONNECT_POLICY.to_dict().items():
+                strings[f"connect_policy.{field}"] = "none" if value is None else str(value)
     for flag, option in (
         ("ca_file", "ca_file"),
         ("cert_file", "cert_file"),

@@ -32,6 +32,7 @@ from reliable_amqp._core.errors import (
 )
 from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._spool import inspect as inspect_spool
 from reliable_amqp._sync.publisher import Publisher
 from reliable_amqp.cli._io import (
     Defaults,
@@ -105,6 +106,13 @@ def add_publish_arguments(parser: argparse.ArgumentParser) -> None:
         help="write every message that was not confirmed, with the reason, to PATH as JSON lines "
         "(replay with --format jsonl PATH); rewritten, possibly empty, by every run that "
         "publishes; created readable by you alone (0600); a symbolic link is refused",
+    )
+    parser.add_argument(
+        "--spool",
+        metavar="DIR",
+        help="keep every message in a durable spool in DIR until the broker confirms it "
+        "(docs/spool.md): a run that is stopped, crashes or loses the broker leaves the rest "
+        "there, and the next run with --spool DIR sends it first (even with empty input)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -267,7 +275,7 @@ def _publish_all(
     progress: Progress,
 ) -> int:
     """Publish every item, wait for every outcome; returns the exit code so far."""
-    if not items:
+    if not items and options.spool is None:
         return EXIT_OK
     publisher = Publisher(list(options.urls), **options.kwargs())
     published = 0
@@ -323,6 +331,15 @@ def _publish_all(
             publisher.close()
         except KeyboardInterrupt:
             publisher.close(timeout=0)
+    if options.spool is not None:
+        left = inspect_spool(options.spool).pending
+        if left:
+            print(
+                f"reliable-amqp: {left:,} messages stay in the spool {options.spool}; the next "
+                f"run with --spool {options.spool} sends them first",
+                file=sys.stderr,
+            )
+            code = max(code, EXIT_CONNECTION)
     if code == EXIT_OK and any(isinstance(e, PublisherClosed) for _, e in tally.failures):
         code = EXIT_CONNECTION
     return code
