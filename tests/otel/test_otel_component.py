@@ -39,6 +39,7 @@ from reliable_amqp import (
     PublisherOptions,
 )
 from reliable_amqp._core.message import MessageProperties, build_message
+from reliable_amqp._core.tracker import Entry
 from reliable_amqp._otel import telemetry_for
 from reliable_amqp._otel._metrics import (
     BLOCKED_TIME,
@@ -78,6 +79,19 @@ def _on(otel: Otel, **kwargs: Any) -> Telemetry:
     return telemetry
 
 
+def _resolve(telemetry: Telemetry, message: OutgoingMessage, result: Any, seconds: float) -> None:
+    """Resolve one message as an adapter does: an engine entry with its result, accepted
+    ``seconds`` ago (the span is the one :meth:`Telemetry.on_publish` kept)."""
+    entry: Entry[None] = Entry(message, None, 0.0, len(message.body))
+    entry.accepted = telemetry._clock() - seconds
+    entry.result = result
+    telemetry.on_resolved([entry])
+
+
+def _publish(telemetry: Telemetry, message: OutgoingMessage | None = None) -> OutgoingMessage:
+    return telemetry.on_publish(message or _message())
+
+
 def _parent(sampled: bool, remote: bool) -> Any:
     flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
     span_context = SpanContext(0xABC, 0xDEF, is_remote=remote, trace_flags=flags)
@@ -108,7 +122,7 @@ def test_always_off_with_metrics_records_metrics_only(otel: Otel) -> None:
     )
     assert telemetry is not None and not telemetry.tracing and telemetry.metrics
     message = _message()
-    token, sent = telemetry.on_publish(message)
+    token, sent = telemetry.start(message)
     assert token is None and sent is message
 
 
@@ -131,9 +145,8 @@ def test_span_per_message_with_the_messaging_attributes(otel: Otel) -> None:
     telemetry = _on(otel)
     tracer = otel.tracer_provider.get_tracer("caller")
     with tracer.start_as_current_span("handle-order") as parent:
-        token, message = telemetry.on_publish(_message())
-    assert token is not None
-    telemetry.on_resolved(token, message, Confirmation(message.message_id, 1), 0.004)
+        message = _publish(telemetry)
+    _resolve(telemetry, message, Confirmation(message.message_id, 1), 0.004)
     span = next(s for s in otel.finished() if s.name == "publish orders")
     assert span.kind is SpanKind.PRODUCER
     assert span.parent is not None and span.parent.span_id == parent.get_span_context().span_id
@@ -154,8 +167,8 @@ def test_span_per_message_with_the_messaging_attributes(otel: Otel) -> None:
 
 def test_default_exchange_is_named_amq_default_and_empty_routing_key_left_out(otel: Otel) -> None:
     telemetry = _on(otel)
-    token, message = telemetry.on_publish(_message(exchange="", routing_key=""))
-    telemetry.on_resolved(token, message, Confirmation(message.message_id, 1), 0.001)
+    message = _publish(telemetry, _message(exchange="", routing_key=""))
+    _resolve(telemetry, message, Confirmation(message.message_id, 1), 0.001)
     (span,) = otel.finished()
     assert span.name == "publish amq.default"
     assert span.attributes["messaging.destination.name"] == ""
@@ -166,16 +179,15 @@ def test_no_server_attributes_with_several_urls(otel: Otel) -> None:
     options = PublisherOptions.create([URL, "amqp://h2:5673/"], **otel.options)
     telemetry = telemetry_for(options, stats)
     assert telemetry is not None
-    token, message = telemetry.on_publish(_message())
-    assert token is not None
-    telemetry.on_resolved(token, message, Confirmation(message.message_id, 1), 0.001)
+    message = _publish(telemetry)
+    _resolve(telemetry, message, Confirmation(message.message_id, 1), 0.001)
     assert "server.address" not in otel.finished()[0].attributes
 
 
 def test_traceparent_header_names_the_span_and_keeps_user_headers(otel: Otel) -> None:
     telemetry = _on(otel)
     original = _message(headers={"tenant": "acme", "traceparent": "stale"})
-    token, message = telemetry.on_publish(original)
+    token, message = telemetry.start(original)
     assert token is not None
     assert message is not original and message.message_id == original.message_id
     assert (message.exchange, message.routing_key, message.body, message.mandatory) == (
@@ -195,15 +207,20 @@ def test_traceparent_header_names_the_span_and_keeps_user_headers(otel: Otel) ->
 
 def test_failure_sets_error_status_and_error_type(otel: Otel) -> None:
     telemetry = _on(otel)
-    token, message = telemetry.on_publish(_message())
-    telemetry.on_event(token, "retry", {"reliable_amqp.nacks": 1})
-    telemetry.on_resolved(token, message, MessageNacked(message, 2), 0.3)
+    message = _publish(telemetry)
+    entry: Entry[None] = Entry(message, None, 0.0, len(message.body))
+    entry.nacks = 1
+    telemetry.on_resend(entry, "retry")
+    entry.attempts = 2
+    telemetry.on_resend(entry, "republish")
+    _resolve(telemetry, message, MessageNacked(message, 2), 0.3)
     (span,) = otel.finished()
     assert span.status.status_code is StatusCode.ERROR
     assert "nacked" in (span.status.description or "")
     assert span.attributes["error.type"] == "MessageNacked"
     assert [(e.name, dict(e.attributes)) for e in span.events] == [
-        ("retry", {"reliable_amqp.nacks": 1})
+        ("retry", {"reliable_amqp.nacks": 1}),
+        ("republish", {"reliable_amqp.attempts": 2}),
     ]
 
 
@@ -212,7 +229,7 @@ def test_parent_based_off_drops_roots_without_asking_the_sdk(otel: Otel) -> None
     telemetry = _telemetry(tracer_provider=provider)
     assert telemetry is not None and telemetry.tracing
     message = _message()
-    token, sent = telemetry.on_publish(message)
+    token, sent = telemetry.start(message)
     assert token is None and sent is message  # nothing to carry: no headers, same message
 
 
@@ -222,7 +239,7 @@ def test_parent_based_off_records_children_of_sampled_parents(remote: bool) -> N
     telemetry = _on(otel)
     token = otel_context.attach(_parent(sampled=True, remote=remote))
     try:
-        span, message = telemetry.on_publish(_message())
+        span, message = telemetry.start(_message())
     finally:
         otel_context.detach(token)
     assert span is not None and span.is_recording()
@@ -236,7 +253,7 @@ def test_parent_based_off_carries_an_unsampled_parents_decision() -> None:
     assert telemetry is not None
     token = otel_context.attach(_parent(sampled=False, remote=True))
     try:
-        span, message = telemetry.on_publish(_message())
+        span, message = telemetry.start(_message())
     finally:
         otel_context.detach(token)
     assert span is None
@@ -247,7 +264,7 @@ def test_parent_based_off_carries_an_unsampled_parents_decision() -> None:
 def test_a_sampler_that_is_asked_and_drops_gives_no_token_but_a_context() -> None:
     telemetry = _telemetry(tracer_provider=TracerProvider(sampler=TraceIdRatioBased(0.0)))
     assert telemetry is not None
-    span, message = telemetry.on_publish(_message())
+    span, message = telemetry.start(_message())
     assert span is None
     flags = (message.properties.headers or {})["traceparent"].rsplit("-", 1)[1]
     assert int(flags, 16) & 1 == 0  # carried, as not sampled
@@ -262,14 +279,14 @@ def test_a_custom_subclass_is_always_asked() -> None:
 
     telemetry = _telemetry(tracer_provider=TracerProvider(sampler=Odd(Decision.DROP)))
     assert telemetry is not None
-    span, _ = telemetry.on_publish(_message())
+    span, _ = telemetry.start(_message())
     assert span is not None and span.is_recording()
 
 
 def test_headers_are_built_for_properties_objects(otel: Otel) -> None:
     telemetry = _on(otel)
     message = OutgoingMessage("x", "y", b"z", MessageProperties(message_id="m-1", priority=3))
-    _, sent = telemetry.on_publish(message)
+    _, sent = telemetry.start(message)
     assert sent.properties.priority == 3 and sent.message_id == "m-1"
     assert set(sent.properties.headers or {}) == {"traceparent"}
 
@@ -279,17 +296,15 @@ def test_headers_are_built_for_properties_objects(otel: Otel) -> None:
 
 def test_sent_messages_and_duration_count_every_resolution(otel: Otel) -> None:
     telemetry = _on(otel)
-    outcomes: list[Any] = []
     for i in range(7):
-        token, message = telemetry.on_publish(_message())
+        message = _publish(telemetry)
         if i < 4:
             result: Any = Confirmation(message.message_id, 1)
         elif i < 6:
             result = MessageNacked(message, 5)
         else:
             result = MessageReturned(message, 1, 312, "NO_ROUTE")
-        outcomes.append(result)
-        telemetry.on_resolved(token, message, result, 0.01 * (i + 1))
+        _resolve(telemetry, message, result, 0.01 * (i + 1))
     metrics = otel.metrics()
     sent = points_by(metrics[SENT_MESSAGES], "error.type")
     assert {k: p.value for k, p in sent.items()} == {
@@ -306,7 +321,7 @@ def test_sent_messages_and_duration_count_every_resolution(otel: Otel) -> None:
     durations = points_by(metrics[OPERATION_DURATION], "error.type")
     assert sum(p.count for p in durations.values()) == 7
     assert durations[None].count == 4
-    assert durations[None].sum == pytest.approx(0.01 + 0.02 + 0.03 + 0.04)
+    assert durations[None].sum == pytest.approx(0.01 + 0.02 + 0.03 + 0.04, abs=1e-3)
     assert list(durations[None].explicit_bounds)[:3] == [0.005, 0.01, 0.025]
 
 
@@ -328,8 +343,8 @@ def test_two_publishers_on_one_meter_provider_are_summed(otel: Otel) -> None:
     first = _on(otel, stats_fn=lambda: stats(in_flight=2, republished=1))
     second = _on(otel, stats_fn=lambda: stats(in_flight=5, republished=10))
     for telemetry in (first, second):
-        token, message = telemetry.on_publish(_message())
-        telemetry.on_resolved(token, message, Confirmation(message.message_id, 1), 0.01)
+        message = _publish(telemetry)
+        _resolve(telemetry, message, Confirmation(message.message_id, 1), 0.01)
     metrics = otel.metrics()
     assert metrics[IN_FLIGHT][0].value == 7
     assert metrics[REPUBLISHED][0].value == 11
@@ -377,3 +392,28 @@ def test_blocked_time_counts_from_blocked_to_unblocked(otel: Otel) -> None:
     telemetry.on_publisher_event(PublisherEvent(EventKind.CONNECTION_LOST, "", 111.0))
     now["t"] = 200.0
     assert otel.metrics()[BLOCKED_TIME][0].value == pytest.approx(4.0)
+
+
+def test_spans_wait_in_the_table_until_resolved_and_leave_it(otel: Otel) -> None:
+    telemetry = _on(otel)
+    messages = [_publish(telemetry) for _ in range(3)]
+    assert len(telemetry._spans) == 3 and not otel.finished()
+    _resolve(telemetry, messages[1], Confirmation(messages[1].message_id, 1), 0.01)
+    assert len(telemetry._spans) == 2 and len(otel.finished()) == 1
+    assert otel.finished()[0].attributes["messaging.message.id"] == messages[1].message_id
+
+
+def test_a_failing_sdk_never_breaks_publishing(
+    otel: Otel, caplog: pytest.LogCaptureFixture
+) -> None:
+    telemetry = _on(otel)
+
+    class Broken:
+        def start_span(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("exporter down")
+
+    telemetry._tracer = Broken()  # type: ignore[assignment]
+    message = _message()
+    assert telemetry.on_publish(message) is message
+    assert telemetry.on_publish(message) is message
+    assert sum("OpenTelemetry failed" in r.getMessage() for r in caplog.records) == 1

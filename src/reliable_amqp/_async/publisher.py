@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Coroutine, Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aio_pika.abc
 
@@ -40,7 +40,11 @@ from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
+from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
+
+if TYPE_CHECKING:
+    from reliable_amqp._otel._telemetry import Telemetry
 
 #: what the engine holds per message: the caller's future
 _Handle = asyncio.Future[Confirmation]
@@ -88,6 +92,9 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         )
         self._room_waiters: deque[asyncio.Future[None]] = deque()
         self._accepting = True
+        #: OpenTelemetry, decided at connect() (None: off; see docs/observability.md)
+        self._otel = TelemetrySlot()
+        self._telemetry: Telemetry | None = None
         #: the durable spool's part (spool=DIR): opening it takes its lock, or raises
         self._spooled: AsyncSpooled | None = (
             AsyncSpooled(self.options, self._supervisor, self._window, self._pump.wake)
@@ -120,6 +127,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         if not pump.started:
             if not self._accepting:
                 raise ReliableAmqpError("publisher is closed")
+            self._telemetry = self._otel.decide(self.options, self._supervisor, self.stats)
             pump.start()
             if self._spooled is not None:
                 self._spooled.start(pump.loop)
@@ -170,6 +178,8 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         await pump.join()
         if self._spooled is not None:  # what is left stays in the spool for the next publisher
             await self._spooled.aclose(wait)
+        if self._telemetry is not None:
+            self._telemetry.close()
         return left
 
     # --- topology ----------------------------------------------------------------------------
@@ -236,6 +246,8 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         if self._room_waiters or not self._window.fits(size):
             await self._wait_for_room(size, message)
         future: asyncio.Future[Confirmation] = self._pump.loop.create_future()
+        if self._telemetry is not None:  # the span starts once nothing can refuse it
+            message = self._telemetry.on_publish(message)
         self._engine.accept(message, future, time.monotonic(), self._window.take(size))
         self._pump.wake()
         return future
@@ -292,6 +304,9 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
                     break
             first = window.issued + 1
             taken = window.take_many(sizes, done)
+            if self._telemetry is not None:
+                for i in range(done, done + taken):
+                    messages[i] = self._telemetry.on_publish(messages[i])
             engine.accept_many(
                 zip(messages[done : done + taken], futures[done : done + taken], strict=True),
                 time.monotonic(),
@@ -407,6 +422,8 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
     def _resolve(self, resolutions: list[Entry[_Handle]]) -> None:
         if not resolutions:
             return
+        if self._telemetry is not None:  # before the futures: a span ends with its message
+            self._telemetry.on_resolved(resolutions)
         for entry in resolutions:
             future = entry.handle
             if not future.done():  # done: the caller cancelled it; the message was settled

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import Stats
+from reliable_amqp._core.supervisor import Supervisor
 
 if TYPE_CHECKING:
     from reliable_amqp._otel._telemetry import Telemetry
@@ -80,6 +82,37 @@ def telemetry_for(options: PublisherOptions, stats: Callable[[], Stats]) -> Tele
     )
 
 
+class TelemetrySlot:
+    """A publisher's telemetry, decided at its first ``connect()`` and the same ever after."""
+
+    __slots__ = ("_decided", "_lock", "telemetry")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._decided = False
+        #: what was decided (None: off, or not decided yet)
+        self.telemetry: Telemetry | None = None
+
+    def decide(
+        self, options: PublisherOptions, supervisor: Supervisor[Any], stats: Callable[[], Stats]
+    ) -> Telemetry | None:
+        """The telemetry (made the first time), hooked into the engine's resends and the
+        lifecycle's events."""
+        if self._decided:
+            return self.telemetry
+        with self._lock:
+            if not self._decided:
+                telemetry = telemetry_for(options, stats)
+                if telemetry is not None:
+                    if telemetry.tracing:
+                        supervisor.engine.on_resend = telemetry.on_resend
+                    if telemetry.metrics:
+                        supervisor.events.listener = telemetry.on_publisher_event
+                self.telemetry = telemetry
+                self._decided = True
+        return self.telemetry
+
+
 def _is_proxy_or_noop(provider: object, metrics: Any) -> bool:
     if isinstance(provider, metrics.NoOpMeterProvider):
         return True
@@ -103,4 +136,4 @@ def check_provider_options(options: PublisherOptions, where: str) -> None:
             )
 
 
-__all__ = ["SCOPE", "check_provider_options", "otel_in_use", "telemetry_for"]
+__all__ = ["SCOPE", "TelemetrySlot", "check_provider_options", "otel_in_use", "telemetry_for"]

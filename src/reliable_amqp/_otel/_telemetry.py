@@ -3,16 +3,21 @@
 A publisher holds one :class:`Telemetry`, or None when there is nothing to record, and calls it
 at three points: :meth:`Telemetry.on_publish` on the caller's thread (starts the PRODUCER span
 as a child of the caller's current span and puts the propagator's headers on the message),
-:meth:`Telemetry.on_event` when the engine retries or republishes a message, and
-:meth:`Telemetry.on_resolved` when the message resolves (ends the span, records the metrics).
-The token passed between them is the span, or None when the span is not recorded.
+:meth:`Telemetry.on_resend` when the engine retries or republishes a message (its hook), and
+:meth:`Telemetry.on_resolved` with the entries the engine resolved (ends the spans, records the
+metrics). Spans wait for their resolution here, keyed by the message object, so the publishers
+carry nothing for them; a message whose span is not recorded has no entry.
+
+Telemetry never raises into the publisher: a failing SDK or propagator is logged once and the
+message goes on without its span.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,10 +32,13 @@ from opentelemetry.trace import (
     set_span_in_context,
 )
 
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.message import Confirmation, OutgoingMessage, new_outgoing
 from reliable_amqp._core.stats import PublisherEvent, Stats
+from reliable_amqp._core.tracker import Entry
 from reliable_amqp._otel._metrics import Instruments, Member, SentKey
 from reliable_amqp._otel._sampling import DropRule
+
+log = logging.getLogger("reliable_amqp")
 
 _PRODUCER = SpanKind.PRODUCER
 _ERROR = StatusCode.ERROR
@@ -40,12 +48,14 @@ _CONFIRMATION = Confirmation
 class Telemetry:
     """Spans and metrics for one publisher; ``None`` in its place means telemetry is off.
 
-    Not thread-bound: :meth:`on_publish` runs on the caller's thread, the rest on the
-    publisher's I/O thread or event loop.
+    :meth:`on_publish` runs on the callers' threads, the rest on the publisher's I/O thread or
+    event loop (the span table is a dict: one insert, one pop per recorded message).
     """
 
     __slots__ = (
+        "_clock",
         "_drop",
+        "_failed",
         "_histogram",
         "_instruments",
         "_member",
@@ -54,6 +64,7 @@ class Telemetry:
         "_route_attributes",
         "_sent",
         "_server",
+        "_spans",
         "_tracer",
     )
 
@@ -71,16 +82,20 @@ class Telemetry:
         self._drop = drop
         self._instruments = instruments
         self._histogram = instruments.histogram if instruments is not None else None
+        self._clock = clock
         self._member: Member | None = None
         self._sent: dict[SentKey, int] = {}
         if instruments is not None:
             self._member = Member(stats, clock)
             self._sent = self._member.sent
             instruments.join(self._member)
+        #: id(message) -> its recorded span, from publish to resolution
+        self._spans: dict[int, Span] = {}
         self._names: dict[str, str] = {}
         self._route_attributes: dict[tuple[str, str], dict[str, Any]] = {}
         self._metric_attributes: dict[SentKey, dict[str, Any]] = {}
         self._server = _server_attributes(urls)
+        self._failed = False
 
     @property
     def tracing(self) -> bool:
@@ -94,13 +109,23 @@ class Telemetry:
 
     # --- the hot path --------------------------------------------------------------------------
 
-    def on_publish(self, message: OutgoingMessage) -> tuple[Span | None, OutgoingMessage]:
-        """Start the message's PRODUCER span (a child of the caller's current span).
+    def on_publish(self, message: OutgoingMessage) -> OutgoingMessage:
+        """Start the message's PRODUCER span (a child of the caller's current span); return
+        the message to send: with the propagator's headers (``traceparent``, ...) when there is
+        a trace context to carry, else ``message`` itself."""
+        if self._tracer is None:
+            return message
+        try:
+            span, sent = self.start(message)
+        except Exception:
+            self._report_failure()
+            return message
+        if span is not None:
+            self._spans[id(sent)] = span
+        return sent
 
-        Returns the span (None when it is not recorded) and the message to send: with the
-        propagator's headers (``traceparent``, ``tracestate``, ...) added when there is a trace
-        context to carry, else the same message.
-        """
+    def start(self, message: OutgoingMessage) -> tuple[Span | None, OutgoingMessage]:
+        """The span of ``message`` (None when not recorded) and the message to send."""
         tracer = self._tracer
         if tracer is None:
             return None, message
@@ -123,37 +148,57 @@ class Telemetry:
             return None, message
         headers = _inject(span)
         recorded = span if span.is_recording() else None
-        return recorded, _with_headers(message, headers) if headers else message
+        return recorded, _with_headers(message, headers)
 
-    def on_event(self, token: Span | None, name: str, attributes: Mapping[str, Any]) -> None:
-        """A span event on the message's span: ``retry`` (after a nack) or ``republish``."""
-        if token is not None:
-            token.add_event(name, attributes)
+    def on_resend(self, entry: Entry[Any], kind: str) -> None:
+        """The engine's hook: ``entry`` goes out again, ``kind`` "retry" (after a nack, with
+        backoff) or "republish" (its channel or connection was lost): a span event."""
+        span = self._spans.get(id(entry.message))
+        if span is None:
+            return
+        if kind == "retry":
+            attributes = {"reliable_amqp.nacks": entry.nacks}
+        else:
+            attributes = {"reliable_amqp.attempts": entry.attempts}
+        try:
+            span.add_event(kind, attributes)
+        except Exception:
+            self._report_failure()
 
-    def on_resolved(
-        self,
-        token: Span | None,
-        message: OutgoingMessage,
-        result: Confirmation | BaseException,
-        seconds: float,
-    ) -> None:
-        """The message resolved ``seconds`` after ``publish()``: end its span, count it."""
-        error = None if type(result) is _CONFIRMATION else type(result).__name__
-        if token is not None:
-            if error is not None:
-                token.set_attribute("error.type", error)
-                token.set_status(Status(_ERROR, str(result)))
-            token.end()
+    def on_resolved(self, entries: Iterable[Entry[Any]]) -> None:
+        """Messages resolved (their ``result`` is set): end their spans, count them, record
+        their durations from ``accepted`` (the clock the adapters pass the engine)."""
+        spans = self._spans
         histogram = self._histogram
-        if histogram is not None:
-            key = (message.exchange, error)
-            sent = self._sent
-            sent[key] = sent.get(key, 0) + 1
-            attributes = self._metric_attributes.get(key)
-            if attributes is None:
-                assert self._instruments is not None
-                attributes = self._metric_attributes[key] = self._instruments.attributes(key)
-            histogram.record(seconds, attributes)
+        if not spans and histogram is None:
+            return
+        try:
+            self._resolved(entries, spans, histogram)
+        except Exception:
+            self._report_failure()
+
+    def _resolved(
+        self, entries: Iterable[Entry[Any]], spans: dict[int, Span], histogram: Any
+    ) -> None:
+        now = self._clock()
+        sent = self._sent
+        metric_attributes = self._metric_attributes
+        for entry in entries:
+            result = entry.result
+            message = entry.message
+            error = None if type(result) is _CONFIRMATION else type(result).__name__
+            if spans:
+                span = spans.pop(id(message), None)
+                if span is not None:
+                    end_span(span, result, error)
+            if histogram is not None:
+                key = (message.exchange, error)
+                sent[key] = sent.get(key, 0) + 1
+                attributes = metric_attributes.get(key)
+                if attributes is None:
+                    assert self._instruments is not None
+                    attributes = metric_attributes[key] = self._instruments.attributes(key)
+                histogram.record(now - entry.accepted, attributes)
 
     # --- the rest ------------------------------------------------------------------------------
 
@@ -184,6 +229,19 @@ class Telemetry:
                 self._route_attributes[key] = attributes
         return attributes
 
+    def _report_failure(self) -> None:
+        if not self._failed:  # once: a broken exporter must not flood the log per message
+            self._failed = True
+            log.exception("reliable-amqp: OpenTelemetry failed; publishing goes on without it")
+
+
+def end_span(span: Span, result: object, error: str | None) -> None:
+    """End a message's span: status ERROR and ``error.type`` when it failed."""
+    if error is not None:
+        span.set_attribute("error.type", error)
+        span.set_status(Status(_ERROR, str(result)))
+    span.end()
+
 
 #: at most this many (exchange, routing key) attribute sets are kept (routing keys can be many)
 _ROUTES_CACHED = 1024
@@ -200,14 +258,15 @@ def _with_headers(message: OutgoingMessage, extra: dict[str, str]) -> OutgoingMe
     """``message`` with ``extra`` added to its headers (they win over the caller's own)."""
     if not extra:
         return message
-    props = message.properties
-    headers = {**props.headers, **extra} if props.headers else extra
-    return OutgoingMessage(
+    base = message.base  # the properties without the id, often shared: never changed here
+    headers = {**base.headers, **extra} if base.headers else extra
+    return new_outgoing(
         message.exchange,
         message.routing_key,
         message.body,
-        dataclasses.replace(props, headers=headers),
+        dataclasses.replace(base, headers=headers),
         message.mandatory,
+        message.message_id,
     )
 
 

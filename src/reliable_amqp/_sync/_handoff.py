@@ -24,6 +24,7 @@ from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync.topology import Request
 
 if TYPE_CHECKING:
+    from reliable_amqp._otel._telemetry import Telemetry
     from reliable_amqp._sync._spooled import SpooledPublishing
 
 
@@ -52,6 +53,8 @@ class Handoff:
         self.pid = os.getpid()
         #: the durable spool's part (``spool=DIR``), else None
         self.spooled: SpooledPublishing | None = None
+        #: OpenTelemetry (set at connect; None: off)
+        self.telemetry: Telemetry | None = None
 
     def wake(self, force: bool = False) -> None:
         """Make the I/O thread look at the outbox (once, however many publishes ask)."""
@@ -86,6 +89,8 @@ class Handoff:
         """Turn resolutions into settled futures and free their room in the window."""
         if not resolutions:
             return
+        if self.telemetry is not None:  # before the futures: a span ends with its message
+            self.telemetry.on_resolved(resolutions)
         # a future the caller cancelled is left as it is; the message was still settled
         settle(self.futures, [e.handle for e in resolutions], [e.result for e in resolutions])
         spooled = self.spooled

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reliable_amqp._core.errors import (
     ConfigurationError,
@@ -29,12 +29,16 @@ from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
+from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
 from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync._handoff import Handoff
 from reliable_amqp._sync._io import IOThread
 from reliable_amqp._sync._pika import connection_parameters
 from reliable_amqp._sync._spooled import SpooledPublishing
+
+if TYPE_CHECKING:
+    from reliable_amqp._otel._telemetry import Telemetry
 
 # Publishers alive in this process: a forked child must not use the ones it inherited.
 _live_handoffs: weakref.WeakSet[Handoff] = weakref.WeakSet()
@@ -77,6 +81,9 @@ class Publisher(PublisherSurface[None, str]):
             else None
         )
         self._handoff.spooled = self._spooled
+        #: OpenTelemetry, decided at connect() (None: off; see docs/observability.md)
+        self._otel = TelemetrySlot()
+        self._telemetry: Telemetry | None = None
         self._io = IOThread(params, self._handoff, self._supervisor, Topology())
         _live_handoffs.add(self._handoff)
         # Dropped without close(): the thread holds no reference to this object, so it can be
@@ -96,6 +103,9 @@ class Publisher(PublisherSurface[None, str]):
         if handoff.fatal is not None:
             raise handoff.fatal
         handoff.check_wait("connect()")
+        self._telemetry = handoff.telemetry = self._otel.decide(
+            self.options, self._supervisor, self.stats
+        )
         self._io.start()
         if self._spooled is not None:
             return self  # connects in the background; publish() goes to the spool meanwhile
@@ -145,6 +155,8 @@ class Publisher(PublisherSurface[None, str]):
         handoff.resolve(engine.close_all("publisher closed"))
         if self._spooled is not None:  # what is left stays in the spool for the next publisher
             self._spooled.close(wait)
+        if self._telemetry is not None:
+            self._telemetry.close()
         return left
 
     # --- topology ----------------------------------------------------------------------------
@@ -204,6 +216,8 @@ class Publisher(PublisherSurface[None, str]):
             if handoff.fatal is not None or not handoff.accepting:
                 self._check_accepting(message)
             future.index = window.take(size)
+            if self._telemetry is not None:  # the span starts once nothing can refuse it
+                message = self._telemetry.on_publish(message)
             handoff.outbox.append((message, future))
             if handoff.wake_pending:
                 return future
@@ -266,6 +280,9 @@ class Publisher(PublisherSurface[None, str]):
                 taken = window.take_many(sizes, done)
                 for i in range(done, done + taken):
                     futures[i].index = first + i - done
+                if self._telemetry is not None:
+                    for i in range(done, done + taken):
+                        messages[i] = self._telemetry.on_publish(messages[i])
                 handoff.outbox.extend(
                     zip(messages[done : done + taken], futures[done : done + taken], strict=True)
                 )
