@@ -96,6 +96,22 @@ class BlockingAsyncPublisher:
 
         return self._call(publish())
 
+    def publish_many(
+        self, exchange: str, routing_key: str, bodies: Any, **kwargs: Any
+    ) -> list[concurrent.futures.Future[Confirmation]]:
+        """``Publisher.publish_many``: each asyncio future mirrored to a concurrent one."""
+
+        async def publish_many() -> list[concurrent.futures.Future[Confirmation]]:
+            futures = await self._publisher.publish_many(exchange, routing_key, bodies, **kwargs)
+            mirrors: list[concurrent.futures.Future[Confirmation]] = []
+            for future in futures:
+                mirror: concurrent.futures.Future[Confirmation] = concurrent.futures.Future()
+                future.add_done_callback(lambda f, m=mirror: _copy(f, m))  # type: ignore[misc]
+                mirrors.append(mirror)
+            return mirrors
+
+        return self._call(publish_many())
+
     def publish_and_wait(
         self, exchange: str, routing_key: str, body: bytes, **kwargs: Any
     ) -> Confirmation:
