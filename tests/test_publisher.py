@@ -74,6 +74,25 @@ def test_every_message_confirmed_and_in_the_queue(
     assert {p.delivery_mode for p, _ in received} == {2}  # persistent by default
 
 
+def test_publish_many_in_batches_every_message_in_order_with_its_own_id(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
+    queue = broker.queue()
+    n, batch = 3000, 700  # batches end mid-window and a call spans more than the window
+    with publisher_class(amqp_url, max_in_flight=1000) as publisher:
+        futures = []
+        for start in range(0, n, batch):
+            bodies = [b"m%05d" % i for i in range(start, min(n, start + batch))]
+            futures += publisher.publish_many("", queue, bodies, content_type="text/plain")
+        assert publisher.flush(timeout=30) == 0
+    results = [f.result(0) for f in futures]
+    assert all(r.attempts == 1 for r in results) and len({r.message_id for r in results}) == n
+    received = broker.drain(queue)
+    assert [body for _, body in received] == [b"m%05d" % i for i in range(n)]
+    assert [p.message_id for p, _ in received] == [r.message_id for r in results]
+    assert {(p.content_type, p.delivery_mode) for p, _ in received} == {("text/plain", 2)}
+
+
 def test_properties_and_headers_arrive_intact(
     amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
 ) -> None:
