@@ -41,3 +41,26 @@ def test_sync_benchmark_runs_every_row_and_reports_medians(amqp_url: str) -> Non
         assert len(row["runs"]) == 2 and all(rate > 0 for rate in row["runs"])
         assert min(row["runs"]) <= row["rate"] <= max(row["runs"])
         assert row["msgs"] == 300
+
+
+@pytest.mark.broker
+def test_client_cpu_benchmark_reports_every_row(amqp_url: str) -> None:
+    script = BENCH.parent / "client_cpu.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--count", "400", "--batch", "100", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "AMQP_URL": amqp_url},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[0] for line in result.stdout.splitlines()[3:]]
+    assert rows == [
+        "Publisher.publish()",
+        "Publisher.publish_many(100)",
+        "AsyncPublisher.publish()",
+        "AsyncPublisher.publish_many(100)",
+    ]
+    for line in result.stdout.splitlines()[3:]:
+        assert 0 < float(line.split()[1]) < 10_000  # us per message
