@@ -417,3 +417,16 @@ def test_a_failing_sdk_never_breaks_publishing(
     assert telemetry.on_publish(message) is message
     assert telemetry.on_publish(message) is message
     assert sum("OpenTelemetry failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_properties_with_trace_headers_equal_what_replace_builds() -> None:
+    import dataclasses
+
+    from reliable_amqp._otel._telemetry import _replace_headers
+
+    base = MessageProperties(
+        content_type="a/b", headers={"x": 1}, priority=4, expiration="60000", app_id="app"
+    )
+    built = _replace_headers(base, {"x": 1, "traceparent": "00-1-2-01"})
+    assert built == dataclasses.replace(base, headers={"x": 1, "traceparent": "00-1-2-01"})
+    assert base.headers == {"x": 1}

@@ -32,7 +32,12 @@ from opentelemetry.trace import (
     set_span_in_context,
 )
 
-from reliable_amqp._core.message import Confirmation, OutgoingMessage, new_outgoing
+from reliable_amqp._core.message import (
+    Confirmation,
+    MessageProperties,
+    OutgoingMessage,
+    new_outgoing,
+)
 from reliable_amqp._core.stats import PublisherEvent, Stats
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._otel._metrics import Instruments, Member, SentKey
@@ -264,10 +269,29 @@ def _with_headers(message: OutgoingMessage, extra: dict[str, str]) -> OutgoingMe
         message.exchange,
         message.routing_key,
         message.body,
-        dataclasses.replace(base, headers=headers),
+        _replace_headers(base, headers),
         message.mandatory,
         message.message_id,
     )
+
+
+# ``dataclasses.replace`` on the frozen properties costs about 5 us (its __init__ sets each field
+# through object.__setattr__); copying the slots through their descriptors, about 1 us.
+_PROPERTY_SLOTS = [
+    (vars(MessageProperties)[f.name].__get__, vars(MessageProperties)[f.name].__set__)
+    for f in dataclasses.fields(MessageProperties)
+    if f.name != "headers"
+]
+_set_headers: Callable[[object, Any], None] = vars(MessageProperties)["headers"].__set__
+
+
+def _replace_headers(base: MessageProperties, headers: dict[str, Any]) -> MessageProperties:
+    """``dataclasses.replace(base, headers=headers)``, built fast (the same frozen object)."""
+    props: MessageProperties = object.__new__(MessageProperties)
+    for get, set_ in _PROPERTY_SLOTS:
+        set_(props, get(base))
+    _set_headers(props, headers)
+    return props
 
 
 def _server_attributes(urls: tuple[str, ...]) -> dict[str, Any]:
