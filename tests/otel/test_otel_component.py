@@ -261,12 +261,25 @@ def test_parent_based_off_carries_an_unsampled_parents_decision() -> None:
     assert traceparent == f"00-{0xABC:032x}-{0xDEF:016x}-00"
 
 
-def test_a_sampler_that_is_asked_and_drops_gives_no_token_but_a_context() -> None:
+def test_a_sampler_that_is_asked_and_drops_a_root_adds_no_header() -> None:
     telemetry = _telemetry(tracer_provider=TracerProvider(sampler=TraceIdRatioBased(0.0)))
     assert telemetry is not None
-    span, message = telemetry.start(_message())
+    original = _message()
+    span, message = telemetry.start(original)
+    assert span is None and message is original
+
+
+def test_a_sampler_that_is_asked_and_drops_a_child_carries_the_decision() -> None:
+    telemetry = _telemetry(tracer_provider=TracerProvider(sampler=TraceIdRatioBased(0.0)))
+    assert telemetry is not None
+    token = otel_context.attach(_parent(sampled=False, remote=True))
+    try:
+        span, message = telemetry.start(_message())
+    finally:
+        otel_context.detach(token)
     assert span is None
-    flags = (message.properties.headers or {})["traceparent"].rsplit("-", 1)[1]
+    trace_id, _, flags = (message.properties.headers or {})["traceparent"].split("-")[1:]
+    assert int(trace_id, 16) == 0xABC
     assert int(flags, 16) & 1 == 0  # carried, as not sampled
 
 

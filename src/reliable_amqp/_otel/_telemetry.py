@@ -149,11 +149,13 @@ class Telemetry:
         attributes["messaging.message.id"] = message.message_id
         attributes["messaging.message.body.size"] = len(message.body)
         span = tracer.start_span(name, kind=_PRODUCER, attributes=attributes)
-        if not span.get_span_context().is_valid:
-            return None, message
-        headers = _inject(span)
-        recorded = span if span.is_recording() else None
-        return recorded, _with_headers(message, headers)
+        if span.is_recording():
+            return span, _with_headers(message, _inject(span))
+        # Not sampled: carry the decision when the caller is in a trace; a dropped root gets no
+        # header (the propagator's inject would cost more than the sampler did)
+        if span.get_span_context().is_valid and get_current_span().get_span_context().is_valid:
+            return None, _with_headers(message, _inject(span))
+        return None, message
 
     def on_resend(self, entry: Entry[Any], kind: str) -> None:
         """The engine's hook: ``entry`` goes out again, ``kind`` "retry" (after a nack, with
