@@ -205,3 +205,20 @@ def test_publishing_from_threads_keeps_each_threads_order(
         # republished after the cut: duplicates allowed, never a later one before an earlier
         firsts = list(dict.fromkeys(mine))
         assert firsts == [f"t{n}-{i}" for i in range(500)]
+
+
+def test_a_spool_whose_last_entries_failed_flushes_to_zero(
+    kind: Kind, amqp_url: str, broker: BrokerAdmin, tmp_path: Path
+) -> None:
+    queue = broker.queue()
+    spool = Spool(tmp_path / "s")
+    for i in range(6):
+        spool.append(build_message("", queue, b"", properties={"message_id": f"m-{i}"}))
+    spool.persist()
+    spool.fail(6, "returned")  # the highest seq is in the failed table, not pending
+    spool.close()
+    with kind(amqp_url, spool=tmp_path / "s") as publisher:
+        assert publisher.flush(30) == 0
+        publisher.publish("", queue, b"", message_id="new")
+        assert publisher.flush(30) == 0
+    assert ids(broker, queue) == [f"m-{i}" for i in range(5)] + ["new"]

@@ -90,7 +90,15 @@ class SpoolFeed(Generic[H]):
         """
         if room <= 0 or not self.backlog:
             return []
-        entries = self.spool.read(self.fed, min(room, READ_CHUNK))
+        spool = self.spool
+        top = spool.last_seq  # before committed_seq: both only grow
+        entries = spool.read(self.fed, min(room, READ_CHUNK))
+        if not entries and spool.committed_seq >= top:
+            # everything up to top is committed and none of it waits: the seqs between are
+            # gone (confirmed before a crash, or in the failed table)
+            self.fed = max(self.fed, top)
+            self.want_commit = False
+            return []
         last = entries[-1].seq if entries else self.fed
         # what the writer has not committed yet is read after its next commit
         self.want_commit = last < self.spool.last_seq and len(entries) < min(room, READ_CHUNK)
