@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from opentelemetry import propagate
 from opentelemetry.trace import (
+    INVALID_SPAN,
     Span,
     SpanKind,
     Status,
@@ -46,6 +47,7 @@ from reliable_amqp._otel._sampling import DropRule
 log = logging.getLogger("reliable_amqp")
 
 _PRODUCER = SpanKind.PRODUCER
+_NO_SPAN = INVALID_SPAN  # what get_current_span() returns outside any span
 _ERROR = StatusCode.ERROR
 _CONFIRMATION = Confirmation
 
@@ -120,6 +122,9 @@ class Telemetry:
         a trace context to carry, else ``message`` itself."""
         if self._tracer is None:
             return message
+        drop = self._drop
+        if drop is not None and drop.root and get_current_span() is _NO_SPAN:
+            return message  # a root the sampler drops: nothing to record, nothing to carry
         try:
             span, sent = self.start(message)
         except Exception:
