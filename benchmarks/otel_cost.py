@@ -18,8 +18,9 @@ of ``--repeat`` runs, and ratios are of medians against the first case:
 - ``SDK, ParentBased(ALWAYS_OFF)``: the sampler decides per message (no parent here: dropped);
 - ``SDK, ALWAYS_OFF + metrics``: as ``ALWAYS_OFF``, plus an SDK MeterProvider (the duration
   histogram records every message);
-- ``SDK recording``: every span recorded (ALWAYS_ON, a BatchSpanProcessor with an exporter that
-  drops what it is given) and the metrics, the traceparent header on every message.
+- ``SDK recording, traces only``: every span recorded (ALWAYS_ON, a BatchSpanProcessor with an
+  exporter that drops what it is given), the traceparent header on every message, no metrics;
+- ``SDK recording``: the same, and the metrics.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ CASES = {
     "SDK, ALWAYS_OFF": "always_off",
     "SDK, ParentBased(ALWAYS_OFF)": "parent_off",
     "SDK, ALWAYS_OFF + metrics": "always_off_metrics",
+    "SDK recording, traces only": "recording_traces",
     "SDK recording": "recording",
 }
 
@@ -81,10 +83,11 @@ def configure(case: str) -> None:
         "always_off": ALWAYS_OFF,
         "parent_off": ParentBased(ALWAYS_OFF),
         "always_off_metrics": ALWAYS_OFF,
+        "recording_traces": ALWAYS_ON,
         "recording": ALWAYS_ON,
     }
     provider = TracerProvider(sampler=samplers[case])
-    if case == "recording":
+    if case in ("recording_traces", "recording"):
         provider.add_span_processor(BatchSpanProcessor(Discard()))
     trace.set_tracer_provider(provider)
     if case in ("always_off_metrics", "recording"):
