@@ -85,3 +85,55 @@ def test_commit_and_abort_log_confirmed_and_failed_partitions(
         stream.abort([None, done[1]], 7)
     assert "micro-batch 7 failed; 250 rows confirmed from 1 partition" in caplog.messages[-1]
     assert "1 partition failed" in caplog.messages[-1]
+
+
+_TRACE_SCRIPT = """
+import sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pyspark.sql import Row
+
+from reliable_amqp.spark import SinkConfig, close_cached_publishers, publish_partition
+from reliable_amqp.spark._publish import chunk_rows
+from reliable_amqp.spark._trace import capture
+
+spans = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(spans))
+trace.set_tracer_provider(provider)
+config = SinkConfig.from_strings({"url": sys.argv[1], "routing_key": sys.argv[2]})
+with trace.get_tracer("driver").start_as_current_span("nightly-export") as driver:
+    carrier = capture(config.publisher)  # on the driver, as the sink does
+assert carrier and "traceparent" in carrier, carrier
+# in a task: no current span, the driver's context arrives with the job
+rows = [Row(body="row %d" % i) for i in range(3)]
+result = publish_partition(config, chunk_rows(None, config, rows), "job:0", 0, carrier)
+assert result.rows == 3
+close_cached_publishers()
+producers = [s for s in spans.get_finished_spans() if s.kind is trace.SpanKind.PRODUCER]
+assert len(producers) == 3, producers
+for span in producers:
+    assert span.parent.span_id == driver.get_span_context().span_id
+    assert span.context.trace_id == driver.get_span_context().trace_id
+print("ok")
+"""
+
+
+def test_the_drivers_trace_context_is_the_tasks_parent(broker: Any, amqp_url: str) -> None:
+    """What a task does with the carrier the driver captured (no Spark job: the executors of
+    the shared session have no SDK, and the global providers can only be set once)."""
+    import subprocess
+    import sys
+
+    queue = broker.queue(unique_name("trace"))
+    result = subprocess.run(
+        [sys.executable, "-c", _TRACE_SCRIPT, amqp_url, queue],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-4000:]
+    assert broker.count(queue) == 3
