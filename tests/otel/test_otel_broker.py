@@ -228,3 +228,38 @@ def test_a_span_survives_a_reconnect(
     assert metrics[REPUBLISHED][0].value == 1
     assert metrics[RECONNECTS][0].value == 1
     assert [p.value for p in metrics[SENT_MESSAGES]] == [1]
+
+
+def test_a_span_survives_a_reconnect_async(
+    otel: Otel, broker: BrokerAdmin, make_proxy: ProxyFactory
+) -> None:
+    queue = broker.queue()
+    proxy = make_proxy(5672)
+    events = _Events()
+
+    async def main() -> tuple[Confirmation, int]:
+        publisher = AsyncPublisher(
+            proxy.url(),
+            **otel.options,
+            on_event=events,
+            connect_policy=RetryPolicy(max_attempts=None, initial_delay=0.05, deadline=30),
+        )
+        async with publisher:
+            proxy.stall()
+            future = await publisher.publish("", queue, BODY)
+            await asyncio.sleep(0.3)
+            assert publisher.stats().in_flight == 1 and not future.done()
+            cut_at = time.time_ns()
+            proxy.cut()
+            proxy.resume()
+            confirmation = await asyncio.wait_for(future, 30)
+        return confirmation, cut_at
+
+    confirmation, cut_at = asyncio.run(main())
+    assert confirmation.attempts == 2
+    (span,) = otel.finished()
+    assert span.attributes["messaging.message.id"] == confirmation.message_id
+    assert [e.name for e in span.events] == ["republish"]
+    assert span.start_time < cut_at < span.events[0].timestamp < span.end_time
+    assert broker.count(queue) == 1
+    assert otel.metrics()[REPUBLISHED][0].value == 1

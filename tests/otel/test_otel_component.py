@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,17 +80,31 @@ def _on(otel: Otel, **kwargs: Any) -> Telemetry:
     return telemetry
 
 
+_issued = itertools.count(1)
+_index_of: dict[int, int] = {}  # id(message sent) -> its issue number, as the window gives
+
+
+def _entry(message: OutgoingMessage) -> Entry[None]:
+    """The engine's entry for a message :func:`_publish` sent."""
+    entry: Entry[None] = Entry(message, None, 0.0, len(message.body))
+    entry.index = _index_of[id(message)]
+    return entry
+
+
 def _resolve(telemetry: Telemetry, message: OutgoingMessage, result: Any, seconds: float) -> None:
     """Resolve one message as an adapter does: an engine entry with its result, accepted
     ``seconds`` ago (the span is the one :meth:`Telemetry.on_publish` kept)."""
-    entry: Entry[None] = Entry(message, None, 0.0, len(message.body))
+    entry = _entry(message)
     entry.accepted = telemetry._clock() - seconds
     entry.result = result
     telemetry.on_resolved([entry])
 
 
 def _publish(telemetry: Telemetry, message: OutgoingMessage | None = None) -> OutgoingMessage:
-    return telemetry.on_publish(message or _message())
+    index = next(_issued)
+    sent = telemetry.on_publish(message or _message(), index)
+    _index_of[id(sent)] = index
+    return sent
 
 
 def _parent(sampled: bool, remote: bool) -> Any:
@@ -208,7 +223,7 @@ def test_traceparent_header_names_the_span_and_keeps_user_headers(otel: Otel) ->
 def test_failure_sets_error_status_and_error_type(otel: Otel) -> None:
     telemetry = _on(otel)
     message = _publish(telemetry)
-    entry: Entry[None] = Entry(message, None, 0.0, len(message.body))
+    entry = _entry(message)
     entry.nacks = 1
     telemetry.on_resend(entry, "retry")
     entry.attempts = 2
@@ -427,8 +442,8 @@ def test_a_failing_sdk_never_breaks_publishing(
 
     telemetry._tracer = Broken()  # type: ignore[assignment]
     message = _message()
-    assert telemetry.on_publish(message) is message
-    assert telemetry.on_publish(message) is message
+    assert telemetry.on_publish(message, 1) is message
+    assert telemetry.on_publish(message, 2) is message
     assert sum("OpenTelemetry failed" in r.getMessage() for r in caplog.records) == 1
 
 

@@ -246,9 +246,10 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         if self._room_waiters or not self._window.fits(size):
             await self._wait_for_room(size, message)
         future: asyncio.Future[Confirmation] = self._pump.loop.create_future()
+        index = self._window.take(size)
         if self._telemetry is not None:  # the span starts once nothing can refuse it
-            message = self._telemetry.on_publish(message)
-        self._engine.accept(message, future, time.monotonic(), self._window.take(size))
+            message = self._telemetry.on_publish(message, index)
+        self._engine.accept(message, future, time.monotonic(), index)
         self._pump.wake()
         return future
 
@@ -306,7 +307,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             taken = window.take_many(sizes, done)
             if self._telemetry is not None:
                 for i in range(done, done + taken):
-                    messages[i] = self._telemetry.on_publish(messages[i])
+                    messages[i] = self._telemetry.on_publish(messages[i], first + i - done)
             engine.accept_many(
                 zip(messages[done : done + taken], futures[done : done + taken], strict=True),
                 time.monotonic(),

@@ -5,8 +5,10 @@ at three points: :meth:`Telemetry.on_publish` on the caller's thread (starts the
 as a child of the caller's current span and puts the propagator's headers on the message),
 :meth:`Telemetry.on_resend` when the engine retries or republishes a message (its hook), and
 :meth:`Telemetry.on_resolved` with the entries the engine resolved (ends the spans, records the
-metrics). Spans wait for their resolution here, keyed by the message object, so the publishers
-carry nothing for them; a message whose span is not recorded has no entry.
+metrics). Spans wait for their resolution here, keyed by the message's issue number in the
+publisher's window (``Entry.index``: unique per publisher, whatever object the engine ends up
+holding), so the publishers carry nothing for them; a message whose span is not recorded has
+no entry.
 
 Telemetry never raises into the publisher: a failing SDK or propagator is logged once and the
 message goes on without its span.
@@ -96,7 +98,7 @@ class Telemetry:
             self._member = Member(stats, clock)
             self._sent = self._member.sent
             instruments.join(self._member)
-        #: id(message) -> its recorded span, from publish to resolution
+        #: issue number (Entry.index) -> its recorded span, from publish to resolution
         self._spans: dict[int, Span] = {}
         self._names: dict[str, str] = {}
         self._route_attributes: dict[tuple[str, str], dict[str, Any]] = {}
@@ -116,10 +118,11 @@ class Telemetry:
 
     # --- the hot path --------------------------------------------------------------------------
 
-    def on_publish(self, message: OutgoingMessage) -> OutgoingMessage:
+    def on_publish(self, message: OutgoingMessage, index: int) -> OutgoingMessage:
         """Start the message's PRODUCER span (a child of the caller's current span); return
         the message to send: with the propagator's headers (``traceparent``, ...) when there is
-        a trace context to carry, else ``message`` itself."""
+        a trace context to carry, else ``message`` itself. ``index`` is the message's issue
+        number in the window (what the engine's entry for it will carry as ``index``)."""
         if self._tracer is None:
             return message
         drop = self._drop
@@ -131,7 +134,7 @@ class Telemetry:
             self._report_failure()
             return message
         if span is not None:
-            self._spans[id(sent)] = span
+            self._spans[index] = span
         return sent
 
     def start(self, message: OutgoingMessage) -> tuple[Span | None, OutgoingMessage]:
@@ -165,7 +168,7 @@ class Telemetry:
     def on_resend(self, entry: Entry[Any], kind: str) -> None:
         """The engine's hook: ``entry`` goes out again, ``kind`` "retry" (after a nack, with
         backoff) or "republish" (its channel or connection was lost): a span event."""
-        span = self._spans.get(id(entry.message))
+        span = self._spans.get(entry.index)
         if span is None:
             return
         if kind == "retry":
@@ -200,7 +203,7 @@ class Telemetry:
             message = entry.message
             error = None if type(result) is _CONFIRMATION else type(result).__name__
             if spans:
-                span = spans.pop(id(message), None)
+                span = spans.pop(entry.index, None)
                 if span is not None:
                     end_span(span, result, error)
             if histogram is not None:

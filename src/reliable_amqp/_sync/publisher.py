@@ -217,7 +217,7 @@ class Publisher(PublisherSurface[None, str]):
                 self._check_accepting(message)
             future.index = window.take(size)
             if self._telemetry is not None:  # the span starts once nothing can refuse it
-                message = self._telemetry.on_publish(message)
+                message = self._telemetry.on_publish(message, future.index)
             handoff.outbox.append((message, future))
             if handoff.wake_pending:
                 return future
@@ -282,7 +282,7 @@ class Publisher(PublisherSurface[None, str]):
                     futures[i].index = first + i - done
                 if self._telemetry is not None:
                     for i in range(done, done + taken):
-                        messages[i] = self._telemetry.on_publish(messages[i])
+                        messages[i] = self._telemetry.on_publish(messages[i], futures[i].index)
                 handoff.outbox.extend(
                     zip(messages[done : done + taken], futures[done : done + taken], strict=True)
                 )
