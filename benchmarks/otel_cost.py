@@ -3,6 +3,7 @@
     bash scripts/dev.sh run python benchmarks/otel_cost.py                  # 100,000 x 12 B, 3 runs
     bash scripts/dev.sh run python benchmarks/otel_cost.py --count 20000 --repeat 5
     bash scripts/dev.sh run python benchmarks/otel_cost.py --publisher async
+    bash scripts/dev.sh run python benchmarks/otel_cost.py --micro          # per-call costs
 
 Each case runs in a fresh interpreter (OpenTelemetry's global providers are set once per
 process), publishes ``--count`` persistent messages with ``Publisher.publish()`` (or
@@ -161,6 +162,44 @@ def one_run(url: str, case: str, count: int, size: int, publisher_kind: str) -> 
     }
 
 
+def micro(calls: int = 500_000) -> None:
+    """The per-message work the publishers add, timed in-process (no broker, no noise from it):
+    the test with no telemetry, ``on_publish`` for a root ``ParentBased(ALWAYS_OFF)`` drops,
+    ``on_resolved`` with nothing to record."""
+    import timeit
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+
+    from reliable_amqp import PublisherOptions
+    from reliable_amqp._core.message import build_message
+    from reliable_amqp._core.tracker import Entry
+    from reliable_amqp._otel import telemetry_for
+
+    options = PublisherOptions.create(
+        URL, tracer_provider=TracerProvider(sampler=ParentBased(ALWAYS_OFF))
+    )
+    telemetry = telemetry_for(options, lambda: None)  # type: ignore[arg-type]
+    assert telemetry is not None and telemetry.tracing
+    message = build_message("", "q", b"x" * 12, mandatory=False, properties={})
+    entries: list[Entry[None]] = [Entry(message, None, 0.0, 12) for _ in range(100)]
+    none = None
+    rows = {
+        "no telemetry: `if telemetry is not None`": timeit.timeit(
+            "telemetry is not None", globals={"telemetry": none}, number=calls
+        ),
+        "ParentBased(ALWAYS_OFF), no parent: on_publish()": timeit.timeit(
+            lambda: telemetry.on_publish(message, 1), number=calls
+        ),
+        "nothing to record: on_resolved(), per message": timeit.timeit(
+            lambda: telemetry.on_resolved(entries), number=calls // 100
+        ),
+    }
+    print(f"== per-message work, {calls:,} calls ==")
+    for name, seconds in rows.items():
+        print(f"{name:<52} {seconds / calls * 1e6:6.3f} us")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -172,8 +211,12 @@ def main() -> int:
     parser.add_argument("--url", default=URL)
     parser.add_argument("--only", help="comma-separated case keys (" + ", ".join(CASES.values()))
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--micro", action="store_true", help="time the per-message calls only")
     parser.add_argument("--one-run", metavar="CASE", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.micro:
+        micro()
+        return 0
     if args.one_run:
         result = one_run(args.url, args.one_run, args.count, args.size, args.publisher)
         print(json.dumps(result))
