@@ -23,13 +23,13 @@ from reliable_amqp._core.message import (
     check_message_id,
     check_route,
     new_message_id,
-    new_outgoing,
 )
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import Stats
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import TopologyOp, bind_op, exchange_op, queue_op
+from reliable_amqp._core.tracker import new_entry
 from reliable_amqp._core.window import Window
 
 #: what the properties other than headers can take in a content-header frame, at most (12
@@ -85,12 +85,10 @@ class PublisherSurface(Generic[D, Q]):
         if mandatory is not False and mandatory is not True:
             check_mandatory(mandatory)
         if not properties:
-            return new_outgoing(
-                exchange, routing_key, body, DEFAULT_BASE, mandatory, new_message_id()
-            )
+            return new_entry(exchange, routing_key, body, DEFAULT_BASE, mandatory, new_message_id())
         message_id = check_message_id(properties.pop("message_id", None)) or new_message_id()
         base = self._base(properties) if properties else DEFAULT_BASE
-        message = new_outgoing(exchange, routing_key, body, base, mandatory, message_id)
+        message = new_entry(exchange, routing_key, body, base, mandatory, message_id)
         if base.headers and self._supervisor.frame_max:
             self._check_header_size(message)
         return message
@@ -132,8 +130,8 @@ class PublisherSurface(Generic[D, Q]):
                 except InvalidMessage as exc:
                     raise InvalidMessage(f"bodies[{i}]", exc.problem) from None
         base = self._base(properties) if properties else DEFAULT_BASE
-        messages = [
-            new_outgoing(exchange, routing_key, body, base, mandatory, new_message_id())
+        messages: list[OutgoingMessage] = [
+            new_entry(exchange, routing_key, body, base, mandatory, new_message_id())
             for body in data
         ]
         if base.headers and self._supervisor.frame_max and messages:

@@ -226,7 +226,7 @@ class EngineMachine(RuleBasedStateMachine):
                 properties={"headers": headers} if headers else None,
             )
             entry = self.engine.accept(message, handle, self.now)
-            assert entry.message is message and entry.handle == handle
+            assert entry.message == message and entry.handle == handle
             assert entry.deadline == self.now + TIMEOUT
             msg = Msg(handle, message, self.now, self.now + TIMEOUT)
             self.msgs.append(msg)
@@ -253,7 +253,7 @@ class EngineMachine(RuleBasedStateMachine):
         expected.returned = None
         message = expected.message
         # republished with the same message (and so the same message_id) every time
-        assert entry.message is message and entry.attempts == expected.attempts
+        assert entry.message == message and entry.attempts == expected.attempts
         if not message.mandatory and not self.dedup:
             assert headers is None
             return

@@ -325,7 +325,7 @@ class SupervisorMachine(RuleBasedStateMachine):
             if isinstance(r.result, Confirmation):
                 assert r.result.attempts >= 1
             else:
-                assert r.result.message is r.entry.message
+                assert r.result.message is r.entry.message.plain()
         self.window.release(resolutions)
 
     @precondition(lambda self: not self.closed)

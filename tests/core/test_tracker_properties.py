@@ -274,6 +274,23 @@ TrackerMachine.TestCase.settings = settings(max_examples=200, stateful_step_coun
 test_tracker_against_model = TrackerMachine.TestCase
 
 
+@pytest.mark.parametrize("run_max", [1, 2, 3])
+def test_tracker_against_model_with_short_runs(
+    run_max: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tracker keeps publishes in runs of RUN_MAX (256): with runs of 1-3 publishes, the
+    # machine's 60 steps cross run boundaries all the time (splits, whole runs, empty runs).
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from reliable_amqp._core import tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "RUN_MAX", run_max)
+    run_state_machine_as_test(
+        TrackerMachine,
+        settings=settings(max_examples=100, stateful_step_count=60, deadline=None),
+    )
+
+
 # --- a few fixed scenarios, to read as examples ---------------------------------------------------
 
 

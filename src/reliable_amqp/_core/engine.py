@@ -123,8 +123,16 @@ class PublishEngine(Generic[H]):
         self, message: OutgoingMessage, handle: H, now: float, index: int | None = None
     ) -> Entry[H]:
         """Take a message; it is queued to be written. ``index`` is its issue number in the
-        window (default: ``handle.index``)."""
-        entry = Entry(message, handle, now + self.delivery_timeout, len(message.body))
+        window (default: ``handle.index``). A message built by :func:`new_entry` becomes the
+        entry itself; any other is copied into one."""
+        if type(message) is Entry and not message.adopted:
+            entry: Entry[H] = message
+        else:
+            entry = Entry(message, handle, 0.0, 0)
+        entry.adopted = True
+        entry.handle = handle
+        entry.deadline = now + self.delivery_timeout
+        entry.size = len(message.body)
         entry.accepted = now
         entry.index = getattr(handle, "index", 0) if index is None else index
         self._sendq.append(entry)
@@ -142,15 +150,25 @@ class PublishEngine(Generic[H]):
         """Take many messages at once (``(message, handle)`` pairs), queued in order; their
         issue numbers follow ``first_index`` (default: each ``handle.index``)."""
         deadline = now + self.delivery_timeout
-        entries = [Entry(message, handle, deadline, len(message.body)) for message, handle in items]
-        if first_index is None:
-            for entry in entries:
-                entry.accepted = now
-                entry.index = entry.handle.index  # type: ignore[attr-defined]
-        else:
-            for i, entry in enumerate(entries, first_index):
-                entry.accepted = now
-                entry.index = i
+        entries: list[Entry[H]] = []
+        append = entries.append
+        index = first_index
+        for message, handle in items:
+            if type(message) is Entry and not message.adopted:
+                entry: Entry[H] = message
+            else:
+                entry = Entry(message, handle, 0.0, 0)
+            entry.adopted = True
+            entry.handle = handle
+            entry.deadline = deadline
+            entry.size = len(message.body)
+            entry.accepted = now
+            if index is None:
+                entry.index = handle.index  # type: ignore[attr-defined]
+            else:
+                entry.index = index
+                index += 1
+            append(entry)
         self._sendq.extend(entries)
         self._fifo.extend(entries)
         self._live += len(entries)

@@ -294,7 +294,8 @@ class PublishError(ReliableAmqpError):
 
     def __init__(self, message: OutgoingMessage, attempts: int, detail: str) -> None:
         super().__init__(f"message {message.message_id!r} {detail}")
-        self.message = message
+        #: the message (a plain copy: not the publisher's bookkeeping of it)
+        self.message = message.plain()
         self.attempts = attempts
 
 

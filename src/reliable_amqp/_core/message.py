@@ -177,6 +177,16 @@ class OutgoingMessage:
             (self.exchange, self.routing_key, self.body, self.properties, self.mandatory),
         )
 
+    def plain(self) -> OutgoingMessage:
+        """This message as a plain :class:`OutgoingMessage` (itself, unless it is a subclass,
+        such as the publisher's bookkeeping entry)."""
+        if type(self) is OutgoingMessage:
+            return self
+        message = new_outgoing(
+            self.exchange, self.routing_key, self.body, self.base, self.mandatory, self.message_id
+        )
+        return message
+
     def replace(self, **changes: Any) -> OutgoingMessage:
         """A copy with some of the constructor's arguments changed."""
         args: dict[str, Any] = {

@@ -15,12 +15,23 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from sortedcontainers import SortedDict
 
 from reliable_amqp._core.errors import PublishError
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.message import (
+    Confirmation,
+    MessageProperties,
+    OutgoingMessage,
+    _set_base,
+    _set_body,
+    _set_cached_properties,
+    _set_exchange,
+    _set_mandatory,
+    _set_message_id,
+    _set_routing_key,
+)
 
 H = TypeVar("H")
 
@@ -53,14 +64,19 @@ class Outcome(enum.Enum):
     RETURNED = "returned"
 
 
-@dataclass(slots=True, eq=False)
-class Entry(Generic[H]):
-    """One accepted message and its bookkeeping; ``handle`` is the adapter's (a future)."""
+class Entry(OutgoingMessage, Generic[H]):
+    """One accepted message and its bookkeeping; ``handle`` is the adapter's (a future).
 
-    message: OutgoingMessage
-    handle: H
-    deadline: float
-    size: int
+    An entry *is* its message (an :class:`OutgoingMessage` with bookkeeping added, ``message``
+    is the entry itself): a message in flight is one object for the garbage collector, not two.
+    ``publish()`` builds it (:func:`new_entry`) and the engine adopts it. The bookkeeping fields
+    live in the instance dict, their defaults on the class, so a new entry sets none of them.
+    Entries compare by identity; errors carry a plain copy of the message (``plain()``).
+    """
+
+    handle: H = None  # type: ignore[assignment]
+    deadline: float = 0.0
+    size: int = 0
     attempts: int = 0
     #: packed (generation, seq) of the current attempt while on the wire, else -1
     key: int = -1
@@ -78,6 +94,60 @@ class Entry(Generic[H]):
     result: Confirmation | PublishError | None = None
     #: its issue number in the publisher's window (flush() counts by it)
     index: int = 0
+    #: True once an engine accepted it (an entry is accepted once; a message given again is
+    #: copied into a new entry)
+    adopted: bool = False
+    #: the message it was copied from (what errors carry), when it was not built as an entry
+    origin: OutgoingMessage | None = None
+
+    __setattr__ = object.__setattr__  # type: ignore[assignment]
+    __delattr__ = object.__delattr__
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __init__(  # noqa: PLR0917
+        self,
+        message: OutgoingMessage,
+        handle: H,
+        deadline: float,
+        size: int,
+        attempts: int = 0,
+        key: int = -1,
+        returned: tuple[int, str] | None = None,
+        isolated: bool = False,
+        nacks: int = 0,
+        accepted: float = 0.0,
+        state: Stage = Stage.WAITING,
+        result: Confirmation | PublishError | None = None,
+        index: int = 0,
+    ) -> None:
+        _copy_message(self, message)
+        self.origin = message.plain()
+        self.handle = handle
+        self.deadline = deadline
+        self.size = size
+        self.attempts = attempts
+        self.key = key
+        self.returned = returned
+        self.isolated = isolated
+        self.nacks = nacks
+        self.accepted = accepted
+        self.state = state
+        self.result = result
+        self.index = index
+
+    @property
+    def message(self) -> OutgoingMessage:
+        """The message: the entry itself."""
+        return self
+
+    def plain(self) -> OutgoingMessage:
+        """The message as a plain :class:`OutgoingMessage`: the one it was copied from, or a
+        copy made once (errors carry it, not the entry)."""
+        origin = self.origin
+        if origin is None:
+            origin = self.origin = super().plain()
+        return origin
 
     # An entry the engine resolved is its own resolution (no object is made for it):
     @property
@@ -89,6 +159,46 @@ class Entry(Generic[H]):
     def ok(self) -> bool:
         """True when the message was confirmed."""
         return isinstance(self.result, Confirmation)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Entry {self.message_id!r} to {self.exchange!r}/{self.routing_key!r} "
+            f"{self.state.value}, {self.attempts} attempts>"
+        )
+
+
+_new = object.__new__
+
+
+def _copy_message(entry: Entry[Any], message: OutgoingMessage) -> None:
+    _set_exchange(entry, message.exchange)
+    _set_routing_key(entry, message.routing_key)
+    _set_body(entry, message.body)
+    _set_base(entry, message.base)
+    _set_mandatory(entry, message.mandatory)
+    _set_message_id(entry, message.message_id)
+    _set_cached_properties(entry, None)
+
+
+def new_entry(  # noqa: PLR0917
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    base: MessageProperties,
+    mandatory: bool,
+    message_id: str,
+) -> Entry[Any]:
+    """A message to publish, from checked parts, built fast as the entry an engine will adopt
+    (``base`` has no message_id)."""
+    entry: Entry[Any] = _new(Entry)
+    _set_exchange(entry, exchange)
+    _set_routing_key(entry, routing_key)
+    _set_body(entry, body)
+    _set_base(entry, base)
+    _set_mandatory(entry, mandatory)
+    _set_message_id(entry, message_id)
+    _set_cached_properties(entry, None)
+    return entry
 
 
 @dataclass(slots=True)  # not frozen: one is made per confirmed message, and frozen costs 2.5x
@@ -131,13 +241,37 @@ def parse_attempt_tag(value: object) -> int | None:
     return pack_key(int(generation), int(seq))
 
 
+#: publishes per run of the tracker's sorted map: runs keep the map's work per publish small
+RUN_MAX = 256
+
+
+class _Run(Generic[H]):
+    """Publishes with consecutive delivery tags; ``None`` where one was settled alone."""
+
+    __slots__ = ("entries", "live")
+
+    def __init__(self, entries: list[Entry[H] | None], live: int) -> None:
+        self.entries = entries
+        self.live = live
+
+
 class ConfirmTracker(Generic[H]):
-    """Unconfirmed publish attempts of the current channel generation, in publish order."""
+    """Unconfirmed publish attempts of the current channel generation, in publish order.
+
+    The sorted map (sortedcontainers) is keyed by the packed ``(generation, seq)`` of the first
+    publish of a *run*: up to :data:`RUN_MAX` publishes with consecutive delivery tags. The
+    broker numbers publishes 1, 2, 3, ... on a channel, so the publish with tag ``t`` is found by
+    one bisection and an offset, and a multiple-ack takes whole runs off the front: the map
+    changes once per run, not once per publish. A slot whose entry no longer carries its key
+    (discarded, or sent again since) is empty; a run whose slots are all empty leaves the map.
+    """
 
     def __init__(self) -> None:
-        self._entries: SortedDict[int, Entry[H]] = SortedDict()
+        self._runs: SortedDict[int, _Run[H]] = SortedDict()
+        self._open: _Run[H] | None = None  # the run new publishes are appended to
         self._generation = 0
         self._seq = 0
+        self._live = 0
 
     @property
     def generation(self) -> int:
@@ -145,20 +279,57 @@ class ConfirmTracker(Generic[H]):
         return self._generation
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._live
 
     def __iter__(self) -> Iterator[Entry[H]]:
-        return iter(self._entries.values())
+        for first, run in self._runs.items():
+            for key, entry in enumerate(run.entries, first):
+                if entry is not None and entry.key == key:
+                    yield entry
 
     def track(self, entry: Entry[H]) -> int:
         """Record that ``entry`` is being published now; return its delivery tag (seq)."""
-        self._seq += 1
-        key = pack_key(self._generation, self._seq)
+        self._seq = seq = self._seq + 1
+        key = (self._generation << _SEQ_BITS) | seq
+        run = self._open
+        if run is None or len(run.entries) >= RUN_MAX:
+            run = self._open = _Run([], 0)
+            self._runs[key] = run
+        run.entries.append(entry)
+        run.live += 1
         entry.key = key
         entry.returned = None
         entry.attempts += 1
-        self._entries[key] = entry
-        return self._seq
+        self._live += 1
+        return seq
+
+    def _slot(self, key: int) -> tuple[int, _Run[H], int] | None:
+        """(first key, run, offset) of the live entry tracked under ``key``, or None."""
+        runs = self._runs
+        at = runs.bisect_right(key) - 1
+        if at < 0:
+            return None
+        first = runs.keys()[at]
+        run = runs[first]
+        offset = key - first
+        if offset >= len(run.entries):
+            return None
+        entry = run.entries[offset]
+        if entry is None or entry.key != key:
+            return None
+        return first, run, offset
+
+    def _take(self, first: int, run: _Run[H], offset: int) -> Entry[H]:
+        """Empty one live slot; the run leaves the map once all its slots are empty."""
+        entry = run.entries[offset]
+        assert entry is not None
+        run.entries[offset] = None
+        entry.key = -1
+        run.live -= 1
+        self._live -= 1
+        if not run.live and run is not self._open:
+            del self._runs[first]
+        return entry
 
     def on_ack(self, generation: int, tag: int, multiple: bool) -> list[Settled[H]]:
         """Settle a ``basic.ack``; a returned entry settles as RETURNED, the rest as ACKED."""
@@ -175,9 +346,13 @@ class ConfirmTracker(Generic[H]):
         entry, or None when the value matches no entry on the wire (a stale generation).
         """
         key = parse_attempt_tag(attempt)
-        entry = self._entries.get(key) if key is not None else None
-        if entry is not None:
-            entry.returned = (reply_code, reply_text)
+        slot = self._slot(key) if key is not None else None
+        if slot is None:
+            return None
+        _, run, offset = slot
+        entry = run.entries[offset]
+        assert entry is not None
+        entry.returned = (reply_code, reply_text)
         return entry
 
     def untrack(self, entry: Entry[H]) -> bool:
@@ -188,19 +363,31 @@ class ConfirmTracker(Generic[H]):
         """
         if entry.key < 0 or entry.key != pack_key(self._generation, self._seq):
             return False
-        del self._entries[entry.key]
+        slot = self._slot(entry.key)
+        if slot is None:
+            return False
+        first, run, offset = slot
+        if offset != len(run.entries) - 1:
+            return False
+        run.entries.pop()
+        run.live -= 1
+        if not run.entries:
+            del self._runs[first]
+            if run is self._open:
+                self._open = None
         entry.key = -1
         entry.attempts -= 1
         self._seq -= 1
+        self._live -= 1
         return True
 
     def discard(self, entry: Entry[H]) -> bool:
         """Forget ``entry`` (its deadline passed); a later ack for it is ignored."""
-        if entry.key >= 0 and self._entries.get(entry.key) is entry:
-            del self._entries[entry.key]
-            entry.key = -1
-            return True
-        return False
+        slot = self._slot(entry.key) if entry.key >= 0 else None
+        if slot is None or slot[1].entries[slot[2]] is not entry:
+            return False
+        self._take(*slot)
+        return True
 
     def new_generation(self) -> list[Entry[H]]:
         """Start a new channel generation; hand back every unconfirmed entry in publish order.
@@ -208,10 +395,12 @@ class ConfirmTracker(Generic[H]):
         Called when the channel the entries went out on is gone: their confirms will never come,
         so the caller republishes them (on the new generation) or fails them.
         """
-        unconfirmed = list(self._entries.values())
+        unconfirmed = list(self)
         for entry in unconfirmed:
             entry.key = -1
-        self._entries.clear()
+        self._runs.clear()
+        self._open = None
+        self._live = 0
         self._generation += 1
         self._seq = 0
         return unconfirmed
@@ -229,24 +418,41 @@ class ConfirmTracker(Generic[H]):
         if generation != self._generation or tag <= 0:
             return []
         key = pack_key(generation, tag)
-        entries = self._entries
         if not multiple:
-            entry = entries.pop(key, None)
-            if entry is None:
-                return []
-            entry.key = -1
-            return [entry]
-        # Everything up to and including ``tag``. Only the current generation is ever tracked
-        # (new_generation() empties the map), so that is a prefix, taken and deleted as one slice:
-        # O(log n + k) (sortedcontainers rebuilds instead when k is over n/8).
-        stop = entries.bisect_right(key)
-        if not stop:
-            return []
-        acked = entries.values()[:stop]
-        del entries.keys()[:stop]
-        for entry in acked:
-            entry.key = -1
-        return acked
+            slot = self._slot(key)
+            return [] if slot is None else [self._take(*slot)]
+        # Everything up to and including ``tag``: whole runs off the front of the map, then the
+        # head of the run that holds ``tag`` (its rest goes back under the key of its new head).
+        runs = self._runs
+        settled: list[Entry[H]] = []
+        while runs:
+            first, run = runs.peekitem(0)
+            if first > key:
+                break
+            entries = run.entries
+            end = key - first + 1
+            del runs[first]
+            whole = end >= len(entries)
+            if whole:
+                taken = entries
+                if run is self._open:
+                    self._open = None
+            else:
+                taken = entries[:end]
+                del entries[:end]
+            count = 0
+            for k, entry in enumerate(taken, first):
+                if entry is not None and entry.key == k:
+                    entry.key = -1
+                    settled.append(entry)
+                    count += 1
+            run.live -= count
+            if not whole:
+                if run.live or run is self._open:
+                    runs[first + end] = run
+                break
+        self._live -= len(settled)
+        return settled
 
     @staticmethod
     def _settled(entry: Entry[H], outcome: Outcome) -> Settled[H]:
