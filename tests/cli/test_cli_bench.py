@@ -15,7 +15,7 @@ from broker_support import BrokerAdmin, unique
 
 pytestmark = pytest.mark.broker
 
-MODES = ["transactions", "confirm-each", "streaming", "no-confirms"]
+MODES = ["transactions", "confirm-each", "streaming", "streaming-many", "no-confirms"]
 
 
 def bench(*args: str, url: str) -> subprocess.CompletedProcess[str]:
@@ -42,9 +42,10 @@ def test_bench_json(amqp_url: str) -> None:
     assert list(rows) == MODES
     assert rows["transactions"]["messages"] == 50
     assert rows["confirm-each"]["messages"] == 50
-    assert rows["streaming"]["messages"] == 200
+    assert rows["streaming"]["messages"] == rows["streaming-many"]["messages"] == 200
     for row in rows.values():
         assert row["rate"] > 0
+        assert 0 < row["cpu_us"] < 100_000  # client CPU per message, microseconds
         assert 0 < row["ratio"] <= 1
         assert row["queued"] == row["messages"]
     assert max(row["ratio"] for row in rows.values()) == 1
