@@ -41,6 +41,7 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
 from reliable_amqp._async import AsyncPublisher, _pump
+from reliable_amqp._core import supervisor
 
 Row = dict[str, Any]
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -96,6 +97,9 @@ async def aio_pika_no_confirms(url: str, count: int, body: bytes) -> Row:
         started, cpu = time.perf_counter(), time.process_time()
         for _ in range(count):
             await exchange.publish(aio_pika.Message(body, delivery_mode=2), routing_key=queue)
+        # The clock stops at a round trip after the last publish (answered once the broker has
+        # routed everything sent before it on this channel).
+        await channel.declare_queue(queue, passive=True)
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         await _settle(connection, queue, count)
     return _row(NO_CONFIRMS, count, seconds, cpu)
@@ -131,19 +135,46 @@ async def async_publisher(url: str, count: int, body: bytes) -> Row:
     return _row(ASYNC_PUBLISHER, count, seconds, cpu)
 
 
+MANY = 1_000
+
+
+async def async_publisher_many(url: str, count: int, body: bytes) -> Row:
+    """reliable_amqp.AsyncPublisher.publish_many(): 1,000 bodies a call, every future checked."""
+    async with fresh_queue(url) as (_connection, queue), AsyncPublisher(url) as publisher:
+        started, cpu = time.perf_counter(), time.process_time()
+        futures: list[asyncio.Future[Any]] = []
+        for start in range(0, count, MANY):
+            futures += await publisher.publish_many("", queue, [body] * min(MANY, count - start))
+        left = await publisher.flush(timeout=120)
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        confirmed = sum(1 for f in futures if f.done() and f.exception() is None)
+    if left or confirmed != count:
+        raise RuntimeError(f"publish_many confirmed {confirmed} of {count} ({left} pending)")
+    return _row(f"reliable_amqp.AsyncPublisher.publish_many ({MANY:,} a call)", count, seconds, cpu)
+
+
 #: name -> row coroutine, in table order
 ROWS: dict[str, Callable[[str, int, bytes], Awaitable[Row]]] = {
     "aio-pika-noconfirm": aio_pika_no_confirms,
     "aio-pika-confirm": aio_pika_confirms,
     "async-publisher": async_publisher,
+    "async-publisher-many": async_publisher_many,
 }
 
 
-def rows(url: str, count: int, body: bytes) -> list[Row]:
-    """Run every async row once, in one event loop; returns them in table order."""
+def rows(
+    url: str, count: int, body: bytes, before_row: Callable[[], object] | None = None
+) -> list[Row]:
+    """Run every async row once, in one event loop; returns them in table order.
+    ``before_row`` runs before each (the benchmark waits there for an idle broker)."""
 
     async def run_all() -> list[Row]:
-        return [await fn(url, count, body) for fn in ROWS.values()]
+        results = []
+        for fn in ROWS.values():
+            if before_row is not None:
+                before_row()
+            results.append(await fn(url, count, body))
+        return results
 
     return asyncio.run(run_all())
 
@@ -219,12 +250,12 @@ async def async_publisher_pamqp(url: str, count: int, body: bytes) -> Row:
 
 async def async_publisher_unbatched(url: str, count: int, body: bytes) -> Row:
     """AsyncPublisher writing one message per write-queue entry and socket drain."""
-    original = _pump._BATCH
-    _pump._BATCH = 1
+    original = supervisor.BATCH_COUNT
+    supervisor.BATCH_COUNT = 1  # read by Supervisor.write() at each batch
     try:
         row = await async_publisher(url, count, body)
     finally:
-        _pump._BATCH = original
+        supervisor.BATCH_COUNT = original
     return {**row, "name": "AsyncPublisher, one write per message"}
 
 

@@ -29,7 +29,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import pika
 
@@ -124,7 +124,7 @@ def rows(url: str = URL, count: int = ROWS, repeat: int = 1) -> list[Row]:
             sink.write(warm, via=via)
         channel.queue_purge(queue)
 
-        def timed_sink(via: str) -> Callable[[], float]:
+        def timed_sink(via: Literal["arrow", "rows"]) -> Callable[[], float]:
             def run() -> float:
                 summary = sink.write(df, via=via)
                 if summary.rows != count:
@@ -177,7 +177,7 @@ def _conversion_rates(sink: Any, df: Any, count: int, repeat: int) -> dict[str, 
     def row_parts(rows: Any) -> Any:
         yield sum(chunk.size for chunk in chunk_rows(plan, config, rows))
 
-    jobs = {
+    jobs: dict[str, Callable[[], int]] = {
         "arrow": lambda: sum(r.n for r in df.mapInArrow(arrow_parts, "n long").collect()),
         "rows": lambda: sum(df.rdd.mapPartitions(row_parts).collect()),
     }

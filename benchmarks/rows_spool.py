@@ -45,7 +45,7 @@ def spooled_publisher(url: str, count: int, body: bytes) -> Row:
     ):
         with Publisher(url, spool=directory) as publisher:
             publish = publisher.publish
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             futures = []
             for i in range(count):
                 futures.append(publish("", queue, body))
@@ -53,7 +53,7 @@ def spooled_publisher(url: str, count: int, body: bytes) -> Row:
                     publisher.persist()
             publisher.persist()
             left = publisher.flush(timeout=120)
-            seconds = time.perf_counter() - started
+            seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
             confirmed = sum(1 for f in futures if f.exception() is None)
         pending = inspect(directory).pending
     if left or confirmed != count or pending:
@@ -61,16 +61,16 @@ def spooled_publisher(url: str, count: int, body: bytes) -> Row:
             f"spooled Publisher confirmed {confirmed} of {count} ({left} unresolved, "
             f"{pending} left in the spool)"
         )
-    return _row(SYNC_NAME, count, seconds)
+    return _row(SYNC_NAME, count, seconds, cpu)
 
 
 def spooled_async_publisher(url: str, count: int, body: bytes) -> Row:
     """AsyncPublisher(spool=DIR): every message through the spool, persist() every 10,000."""
     from reliable_amqp import AsyncPublisher
 
-    async def run(directory: str, queue: str) -> tuple[float, int, int]:
+    async def run(directory: str, queue: str) -> tuple[float, float, int, int]:
         async with AsyncPublisher(url, spool=directory) as publisher:
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             futures = []
             for i in range(count):
                 futures.append(await publisher.publish("", queue, body))
@@ -78,22 +78,22 @@ def spooled_async_publisher(url: str, count: int, body: bytes) -> Row:
                     await publisher.persist()
             await publisher.persist()
             left = await publisher.flush(timeout=120)
-            seconds = time.perf_counter() - started
+            seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
             confirmed = sum(1 for f in futures if f.done() and f.exception() is None)
-        return seconds, left, confirmed
+        return seconds, cpu, left, confirmed
 
     with (
         tempfile.TemporaryDirectory(prefix="ra-bench-spool-") as directory,
         fresh_queue(url) as (_connection, queue),
     ):
-        seconds, left, confirmed = asyncio.run(run(directory, queue))
+        seconds, cpu, left, confirmed = asyncio.run(run(directory, queue))
         pending = inspect(directory).pending
     if left or confirmed != count or pending:
         raise RuntimeError(
             f"spooled AsyncPublisher confirmed {confirmed} of {count} ({left} unresolved, "
             f"{pending} left in the spool)"
         )
-    return _row(ASYNC_NAME, count, seconds)
+    return _row(ASYNC_NAME, count, seconds, cpu)
 
 
 def rows(url: str, count: int, body: bytes) -> list[Row]:

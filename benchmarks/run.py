@@ -2,13 +2,16 @@
 
     bash scripts/dev.sh bench                 # 20,000 messages, 12 B and 1 KiB bodies
     bash scripts/dev.sh bench --count 5000    # quicker
-    bash scripts/dev.sh bench --only sync     # sync rows only (also: async, spark)
+    bash scripts/dev.sh bench --only sync     # sync rows only (also: async, spool, spark)
     bash scripts/dev.sh bench --repeat 1      # one pass (default 3; rows report the median)
 
 Each row publishes persistent messages to a fresh durable queue on the local broker
-($AMQP_URL). Every row runs --repeat times, the passes interleaved (each pass runs every row
-once), and reports its median rate; ratios are of medians within the run, so they compare like
-with like. The last row is the broker's own ceiling: pre-encoded frames, no client work.
+($AMQP_URL), and starts only once the broker is idle again (benchmarks/broker_idle.py: the
+previous row's queue is gone and the broker's CPU quiet). Every row runs --repeat times, the
+passes interleaved (each pass runs every row once), and reports its median rate and its median
+client CPU per message (this process's CPU time over the timed part, every thread, divided by
+the messages); ratios are of medians within the run, so they compare like with like. The last
+row is the broker's own ceiling: pre-encoded frames, no client work.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 import rows_sync
+from broker_idle import wait_idle
 
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
@@ -41,10 +45,17 @@ def one_pass(url: str, count: int, body: bytes, groups: set[str]) -> list[dict[s
     """Every row once, in table order (the broker's ceiling last)."""
     rows: list[dict[str, Any]] = []
     if "sync" in groups:
-        rows += [fn(url, count, body) for key, fn in rows_sync.ROWS.items() if key != "ceiling"]
+        for key, fn in rows_sync.ROWS.items():
+            if key != "ceiling":
+                wait_idle()
+                rows.append(fn(url, count, body))
     if "async" in groups and (mod := _optional("rows_async")) is not None:
+        rows += mod.rows(url, count, body, before_row=wait_idle)
+    if "spool" in groups and (mod := _optional("rows_spool")) is not None:
+        wait_idle()
         rows += mod.rows(url, count, body)
     if rows:
+        wait_idle()
         rows.append(rows_sync.broker_ceiling(url, count, body))
     return rows
 
@@ -59,7 +70,10 @@ def run_size(
         print(f" pass {n + 1} of {repeat}", file=sys.stderr)
         for row in one_pass(url, count, body, groups):
             runs.setdefault(row["name"], []).append(row)
-            print(f"  {row['name']:<52} {row['rate']:>10,.0f} msgs/s", file=sys.stderr)
+            print(
+                f"  {row['name']:<60} {row['rate']:>10,.0f} msgs/s {row['cpu_us']:7.1f} us/msg",
+                file=sys.stderr,
+            )
     rows = []
     for name, results in runs.items():
         rates = sorted(r["rate"] for r in results)
@@ -70,6 +84,7 @@ def run_size(
                 "body_bytes": size,
                 "rate": statistics.median(rates),
                 "runs": rates,
+                "cpu_us": statistics.median(r["cpu_us"] for r in results),
             }
         )
     return rows
@@ -84,8 +99,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     aio_confirm = next((r["rate"] for r in rows if "publisher_confirms=True" in r["name"]), None)
     aio_plain = next((r["rate"] for r in rows if r["name"] == "aio-pika, no confirms"), None)
     lines = [
-        f"{'row':<52} {'msgs/s':>8} {'(min-max)':>15} {'vs no-confirm':>13} "
-        f"{'vs blocking':>11} {'of ceiling':>10}"
+        f"{'row':<60} {'msgs/s':>8} {'(min-max)':>15} {'vs no-confirm':>13} "
+        f"{'vs blocking':>11} {'of ceiling':>10} {'client CPU':>10}"
     ]
     for r in rows:
         spread = f"{min(r['runs']) / 1000:.1f}k-{max(r['runs']) / 1000:.1f}k"
@@ -93,12 +108,20 @@ def table(rows: list[dict[str, Any]]) -> str:
         vs_block = f"{r['rate'] / blocking:.1f}x" if blocking else "-"
         of_ceiling = f"{r['rate'] / ceiling:.0%}" if ceiling else "-"
         lines.append(
-            f"{r['name']:<52} {r['rate']:>8,.0f} {spread:>15} {vs_base:>13} {vs_block:>11} "
-            f"{of_ceiling:>10}"
+            f"{r['name']:<60} {r['rate']:>8,.0f} {spread:>15} {vs_base:>13} {vs_block:>11} "
+            f"{of_ceiling:>10} {r['cpu_us']:>7.1f} us"
         )
+    publisher = by_name.get("reliable_amqp.Publisher (streaming confirms)")
+    async_publisher = by_name.get("reliable_amqp.AsyncPublisher (streaming confirms)")
+    for r in rows:
+        if "spool" in r["name"]:
+            plain = async_publisher if "Async" in r["name"] else publisher
+            if plain:
+                lines.append(f"  {r['name']}: {r['rate'] / plain:.2f}x the same publisher without")
+    rows_async_name = "reliable_amqp.AsyncPublisher (streaming confirms)"
     if aio_confirm and aio_plain:
         for r in rows:
-            if r["name"].startswith("reliable_amqp.AsyncPublisher"):
+            if r["name"] == rows_async_name:
                 lines.append(
                     f"  AsyncPublisher: {r['rate'] / aio_confirm:.2f}x aio-pika confirms, "
                     f"{r['rate'] / aio_plain:.2f}x aio-pika without confirms"
@@ -115,7 +138,9 @@ def main() -> int:
         "--repeat", type=int, default=3, help="passes over every row; rows report the median"
     )
     parser.add_argument("--sizes", default="12,1024", help="body sizes in bytes, comma separated")
-    parser.add_argument("--only", default="sync,async,spark", help="groups: sync,async,spark")
+    parser.add_argument(
+        "--only", default="sync,async,spool,spark", help="groups: sync,async,spool,spark"
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--url", default=URL)
     args = parser.parse_args()
@@ -140,7 +165,7 @@ def main() -> int:
             standalone = next((r["rate"] for r in spark_rows if "Publisher" in r["name"]), None)
             for r in spark_rows:
                 ratio = f"{r['rate'] / standalone:.2f}x" if standalone else "-"
-                print(f"{r['name']:<52} {r['rate']:>10,.0f} rows/s {ratio:>8}")
+                print(f"{r['name']:<60} {r['rate']:>10,.0f} rows/s {ratio:>8}")
     if args.json:
         print(json.dumps(everything, indent=2))
     return 0

@@ -34,11 +34,13 @@ def test_sync_benchmark_runs_every_row_and_reports_medians(amqp_url: str) -> Non
         "pika, BlockingChannel.confirm_delivery()",
         "pika, transaction per message",
         "reliable_amqp.Publisher (streaming confirms)",
+        "reliable_amqp.Publisher.publish_many (1,000 a call)",
         "raw frames, no client work (broker ceiling)",
     ]
-    assert len(rows) == 10
+    assert len(rows) == 12
     for row in rows:
         assert len(row["runs"]) == 2 and all(rate > 0 for rate in row["runs"])
+        assert 0 < row["cpu_us"] < 100_000  # the client-CPU column, us per message
         assert min(row["runs"]) <= row["rate"] <= max(row["runs"])
         assert row["msgs"] == 300
 

@@ -1,0 +1,61 @@
+"""Wait until the local broker is idle, so that every benchmark row starts from the same state.
+
+A row that deletes its queue of 20,000 persistent messages leaves the broker busy for a while
+(the message store cleans up on its own schedule): the next row would share the broker's cores
+with that backlog, which is what made the first rows of a pass slower than the same loop run
+alone. Before each row the benchmark waits until the broker's Erlang VM (``beam.smp``, found
+through /proc) has used under ``threshold`` of one core for ``window`` seconds. On a broker that
+is not on this machine there is nothing to watch: it waits ``fallback`` seconds instead.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def broker_pids() -> list[int]:
+    """The pids of local Erlang VMs (RabbitMQ's ``beam.smp``)."""
+    pids = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if (entry / "comm").read_text().strip() == "beam.smp":
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICKS
+
+
+def wait_idle(
+    threshold: float = 0.05, window: float = 0.5, timeout: float = 30.0, fallback: float = 1.0
+) -> float:
+    """Block until the broker is idle (see the module docstring); returns the seconds waited."""
+    started = time.monotonic()
+    pids = broker_pids()
+    if not pids:
+        time.sleep(fallback)
+        return fallback
+    while time.monotonic() - started < timeout:
+        before = _cpu_seconds(pids)
+        time.sleep(window)
+        if (_cpu_seconds(pids) - before) / window < threshold:
+            break
+    return time.monotonic() - started
+
+
+if __name__ == "__main__":
+    print(f"beam.smp pids: {broker_pids()}; idle after {wait_idle():.2f} s")
