@@ -63,7 +63,7 @@ def test_the_dedup_header_carries_the_message_id() -> None:
     assert engine.mark_sent(entry) == {"x-dedup": "m-9"}
     resolutions = engine.on_ack(0, 1, multiple=False, now=0.5)
     assert [r.ok for r in resolutions] == [True]
-    assert resolutions[0].result == Confirmation("m-9", 1) and resolutions[0].entry is entry
+    assert resolutions[0].outcome == Confirmation("m-9", 1) and resolutions[0].entry is entry
     stats = engine.stats()
     assert (stats.published, stats.confirmed, stats.in_flight) == (1, 1, 0)
     assert stats.latency is not None and stats.latency.max == 0.5
@@ -91,8 +91,8 @@ def test_a_frame_error_with_one_message_on_the_wire_fails_that_message_alone() -
     assert _sent(engine, 1) == ["a"]
     [failed] = engine.on_connection_error(501, "FRAME_ERROR - type 2, all octets", 1.0)
     assert failed.entry.handle == "a" and not failed.ok
-    assert type(failed.result).__name__ == "MessageRejected"
-    assert "501" in str(failed.result)
+    assert type(failed.outcome).__name__ == "MessageRejected"
+    assert "501" in str(failed.outcome)
     assert not engine.isolating
     assert _sent(engine, 5) == ["b"]  # b goes on as usual
 

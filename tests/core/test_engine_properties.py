@@ -146,16 +146,16 @@ class EngineMachine(RuleBasedStateMachine):
         expected.append((msg, cls))
 
     def _check(self, got: list[Resolution[int]], expected: list[tuple[Msg, type]]) -> None:
-        assert [(r.entry.handle, type(r.result)) for r in got] == [
+        assert [(r.entry.handle, type(r.outcome)) for r in got] == [
             (m.handle, cls) for m, cls in expected
         ]
         for r in got:
             msg = self.msgs[r.entry.handle]
             assert r.entry is self.entries[msg.handle]
             self.resolved[msg.handle] += 1
-            self.outcomes[msg.handle] = type(r.result)
+            self.outcomes[msg.handle] = type(r.outcome)
             assert self.resolved[msg.handle] == 1, f"message {msg.handle} resolved twice"
-            result = r.result
+            result = r.outcome
             assert r.ok is isinstance(result, Confirmation)
             if isinstance(result, Confirmation):
                 # only for a message whose latest attempt was acked and not returned
@@ -521,8 +521,8 @@ def test_404_rejects_the_message_for_the_missing_exchange_and_republishes_the_re
     _send_all(engine)
     [rejected] = engine.on_channel_lost(404, NOT_FOUND_X, 1.0)
     assert rejected.entry is bad
-    assert isinstance(rejected.result, MessageRejected)
-    assert rejected.result.reply_code == 404
+    assert isinstance(rejected.outcome, MessageRejected)
+    assert rejected.outcome.reply_code == 404
     assert _send_all(engine) == [good, good2, bad2]
     assert len(engine) == 3
 
@@ -533,8 +533,8 @@ def test_channel_close_naming_no_message_fails_the_message_alone_on_the_wire() -
     text = "NOT_FOUND - no exchange 'elsewhere' in vhost '/'"
     _send_all(engine)
     [rejected] = engine.on_channel_lost(404, text, 0.0)
-    assert rejected.entry is entry and isinstance(rejected.result, MessageRejected)
-    assert rejected.result.attempts == 1
+    assert rejected.entry is entry and isinstance(rejected.outcome, MessageRejected)
+    assert rejected.outcome.attempts == 1
 
 
 def test_channel_close_naming_no_message_isolates_then_names_the_culprit() -> None:
@@ -554,7 +554,7 @@ def test_channel_close_naming_no_message_isolates_then_names_the_culprit() -> No
     assert second is entries[1]
     engine.mark_sent(second)
     [rejected] = engine.on_channel_lost(406, text, 2.0)  # alone: second did it
-    assert rejected.entry is entries[1] and isinstance(rejected.result, MessageRejected)
+    assert rejected.entry is entries[1] and isinstance(rejected.outcome, MessageRejected)
     assert _send_all(engine) == [entries[2]]
 
 
@@ -595,7 +595,7 @@ def test_nack_is_retried_after_backoff_then_confirmed() -> None:
     assert engine.tick(1.0 + nack_delay(1)) == []
     assert _send_all(engine) == [entry]
     [done] = engine.on_ack(0, 2, False, 2.0)
-    assert done.result == Confirmation(entry.message.message_id, 2)
+    assert done.outcome == Confirmation(entry.message.message_id, 2)
 
 
 def test_nack_fails_when_the_policy_is_spent() -> None:
@@ -606,8 +606,8 @@ def test_nack_fails_when_the_policy_is_spent() -> None:
     engine.tick(5.0)
     _send_all(engine)
     [done] = engine.on_nack(0, 2, False, 5.0)
-    assert isinstance(done.result, MessageNacked)
-    assert done.result.attempts == 2
+    assert isinstance(done.outcome, MessageNacked)
+    assert done.outcome.attempts == 2
 
 
 def test_nack_fails_at_once_when_the_retry_would_start_after_the_deadline() -> None:
@@ -616,7 +616,7 @@ def test_nack_fails_at_once_when_the_retry_would_start_after_the_deadline() -> N
     _send_all(engine)
     # the retry would start at 10.0 == deadline: fail now rather than time out later
     [done] = engine.on_nack(0, 1, False, TIMEOUT - nack_delay(1))
-    assert isinstance(done.result, MessageNacked)
+    assert isinstance(done.outcome, MessageNacked)
     assert engine.on_nack(0, 2, False, TIMEOUT - nack_delay(1) - 0.25) == []
 
 
@@ -627,7 +627,7 @@ def test_delivery_timeout_fires_at_the_deadline_not_before() -> None:
     assert engine.next_wakeup() == 1.0 + TIMEOUT
     assert engine.tick(1.0 + TIMEOUT - 0.25) == []
     [done] = engine.tick(1.0 + TIMEOUT)
-    assert done.entry is entry and isinstance(done.result, DeliveryTimeout)
+    assert done.entry is entry and isinstance(done.outcome, DeliveryTimeout)
     assert engine.on_ack(0, 1, False, 20.0) == []  # a late ack changes nothing
     assert len(engine) == 0 and engine.next_wakeup() is None
 
@@ -642,7 +642,7 @@ def test_returned_then_acked_resolves_as_returned_and_a_stale_return_is_ignored(
     engine.on_return(tags[1], 312, "NO_ROUTE")  # a return for the attempt before the loss
     engine.on_return(f"{engine.tracker.generation}.1", 312, "NO_ROUTE")
     results = engine.on_ack(engine.tracker.generation, 2, True, 0.0)
-    assert [(r.entry, type(r.result)) for r in results] == [
+    assert [(r.entry, type(r.outcome)) for r in results] == [
         (returned, MessageReturned),
         (other, Confirmation),
     ]
@@ -667,8 +667,8 @@ def test_close_all_fails_every_unresolved_message_once() -> None:
     engine.on_ack(0, 2, False, 0.0)  # confirmed
     results = engine.close_all("bye")
     assert [r.entry for r in results] == [entries[0], entries[2], entries[3]]
-    assert all(isinstance(r.result, PublisherClosed) for r in results)
-    assert all(r.result.reason == "bye" for r in results)  # type: ignore[union-attr]
+    assert all(isinstance(r.outcome, PublisherClosed) for r in results)
+    assert all(r.outcome.reason == "bye" for r in results)  # type: ignore[union-attr]
     assert len(engine) == 0
     assert engine.close_all() == [] and engine.next_to_send() is None
     assert engine.tick(100.0) == [] and engine.on_ack(0, 3, True, 0.0) == []

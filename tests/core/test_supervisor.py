@@ -327,9 +327,9 @@ def test_a_404_naming_an_exchange_fails_exactly_that_message() -> None:
     resolutions, delay = sup.channel_closed(404, NOT_FOUND_X, 1.0)
     assert delay == 0.0 and handles(resolutions) == [1]
     [rejected] = resolutions
-    assert isinstance(rejected.result, MessageRejected)
-    assert (rejected.result.reply_code, rejected.result.reply_text) == (404, NOT_FOUND_X)
-    assert rejected.result.attempts == 1 and rejected.result.message.exchange == "X"
+    assert isinstance(rejected.outcome, MessageRejected)
+    assert (rejected.outcome.reply_code, rejected.outcome.reply_text) == (404, NOT_FOUND_X)
+    assert rejected.outcome.attempts == 1 and rejected.outcome.message.exchange == "X"
     assert state_of(sup) is State.RECOVERING
     assert kinds(events)[-1] is EventKind.CHANNEL_LOST
     assert events[-1].detail == f"channel closed: 404 {NOT_FOUND_X}"
@@ -402,8 +402,8 @@ def test_acks_single_and_multiple_confirm_their_messages() -> None:
     write(sup)
     [one] = sup.on_confirm(0, True, 2, False, 1.0)
     assert one.entry is entries[1] and one.ok
-    assert isinstance(one.result, Confirmation)
-    assert one.result == Confirmation(entries[1].message.message_id, 1)
+    assert isinstance(one.outcome, Confirmation)
+    assert one.outcome == Confirmation(entries[1].message.message_id, 1)
     assert handles(sup.on_confirm(0, True, 3, True, 1.0)) == [0, 2]
     assert sup.on_confirm(0, True, 3, True, 1.0) == []  # settled already
     assert handles(sup.on_confirm(0, True, 4, False, 1.0)) == [3]
@@ -421,8 +421,8 @@ def test_a_nack_is_retried_under_the_nack_policy_then_fails() -> None:
     assert sup.tick(1.5) == []
     assert write(sup)[0] == 1 and on_wire(sup) == [(0, 2)]
     [failed] = sup.on_confirm(0, False, 2, False, 2.0)
-    assert failed.entry is entry and isinstance(failed.result, MessageNacked)
-    assert failed.result.attempts == 2
+    assert failed.entry is entry and isinstance(failed.outcome, MessageNacked)
+    assert failed.outcome.attempts == 2
 
 
 def test_a_nack_multiple_settles_each_message_once() -> None:
@@ -538,11 +538,11 @@ def test_a_message_that_cannot_be_encoded_fails_alone_and_gives_its_tag_back() -
     count, failed, data = write(sup)
     assert count == 2
     [rejected] = failed
-    assert rejected.entry is bad and isinstance(rejected.result, MessageRejected)
-    assert rejected.result.reply_code == 0 and rejected.result.cause is None
-    assert rejected.result.attempts == 0
-    assert rejected.result.reply_text.startswith("could not be encoded: ")
-    assert "no AMQP field type" in rejected.result.reply_text
+    assert rejected.entry is bad and isinstance(rejected.outcome, MessageRejected)
+    assert rejected.outcome.reply_code == 0 and rejected.outcome.cause is None
+    assert rejected.outcome.attempts == 0
+    assert rejected.outcome.reply_text.startswith("could not be encoded: ")
+    assert "no AMQP field type" in rejected.outcome.reply_text
     expected: list[bytes | memoryview] = []
     for entry in (first, last):
         publish_frames(1, entry.message, None, FRAME_MAX, expected)
@@ -562,7 +562,7 @@ def test_tick_expires_messages_at_their_deadline() -> None:
     accept(sup, ["good"], now=2.0)
     assert sup.tick(1.0 + TIMEOUT - 0.5) == []
     [expired] = sup.tick(1.0 + TIMEOUT)
-    assert expired.entry.handle == 0 and isinstance(expired.result, DeliveryTimeout)
+    assert expired.entry.handle == 0 and isinstance(expired.outcome, DeliveryTimeout)
     assert handles(sup.tick(2.0 + TIMEOUT)) == [1]
     assert sup.tick(1000.0) == []
 
@@ -691,8 +691,8 @@ def test_shutdown_fails_every_pending_message_with_publisher_closed() -> None:
     resolutions = sup.shutdown()
     assert handles(resolutions) == [1, 2, 3, 4]
     for r in resolutions:
-        assert isinstance(r.result, PublisherClosed)
-        assert r.result.reason == "publisher closed" and r.result.__cause__ is None
+        assert isinstance(r.outcome, PublisherClosed)
+        assert r.outcome.reason == "publisher closed" and r.outcome.__cause__ is None
     assert sup.stopping and state_of(sup) is State.CLOSING
     assert len(sup.engine) == 0 and sup.shutdown() == [] and sup.next_wakeup() is None
     sup.closed()
@@ -711,9 +711,9 @@ def test_shutdown_after_giving_up_carries_the_fatal_error() -> None:
     resolutions = sup.shutdown()
     assert handles(resolutions) == [0, 1]
     for r in resolutions:
-        assert isinstance(r.result, PublisherClosed)
-        assert r.result.__cause__ is plan.error
-        assert r.result.reason == "gave up connecting after 1 attempts: refused"
+        assert isinstance(r.outcome, PublisherClosed)
+        assert r.outcome.__cause__ is plan.error
+        assert r.outcome.reason == "gave up connecting after 1 attempts: refused"
     sup.closed()
     assert kinds(events) == [EventKind.RECOVERY_FAILED, EventKind.CLOSED]
     assert events[-1].detail == "gave up connecting after 1 attempts: refused"
@@ -726,7 +726,7 @@ def test_shutdown_after_a_refused_login_has_it_as_cause() -> None:
     sup.next_attempt()
     sup.connection_lost(refused, 0.0, established=False)
     [r] = sup.shutdown()
-    assert isinstance(r.result, PublisherClosed) and r.result.__cause__ is refused
+    assert isinstance(r.outcome, PublisherClosed) and r.outcome.__cause__ is refused
 
 
 def test_give_up_from_an_adapter_error() -> None:

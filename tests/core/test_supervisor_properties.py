@@ -321,11 +321,11 @@ class SupervisorMachine(RuleBasedStateMachine):
         for r in resolutions:
             index = r.entry.handle.index
             assert index not in self.resolved, f"message {index} resolved twice"
-            self.resolved[index] = type(r.result)
-            if isinstance(r.result, Confirmation):
-                assert r.result.attempts >= 1
+            self.resolved[index] = type(r.outcome)
+            if isinstance(r.outcome, Confirmation):
+                assert r.outcome.attempts >= 1
             else:
-                assert r.result.message is r.entry.message.plain()
+                assert r.outcome.message is r.entry.message.plain()
         self.window.release(resolutions)
 
     @precondition(lambda self: not self.closed)
@@ -346,7 +346,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         out: list[bytes | memoryview] = []
         self.sup.frame_max = 131072  # as the connection negotiated it
         count, failed = self.sup.write(1, out) if self.sup.writable else (0, [])
-        assert all(isinstance(r.result, MessageRejected) for r in failed)
+        assert all(isinstance(r.outcome, MessageRejected) for r in failed)
         assert all(self.exchange[r.entry.handle.index] == "bad" for r in failed)
         assert (count == 0) is (not out)
         self._record(failed)
@@ -366,10 +366,10 @@ class SupervisorMachine(RuleBasedStateMachine):
         resolutions = self.sup.on_confirm(generation, ack, tag, multiple, self.now)
         if ack:
             assert [r.entry for r in resolutions] == settled
-            assert all(isinstance(r.result, Confirmation) for r in resolutions)
+            assert all(isinstance(r.outcome, Confirmation) for r in resolutions)
         else:
             assert {r.entry.handle.index for r in resolutions} <= {e.handle.index for e in settled}
-            assert all(isinstance(r.result, MessageNacked) for r in resolutions)
+            assert all(isinstance(r.outcome, MessageNacked) for r in resolutions)
         assert not any(e in settled for e in tracker)
         self._record(resolutions)
 
@@ -385,7 +385,7 @@ class SupervisorMachine(RuleBasedStateMachine):
             # a close that names no message in flight blames the one alone on the wire, if so
             culprits = named or (wire if len(wire) == 1 else [])
             assert [r.entry for r in resolutions] == culprits and delay == 0.0
-            assert all(isinstance(r.result, MessageRejected) for r in resolutions)
+            assert all(isinstance(r.outcome, MessageRejected) for r in resolutions)
         else:
             assert resolutions == [] and delay > 0
         assert len(self.sup.engine.tracker) == 0
@@ -428,7 +428,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         self.now += dt
         resolutions = self.sup.tick(self.now)
         for r in resolutions:
-            assert isinstance(r.result, DeliveryTimeout) and r.entry.deadline <= self.now
+            assert isinstance(r.outcome, DeliveryTimeout) and r.entry.deadline <= self.now
         self._record(resolutions)
         due = self.sup.next_wakeup()
         assert due is None or due > self.now or self.sup.engine.has_sendable()
@@ -447,7 +447,7 @@ class SupervisorMachine(RuleBasedStateMachine):
             return
         self.sup.begin_close()
         resolutions = self.sup.shutdown()
-        assert all(isinstance(r.result, PublisherClosed) for r in resolutions)
+        assert all(isinstance(r.outcome, PublisherClosed) for r in resolutions)
         self._record(resolutions)
         self.sup.closed()
         assert sorted(self.resolved) == list(range(1, self.published + 1))

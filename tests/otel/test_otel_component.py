@@ -96,7 +96,7 @@ def _resolve(telemetry: Telemetry, message: OutgoingMessage, result: Any, second
     ``seconds`` ago (the span is the one :meth:`Telemetry.on_publish` kept)."""
     entry = _entry(message)
     entry.accepted = telemetry._clock() - seconds
-    entry.result = result
+    entry.outcome = result
     telemetry.on_resolved([entry])
 
 

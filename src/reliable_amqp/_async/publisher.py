@@ -428,7 +428,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         for entry in resolutions:
             future = entry.handle
             if not future.done():  # done: the caller cancelled it; the message was settled
-                result = entry.result
+                result = entry.outcome
                 if isinstance(result, Confirmation):
                     future.set_result(result)
                 elif result is not None:

@@ -73,12 +73,12 @@ class Resolution(Generic[H]):
     """
 
     entry: Entry[H]
-    result: Confirmation | PublishError
+    outcome: Confirmation | PublishError
 
     @property
     def ok(self) -> bool:
         """True when the message was confirmed."""
-        return isinstance(self.result, Confirmation)
+        return isinstance(self.outcome, Confirmation)
 
 
 class PublishEngine(Generic[H]):
@@ -254,7 +254,7 @@ class PublishEngine(Generic[H]):
             # _finish() for a confirm, inlined: this loop runs for every confirmed message
             entry.state = DONE
             latencies.append(now - entry.accepted)
-            entry.result = new_confirmation(entry.message.message_id, entry.attempts)
+            entry.outcome = new_confirmation(entry.message.message_id, entry.attempts)
             resolved.append(entry)
             confirmed += 1
         self._live -= confirmed
@@ -446,7 +446,7 @@ class PublishEngine(Generic[H]):
             counters.timed_out += 1
         else:
             counters.closed += 1
-        entry.result = result
+        entry.outcome = result
         return entry
 
     def stats(self) -> Stats:

@@ -362,8 +362,8 @@ class Supervisor(Generic[H]):
         resolutions = self.engine.close_all(self._end_reason())
         if self.fatal is not None:
             for r in resolutions:
-                if isinstance(r.result, PublishError):
-                    r.result.__cause__ = self.fatal  # AuthenticationFailed, RecoveryFailed, ...
+                if isinstance(r.outcome, PublishError):
+                    r.outcome.__cause__ = self.fatal  # AuthenticationFailed, RecoveryFailed, ...
         return resolutions
 
     def closed(self) -> None:

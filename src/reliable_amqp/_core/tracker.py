@@ -91,7 +91,7 @@ class Entry(OutgoingMessage, Generic[H]):
     #: where the message is (see PublishEngine)
     state: Stage = Stage.WAITING
     #: the outcome, once resolved: a Confirmation or the PublishError
-    result: Confirmation | PublishError | None = None
+    outcome: Confirmation | PublishError | None = None
     #: its issue number in the publisher's window (flush() counts by it)
     index: int = 0
     #: True once an engine accepted it (an entry is accepted once; a message given again is
@@ -118,7 +118,7 @@ class Entry(OutgoingMessage, Generic[H]):
         nacks: int = 0,
         accepted: float = 0.0,
         state: Stage = Stage.WAITING,
-        result: Confirmation | PublishError | None = None,
+        outcome: Confirmation | PublishError | None = None,
         index: int = 0,
     ) -> None:
         _copy_message(self, message)
@@ -133,7 +133,7 @@ class Entry(OutgoingMessage, Generic[H]):
         self.nacks = nacks
         self.accepted = accepted
         self.state = state
-        self.result = result
+        self.outcome = outcome
         self.index = index
 
     @property
@@ -158,7 +158,7 @@ class Entry(OutgoingMessage, Generic[H]):
     @property
     def ok(self) -> bool:
         """True when the message was confirmed."""
-        return isinstance(self.result, Confirmation)
+        return isinstance(self.outcome, Confirmation)
 
     def __repr__(self) -> str:
         return (

@@ -199,7 +199,7 @@ class Telemetry:
         sent = self._sent
         metric_attributes = self._metric_attributes
         for entry in entries:
-            result = entry.result
+            result = entry.outcome
             message = entry.message
             error = None if type(result) is _CONFIRMATION else type(result).__name__
             if spans:

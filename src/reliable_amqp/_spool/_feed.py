@@ -130,7 +130,7 @@ class SpoolFeed(Generic[H]):
             if seq is None:
                 continue
             held.remove(seq)
-            result = entry.result
+            result = entry.outcome
             if type(result) is Confirmation or isinstance(result, Confirmation):
                 removes.append(seq)
             elif isinstance(result, PublisherClosed):

@@ -92,7 +92,7 @@ class Handoff:
         if self.telemetry is not None:  # before the futures: a span ends with its message
             self.telemetry.on_resolved(resolutions)
         # a future the caller cancelled is left as it is; the message was still settled
-        settle(self.futures, [e.handle for e in resolutions], [e.result for e in resolutions])
+        settle(self.futures, [e.handle for e in resolutions], [e.outcome for e in resolutions])
         spooled = self.spooled
         with self.room:  # held briefly: publishing threads wait on this lock
             self.window.release(resolutions)
