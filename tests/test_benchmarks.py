@@ -49,8 +49,10 @@ def test_sync_benchmark_runs_every_row_and_reports_medians(amqp_url: str) -> Non
 def test_client_cpu_benchmark_reports_every_row(amqp_url: str) -> None:
     script = BENCH.parent / "client_cpu.py"
     result = subprocess.run(
-        [sys.executable, str(script), "--count", "400", "--batch", "100", "--repeat", "1"]
-        + ["--threads", "4"],
+        [
+            *(sys.executable, str(script), "--count", "400", "--batch", "100"),
+            *("--repeat", "1", "--threads", "4"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
