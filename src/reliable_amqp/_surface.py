@@ -8,7 +8,7 @@ of it), a supervisor and a window; this class holds no state of its own.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.errors import InvalidMessage
@@ -60,6 +60,11 @@ class PublisherSurface(Generic[D, Q]):
         self._routes: set[tuple[str, str]] = set()
         #: checked properties (their message_id aside) by the keywords that gave them
         self._bases: dict[tuple[tuple[str, Any], ...], MessageProperties] = {}
+        #: builds the message of a publish from checked parts: an engine entry (the sync
+        #: publisher's builds its future, which is also the entry)
+        self._new_entry: Callable[
+            [str, str, bytes, MessageProperties, bool, str], OutgoingMessage
+        ] = new_entry
 
     def _message(
         self,
@@ -85,10 +90,12 @@ class PublisherSurface(Generic[D, Q]):
         if mandatory is not False and mandatory is not True:
             check_mandatory(mandatory)
         if not properties:
-            return new_entry(exchange, routing_key, body, DEFAULT_BASE, mandatory, new_message_id())
+            return self._new_entry(
+                exchange, routing_key, body, DEFAULT_BASE, mandatory, new_message_id()
+            )
         message_id = check_message_id(properties.pop("message_id", None)) or new_message_id()
         base = self._base(properties) if properties else DEFAULT_BASE
-        message = new_entry(exchange, routing_key, body, base, mandatory, message_id)
+        message = self._new_entry(exchange, routing_key, body, base, mandatory, message_id)
         if base.headers and self._supervisor.frame_max:
             self._check_header_size(message)
         return message
@@ -131,7 +138,7 @@ class PublisherSurface(Generic[D, Q]):
                     raise InvalidMessage(f"bodies[{i}]", exc.problem) from None
         base = self._base(properties) if properties else DEFAULT_BASE
         messages: list[OutgoingMessage] = [
-            new_entry(exchange, routing_key, body, base, mandatory, new_message_id())
+            self._new_entry(exchange, routing_key, body, base, mandatory, new_message_id())
             for body in data
         ]
         if base.headers and self._supervisor.frame_max and messages:

@@ -117,6 +117,10 @@ class LightFuture(Future[T]):
     """
 
     def __init__(self, condition: SharedLockCondition) -> None:
+        self._init_light(condition)
+
+    def _init_light(self, condition: SharedLockCondition) -> None:
+        """What ``__init__`` does (for an object made without calling it)."""
         if LIGHT_FUTURES:
             # Future.__init__, with the shared condition and the lists left for later.
             self._condition = condition  # type: ignore[assignment]
@@ -128,7 +132,7 @@ class LightFuture(Future[T]):
         else:  # pragma: no cover - a Python whose Future has other fields
             self._lazy_waiters = None
             self._lazy_callbacks = None
-            super().__init__()
+            Future.__init__(self)
 
     @property
     def _waiters(self) -> list[Any]:

@@ -125,12 +125,14 @@ class PublishEngine(Generic[H]):
         """Take a message; it is queued to be written. ``index`` is its issue number in the
         window (default: ``handle.index``). A message built by :func:`new_entry` becomes the
         entry itself; any other is copied into one."""
-        if type(message) is Entry and not message.adopted:
+        if isinstance(message, Entry) and not message.adopted:
             entry: Entry[H] = message
         else:
             entry = Entry(message, handle, 0.0, 0)
         entry.adopted = True
-        entry.handle = handle
+        # a message that is its own handle (the sync publisher's future) keeps none: the entry
+        # would reference itself, and only the garbage collector frees such a cycle
+        entry.handle = None if handle is message else handle  # type: ignore[assignment]
         entry.deadline = now + self.delivery_timeout
         entry.size = len(message.body)
         entry.accepted = now
@@ -154,12 +156,12 @@ class PublishEngine(Generic[H]):
         append = entries.append
         index = first_index
         for message, handle in items:
-            if type(message) is Entry and not message.adopted:
+            if (type(message) is Entry or isinstance(message, Entry)) and not message.adopted:
                 entry: Entry[H] = message
             else:
                 entry = Entry(message, handle, 0.0, 0)
             entry.adopted = True
-            entry.handle = handle
+            entry.handle = None if handle is message else handle  # type: ignore[assignment]
             entry.deadline = deadline
             entry.size = len(message.body)
             entry.accepted = now

@@ -7,12 +7,24 @@ The machinery (CPython ``Future`` fields, the shared-lock condition) is in
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from reliable_amqp._compat.futures import LIGHT_FUTURES, LightFuture, SharedLockCondition
-from reliable_amqp._core.message import Confirmation
+from reliable_amqp._core.message import (
+    Confirmation,
+    MessageProperties,
+    _set_base,
+    _set_body,
+    _set_cached_properties,
+    _set_exchange,
+    _set_mandatory,
+    _set_message_id,
+    _set_routing_key,
+)
+from reliable_amqp._core.tracker import Entry
 
-__all__ = ["PublishFuture", "SharedLockCondition", "WaitGuard"]
+__all__ = ["PublishFuture", "SharedLockCondition", "WaitGuard", "future_factory"]
 
 #: kept for callers of the old name: True when PublishFuture is the light kind
 _LIGHT = LIGHT_FUTURES
@@ -25,14 +37,20 @@ class WaitGuard(Protocol):
         """Raise when waiting here could never end (on the publisher's own I/O thread)."""
 
 
-class PublishFuture(LightFuture[Confirmation]):
+class PublishFuture(LightFuture[Confirmation], Entry[Any]):
     """The future ``Publisher.publish()`` returns; ``index`` orders it for ``flush()``.
+
+    It is also the message and the engine's entry for it (:class:`Entry`): a message in flight
+    is one object for the garbage collector, which made the collector's full passes over the
+    messages in flight the largest cost left per message. Its attributes beyond the
+    ``Future`` ones (``exchange``, ``body``, ``message_id``, ``attempts``, ...) are the
+    publisher's bookkeeping, not API.
 
     Waiting for it (``result()``, ``exception()``) on the publisher's own I/O thread, say in a
     done-callback, raises at once: only that thread can resolve it.
     """
 
-    __slots__ = ("guard", "index")
+    guard: WaitGuard | None
 
     def __init__(
         self,
@@ -40,10 +58,11 @@ class PublishFuture(LightFuture[Confirmation]):
         index: int,
         guard: WaitGuard | None = None,
     ) -> None:
+        # A future that is not a message (made apart from one: the spool's, tests')
         if type(condition) is not SharedLockCondition:
             # a lock of its own (tests); publishers pass the condition their futures share
             condition = SharedLockCondition(condition)  # type: ignore[arg-type]
-        LightFuture.__init__(self, condition)
+        self._init_light(condition)
         self.index = index
         self.guard = guard
 
@@ -60,3 +79,35 @@ class PublishFuture(LightFuture[Confirmation]):
         if guard is not None and not self.done():
             guard.check_wait("future.exception()")
         return super().exception(timeout)
+
+
+_new = object.__new__
+
+
+def future_factory(
+    condition: SharedLockCondition, guard: WaitGuard | None
+) -> Callable[[str, str, bytes, MessageProperties, bool, str], PublishFuture]:
+    """How a publisher makes the future of a ``publish()``: the message and its entry too,
+    built from checked parts (what :func:`~reliable_amqp._core.tracker.new_entry` does)."""
+
+    def new_future(  # noqa: PLR0917
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        base: MessageProperties,
+        mandatory: bool,
+        message_id: str,
+    ) -> PublishFuture:
+        future: PublishFuture = _new(PublishFuture)
+        _set_exchange(future, exchange)
+        _set_routing_key(future, routing_key)
+        _set_body(future, body)
+        _set_base(future, base)
+        _set_mandatory(future, mandatory)
+        _set_message_id(future, message_id)
+        _set_cached_properties(future, None)
+        future._init_light(condition)
+        future.guard = guard
+        return future
+
+    return new_future

@@ -92,7 +92,9 @@ class Handoff:
         if self.telemetry is not None:  # before the futures: a span ends with its message
             self.telemetry.on_resolved(resolutions)
         # a future the caller cancelled is left as it is; the message was still settled
-        settle(self.futures, [e.handle for e in resolutions], [e.outcome for e in resolutions])
+        # the handle is the future, or None when the entry is the future itself
+        futures = [e if (f := e.handle) is None else f for e in resolutions]
+        settle(self.futures, futures, [e.outcome for e in resolutions])
         spooled = self.spooled
         with self.room:  # held briefly: publishing threads wait on this lock
             self.window.release(resolutions)

@@ -31,7 +31,7 @@ from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
 from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
-from reliable_amqp._sync._future import PublishFuture
+from reliable_amqp._sync._future import PublishFuture, future_factory
 from reliable_amqp._sync._handoff import Handoff
 from reliable_amqp._sync._io import IOThread
 from reliable_amqp._sync._pika import connection_parameters
@@ -74,6 +74,7 @@ class Publisher(PublisherSurface[None, str]):
         self._window = self._handoff.window
         self._supervisor: Supervisor[PublishFuture] = Supervisor(self.options)
         self._init_checks()
+        self._new_entry = future_factory(self._handoff.futures, self._handoff)
         #: the durable spool's part (spool=DIR): opening it takes its lock, or raises
         self._spooled = (
             SpooledPublishing(self.options, self._handoff, self._supervisor.events)
@@ -206,8 +207,9 @@ class Publisher(PublisherSurface[None, str]):
             self.connect()
         if self._spooled is not None:
             return self._spooled.publish(message, self._check_accepting)
-        # Cancelling the future only means the caller stopped caring: the message stays tracked.
-        future = PublishFuture(handoff.futures, 0, handoff)
+        # The message is its own future (see PublishFuture). Cancelling the future only means
+        # the caller stopped caring: the message stays tracked.
+        future: PublishFuture = message  # type: ignore[assignment]
         size = len(message.body)
         window = self._window
         with handoff.lock:
@@ -257,8 +259,8 @@ class Publisher(PublisherSurface[None, str]):
             self.connect()
         if self._spooled is not None:
             return [self._spooled.publish(m, self._check_accepting) for m in messages]
-        condition = handoff.futures
-        futures = [PublishFuture(condition, 0, handoff) for _ in messages]
+        futures: list[PublishFuture] = messages  # type: ignore[assignment]  # see publish()
+        messages = list(messages)
         sizes = [len(m.body) for m in messages]
         window = self._window
         done = 0
