@@ -286,12 +286,15 @@ def _init_message(  # noqa: PLR0917
     mandatory: bool,
     message_id: str,
 ) -> None:
+    """Set a message's fields through their slots (no ``properties`` built yet): for
+    ``OutgoingMessage`` and the subclasses the hot path builds (engine entries, sync futures)."""
     _set_exchange(message, exchange)
     _set_routing_key(message, routing_key)
     _set_body(message, body)
     _set_base(message, base)
     _set_mandatory(message, mandatory)
     _set_message_id(message, message_id)
+    _set_cached_properties(message, None)
 
 
 def new_outgoing(  # noqa: PLR0917
@@ -304,13 +307,7 @@ def new_outgoing(  # noqa: PLR0917
 ) -> OutgoingMessage:
     """An :class:`OutgoingMessage` from checked parts, built fast (``base`` has no id)."""
     message: OutgoingMessage = _new(OutgoingMessage)
-    _set_exchange(message, exchange)
-    _set_routing_key(message, routing_key)
-    _set_body(message, body)
-    _set_base(message, base)
-    _set_mandatory(message, mandatory)
-    _set_message_id(message, message_id)
-    _set_cached_properties(message, None)
+    _init_message(message, exchange, routing_key, body, base, mandatory, message_id)
     return message
 
 

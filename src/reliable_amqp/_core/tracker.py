@@ -24,13 +24,7 @@ from reliable_amqp._core.message import (
     Confirmation,
     MessageProperties,
     OutgoingMessage,
-    _set_base,
-    _set_body,
-    _set_cached_properties,
-    _set_exchange,
-    _set_mandatory,
-    _set_message_id,
-    _set_routing_key,
+    _init_message,
 )
 
 H = TypeVar("H")
@@ -171,13 +165,15 @@ _new = object.__new__
 
 
 def _copy_message(entry: Entry[Any], message: OutgoingMessage) -> None:
-    _set_exchange(entry, message.exchange)
-    _set_routing_key(entry, message.routing_key)
-    _set_body(entry, message.body)
-    _set_base(entry, message.base)
-    _set_mandatory(entry, message.mandatory)
-    _set_message_id(entry, message.message_id)
-    _set_cached_properties(entry, None)
+    _init_message(
+        entry,
+        message.exchange,
+        message.routing_key,
+        message.body,
+        message.base,
+        message.mandatory,
+        message.message_id,
+    )
 
 
 def new_entry(  # noqa: PLR0917
@@ -191,13 +187,7 @@ def new_entry(  # noqa: PLR0917
     """A message to publish, from checked parts, built fast as the entry an engine will adopt
     (``base`` has no message_id)."""
     entry: Entry[Any] = _new(Entry)
-    _set_exchange(entry, exchange)
-    _set_routing_key(entry, routing_key)
-    _set_body(entry, body)
-    _set_base(entry, base)
-    _set_mandatory(entry, mandatory)
-    _set_message_id(entry, message_id)
-    _set_cached_properties(entry, None)
+    _init_message(entry, exchange, routing_key, body, base, mandatory, message_id)
     return entry
 
 

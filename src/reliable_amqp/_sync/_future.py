@@ -11,17 +11,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from reliable_amqp._compat.futures import LIGHT_FUTURES, LightFuture, SharedLockCondition
-from reliable_amqp._core.message import (
-    Confirmation,
-    MessageProperties,
-    _set_base,
-    _set_body,
-    _set_cached_properties,
-    _set_exchange,
-    _set_mandatory,
-    _set_message_id,
-    _set_routing_key,
-)
+from reliable_amqp._core.message import Confirmation, MessageProperties, _init_message
 from reliable_amqp._core.tracker import Entry
 
 __all__ = ["PublishFuture", "SharedLockCondition", "WaitGuard", "future_factory"]
@@ -99,13 +89,7 @@ def future_factory(
         message_id: str,
     ) -> PublishFuture:
         future: PublishFuture = _new(PublishFuture)
-        _set_exchange(future, exchange)
-        _set_routing_key(future, routing_key)
-        _set_body(future, body)
-        _set_base(future, base)
-        _set_mandatory(future, mandatory)
-        _set_message_id(future, message_id)
-        _set_cached_properties(future, None)
+        _init_message(future, exchange, routing_key, body, base, mandatory, message_id)
         future._init_light(condition)
         future.guard = guard
         return future
