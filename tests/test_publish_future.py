@@ -43,8 +43,9 @@ def test_this_python_gets_the_light_future() -> None:
     # the same fields, but the lists of waiters and callbacks are made when first used
     lazy = {"_waiters": "_lazy_waiters", "_done_callbacks": "_lazy_callbacks"}
     expected = {lazy.get(name, name) for name in vars(Future())}
-    # (index and guard: the future is also the publisher's entry for its message)
-    assert set(vars(PublishFuture(threading.RLock(), 1))) == expected | {"index", "guard"}
+    # (and guard: the future is also the publisher's entry for its message, whose fields,
+    # index among them, are slots)
+    assert set(vars(PublishFuture(threading.RLock(), 1))) == expected | {"guard"}
 
 
 def test_futures_sharing_a_condition_settle_in_one_go_and_skip_cancelled_ones() -> None:

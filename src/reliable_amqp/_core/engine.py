@@ -36,6 +36,7 @@ from reliable_amqp._core.tracker import (
     Entry,
     Outcome,
     Stage,
+    adopt,
     attempt_tag,
 )
 
@@ -129,14 +130,17 @@ class PublishEngine(Generic[H]):
             entry: Entry[H] = message
         else:
             entry = Entry(message, handle, 0.0, 0)
-        entry.adopted = True
         # a message that is its own handle (the sync publisher's future) keeps none: the entry
         # would reference itself, and only the garbage collector frees such a cycle
-        entry.handle = None if handle is message else handle  # type: ignore[assignment]
-        entry.deadline = now + self.delivery_timeout
-        entry.size = len(message.body)
-        entry.accepted = now
-        entry.index = getattr(handle, "index", 0) if index is None else index
+        kept: H = None if handle is message else handle  # type: ignore[assignment]
+        adopt(
+            entry,
+            kept,
+            now + self.delivery_timeout,
+            len(message.body),
+            now,
+            getattr(handle, "index", 0) if index is None else index,
+        )
         self._sendq.append(entry)
         self._fifo.append(entry)
         self._live += 1
@@ -160,16 +164,13 @@ class PublishEngine(Generic[H]):
                 entry: Entry[H] = message
             else:
                 entry = Entry(message, handle, 0.0, 0)
-            entry.adopted = True
-            entry.handle = None if handle is message else handle  # type: ignore[assignment]
-            entry.deadline = deadline
-            entry.size = len(message.body)
-            entry.accepted = now
             if index is None:
-                entry.index = handle.index  # type: ignore[attr-defined]
+                number = handle.index  # type: ignore[attr-defined]
             else:
-                entry.index = index
+                number = index
                 index += 1
+            kept: H = None if handle is message else handle  # type: ignore[assignment]
+            adopt(entry, kept, deadline, len(message.body), now, number)
             append(entry)
         self._sendq.extend(entries)
         self._fifo.extend(entries)
@@ -261,6 +262,11 @@ class PublishEngine(Generic[H]):
             confirmed += 1
         self._live -= confirmed
         self.counters.confirmed += confirmed
+        # Let go of what was resolved at the front at once: an entry holds its future and
+        # outcome, which the garbage collector walks for as long as they are referenced.
+        fifo = self._fifo
+        while fifo and fifo[0].state is DONE:
+            fifo.popleft()
         return resolved
 
     def on_nack(self, generation: int, tag: int, multiple: bool, now: float) -> list[Entry[H]]:

@@ -63,36 +63,54 @@ class Entry(OutgoingMessage, Generic[H]):
 
     An entry *is* its message (an :class:`OutgoingMessage` with bookkeeping added, ``message``
     is the entry itself): a message in flight is one object for the garbage collector, not two.
-    ``publish()`` builds it (:func:`new_entry`) and the engine adopts it. The bookkeeping fields
-    live in the instance dict, their defaults on the class, so a new entry sets none of them.
-    Entries compare by identity; errors carry a plain copy of the message (``plain()``).
+    ``publish()`` builds it (:func:`new_entry`) and the engine adopts it (:func:`adopt` sets the
+    bookkeeping). Every field is a slot: an instance dict would be a second object (a subclass
+    of a class with slots gets a real dict, not CPython's inline one). Entries compare by
+    identity; errors carry a plain copy of the message (``plain()``).
     """
 
-    handle: H = None  # type: ignore[assignment]
-    deadline: float = 0.0
-    size: int = 0
-    attempts: int = 0
+    __slots__ = (
+        "accepted",
+        "adopted",
+        "attempts",
+        "deadline",
+        "handle",
+        "index",
+        "isolated",
+        "key",
+        "nacks",
+        "origin",
+        "outcome",
+        "returned",
+        "size",
+        "state",
+    )
+
+    handle: H
+    deadline: float
+    size: int
+    attempts: int
     #: packed (generation, seq) of the current attempt while on the wire, else -1
-    key: int = -1
-    returned: tuple[int, str] | None = None
+    key: int
+    returned: tuple[int, str] | None
     #: in flight when the broker closed the channel or connection and named no culprit: sent
     #: alone from then on, so the next such close names it
-    isolated: bool = False
+    isolated: bool
     #: how many nacks this message has had (the nack retry policy counts these)
-    nacks: int = 0
+    nacks: int
     #: when the message was accepted (the clock the adapter passes in)
-    accepted: float = 0.0
+    accepted: float
     #: where the message is (see PublishEngine)
-    state: Stage = Stage.WAITING
+    state: Stage
     #: the outcome, once resolved: a Confirmation or the PublishError
-    outcome: Confirmation | PublishError | None = None
+    outcome: Confirmation | PublishError | None
     #: its issue number in the publisher's window (flush() counts by it)
-    index: int = 0
+    index: int
     #: True once an engine accepted it (an entry is accepted once; a message given again is
     #: copied into a new entry)
-    adopted: bool = False
+    adopted: bool
     #: the message it was copied from (what errors carry), when it was not built as an entry
-    origin: OutgoingMessage | None = None
+    origin: OutgoingMessage | None
 
     __setattr__ = object.__setattr__  # type: ignore[assignment]
     __delattr__ = object.__delattr__
@@ -117,6 +135,7 @@ class Entry(OutgoingMessage, Generic[H]):
     ) -> None:
         _copy_message(self, message)
         self.origin = message.plain()
+        self.adopted = False
         self.handle = handle
         self.deadline = deadline
         self.size = size
@@ -155,13 +174,17 @@ class Entry(OutgoingMessage, Generic[H]):
         return isinstance(self.outcome, Confirmation)
 
     def __repr__(self) -> str:
+        state = getattr(self, "state", None)
         return (
             f"<Entry {self.message_id!r} to {self.exchange!r}/{self.routing_key!r} "
-            f"{self.state.value}, {self.attempts} attempts>"
+            f"{state.value if state else 'new'}, {getattr(self, 'attempts', 0)} attempts>"
         )
 
 
 _new = object.__new__
+
+
+_WAITING = Stage.WAITING
 
 
 def _copy_message(entry: Entry[Any], message: OutgoingMessage) -> None:
@@ -188,7 +211,28 @@ def new_entry(  # noqa: PLR0917
     (``base`` has no message_id)."""
     entry: Entry[Any] = _new(Entry)
     _init_message(entry, exchange, routing_key, body, base, mandatory, message_id)
+    entry.adopted = False
+    entry.origin = None
     return entry
+
+
+def adopt(  # noqa: PLR0917
+    entry: Entry[H], handle: H, deadline: float, size: int, accepted: float, index: int
+) -> None:
+    """Make a new entry (from :func:`new_entry`) an accepted one: every bookkeeping field."""
+    entry.adopted = True
+    entry.handle = handle
+    entry.deadline = deadline
+    entry.size = size
+    entry.accepted = accepted
+    entry.index = index
+    entry.attempts = 0
+    entry.key = -1
+    entry.returned = None
+    entry.isolated = False
+    entry.nacks = 0
+    entry.state = _WAITING
+    entry.outcome = None
 
 
 @dataclass(slots=True)  # not frozen: one is made per confirmed message, and frozen costs 2.5x

@@ -55,6 +55,7 @@ class PublishFuture(LightFuture[Confirmation], Entry[Any]):
         self._init_light(condition)
         self.index = index
         self.guard = guard
+        self.adopted = True  # not a message: never adopted as an entry
 
     def result(self, timeout: float | None = None) -> Confirmation:
         """The :class:`Confirmation`, or raise what became of the message."""
@@ -90,6 +91,8 @@ def future_factory(
     ) -> PublishFuture:
         future: PublishFuture = _new(PublishFuture)
         _init_message(future, exchange, routing_key, body, base, mandatory, message_id)
+        future.adopted = False
+        future.origin = None
         future._init_light(condition)
         future.guard = guard
         return future
