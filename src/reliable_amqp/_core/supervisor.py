@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.engine import PublishEngine, is_permanent_channel_close
 from reliable_amqp._core.errors import (
@@ -31,7 +31,7 @@ from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import EventKind
-from reliable_amqp._core.tracker import Entry
+from reliable_amqp._core.tracker import Entry, Stage
 
 H = TypeVar("H")
 
@@ -49,6 +49,15 @@ FRAME_MIN_SIZE = 4096
 #: unexpected frame), or that one message can cause (RabbitMQ closes with 541 on a publish to a
 #: direct reply-to address whose requester has gone): they have a culprit like a channel close
 CONNECTION_CULPRIT_CODES = frozenset({501, 502, 505, 541})
+
+
+#: what encoding a message's frames can raise (a gap in publish()'s checks)
+ENCODE_ERRORS = (InvalidMessage, TypeError, ValueError, OverflowError)
+_WIRE = Stage.WIRE
+
+
+def _unencodable(entry: Entry[Any], exc: Exception) -> MessageRejected:
+    return MessageRejected(entry.message, entry.attempts, 0, f"could not be encoded: {exc}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,22 +296,33 @@ class Supervisor(Generic[H]):
         frame_max = self.frame_max
         count = size = 0
         failed: list[Entry[H]] = []
+        next_to_send = engine.next_to_send
+        plain = engine.dedup_header is None  # else every message gets a header of its own
+        track = engine.tracker.track
         while count < BATCH_COUNT and size < BATCH_BYTES:
-            entry = engine.next_to_send()
+            entry = next_to_send()
             if entry is None:
                 break
-            headers = engine.mark_sent(entry)
-            mark = len(out)
-            try:
-                publish_frames(channel, entry.message, headers, frame_max, out)
-            except (InvalidMessage, TypeError, ValueError, OverflowError) as exc:
-                del out[mark:]
-                engine.tracker.untrack(entry)
-                error = MessageRejected(
-                    entry.message, entry.attempts, 0, f"could not be encoded: {exc}"
-                )
-                failed.append(engine.fail(entry, error))
-                continue
+            if plain and not entry.mandatory:
+                # The common case, inlined: frames that do not depend on the delivery tag are
+                # encoded first and the publish tracked once they are (nothing to take back).
+                try:
+                    publish_frames(channel, entry, None, frame_max, out)
+                except ENCODE_ERRORS as exc:
+                    failed.append(engine.fail(entry, _unencodable(entry, exc)))
+                    continue
+                track(entry)
+                entry.state = _WIRE
+            else:
+                headers = engine.mark_sent(entry)
+                mark = len(out)
+                try:
+                    publish_frames(channel, entry, headers, frame_max, out)
+                except ENCODE_ERRORS as exc:
+                    del out[mark:]
+                    engine.tracker.untrack(entry)
+                    failed.append(engine.fail(entry, _unencodable(entry, exc)))
+                    continue
             count += 1
             size += entry.size
         return count, failed
