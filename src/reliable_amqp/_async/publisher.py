@@ -239,18 +239,21 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             return await self._spooled.publish(
                 message, self._check_accepting, lambda: bool(self._room_waiters)
             )
-        if not self._pump.ready.is_set():
+        pump = self._pump
+        if not pump.ready.is_set():
             await self.connect()
-        self._check_accepting(message)
+        if pump.fatal is not None or not self._accepting:
+            self._check_accepting(message)
         size = len(message.body)
-        if self._room_waiters or not self._window.fits(size):
+        window = self._window
+        if self._room_waiters or not window.fits(size):
             await self._wait_for_room(size, message)
-        future: asyncio.Future[Confirmation] = self._pump.loop.create_future()
-        index = self._window.take(size)
+        future: asyncio.Future[Confirmation] = pump.loop.create_future()
+        index = window.take(size)
         if self._telemetry is not None:  # the span starts once nothing can refuse it
             message = self._telemetry.on_publish(message, index)
         self._engine.accept(message, future, time.monotonic(), index)
-        self._pump.wake()
+        pump.wake()
         return future
 
     async def publish_many(
