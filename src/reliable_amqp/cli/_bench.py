@@ -130,7 +130,7 @@ def run_bench(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"  {mode}: {n:,} messages ...", file=sys.stderr, flush=True)
             seconds, cpu = RUNNERS[mode](connection, options, queue, body, n)
-            queued = int(admin.queue_declare(queue, passive=True).method.message_count)
+            queued = _queued(admin, queue, n)
             measured.append((mode, n, (seconds, cpu), queued))
             admin.queue_purge(queue)
     except (pika.exceptions.AMQPError, ReliableAmqpError, OSError) as exc:
@@ -169,6 +169,18 @@ def _parameters(url: str, options: PublisherOptions) -> pika.URLParameters:
     params.socket_timeout = options.connect_timeout
     params.blocked_connection_timeout = options.delivery_timeout
     return params
+
+
+def _queued(admin: Any, queue: str, expected: int, patience: float = 5.0) -> int:
+    """How many messages the queue holds, once it holds ``expected`` or ``patience`` seconds
+    passed (untimed). The queue counts a routed message when it has taken it in, which can come
+    a little after the broker answered the publisher's round trip (no-confirms mode)."""
+    end = time.monotonic() + patience
+    while True:
+        queued = int(admin.queue_declare(queue, passive=True).method.message_count)
+        if queued >= expected or time.monotonic() >= end:
+            return queued
+        time.sleep(0.02)
 
 
 def _queue_exists(connection: Any, queue: str) -> bool:
