@@ -255,19 +255,6 @@ def _slot_setter(cls: type, name: str) -> Callable[[object, Any], None]:
     return setter
 
 
-_set_content_type = _slot_setter(MessageProperties, "content_type")
-_set_content_encoding = _slot_setter(MessageProperties, "content_encoding")
-_set_headers = _slot_setter(MessageProperties, "headers")
-_set_delivery_mode = _slot_setter(MessageProperties, "delivery_mode")
-_set_priority = _slot_setter(MessageProperties, "priority")
-_set_correlation_id = _slot_setter(MessageProperties, "correlation_id")
-_set_reply_to = _slot_setter(MessageProperties, "reply_to")
-_set_expiration = _slot_setter(MessageProperties, "expiration")
-_set_props_message_id = _slot_setter(MessageProperties, "message_id")
-_set_timestamp = _slot_setter(MessageProperties, "timestamp")
-_set_type = _slot_setter(MessageProperties, "type")
-_set_user_id = _slot_setter(MessageProperties, "user_id")
-_set_app_id = _slot_setter(MessageProperties, "app_id")
 _set_exchange = _slot_setter(OutgoingMessage, "exchange")
 _set_routing_key = _slot_setter(OutgoingMessage, "routing_key")
 _set_body = _slot_setter(OutgoingMessage, "body")
@@ -309,34 +296,6 @@ def new_outgoing(  # noqa: PLR0917
     message: OutgoingMessage = _new(OutgoingMessage)
     _init_message(message, exchange, routing_key, body, base, mandatory, message_id)
     return message
-
-
-def _outgoing(
-    exchange: str, routing_key: str, body: bytes, props: MessageProperties, mandatory: bool
-) -> OutgoingMessage:
-    """``OutgoingMessage(exchange, routing_key, body, props, mandatory)``, built fast."""
-    if props.message_id is None:
-        return new_outgoing(exchange, routing_key, body, props, mandatory, "")
-    if _is_default_but_id(props):
-        return new_outgoing(exchange, routing_key, body, DEFAULT_BASE, mandatory, props.message_id)
-    return OutgoingMessage(exchange, routing_key, body, props, mandatory)
-
-
-def _is_default_but_id(props: MessageProperties) -> bool:
-    return (
-        props.headers is None
-        and props.delivery_mode == PERSISTENT
-        and props.content_type is None
-        and props.content_encoding is None
-        and props.priority is None
-        and props.correlation_id is None
-        and props.reply_to is None
-        and props.expiration is None
-        and props.timestamp is None
-        and props.type is None
-        and props.user_id is None
-        and props.app_id is None
-    )
 
 
 _set_confirmed_id = _slot_setter(Confirmation, "message_id")

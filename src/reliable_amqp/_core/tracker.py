@@ -28,6 +28,7 @@ from reliable_amqp._core.message import (
 )
 
 H = TypeVar("H")
+E = TypeVar("E", bound="Entry[Any]")
 
 _SEQ_BITS = 40  # 1e12 publishes per channel before a generation would overflow into the next
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
@@ -206,10 +207,12 @@ def new_entry(  # noqa: PLR0917
     base: MessageProperties,
     mandatory: bool,
     message_id: str,
-) -> Entry[Any]:
+    cls: type[E] = Entry,  # type: ignore[assignment]
+) -> E:
     """A message to publish, from checked parts, built fast as the entry an engine will adopt
-    (``base`` has no message_id)."""
-    entry: Entry[Any] = _new(Entry)
+    (``base`` has no message_id); ``cls`` is ``Entry`` or a subclass (the sync future), whose
+    own fields the caller sets."""
+    entry: E = _new(cls)
     _init_message(entry, exchange, routing_key, body, base, mandatory, message_id)
     entry.adopted = False
     entry.origin = None

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from reliable_amqp._compat.futures import LIGHT_FUTURES, LightFuture, SharedLockCondition
-from reliable_amqp._core.message import Confirmation, MessageProperties, _init_message
-from reliable_amqp._core.tracker import Entry
+from reliable_amqp._core.message import Confirmation, MessageProperties
+from reliable_amqp._core.tracker import Entry, new_entry
 
 __all__ = ["PublishFuture", "SharedLockCondition", "WaitGuard", "future_factory"]
 
@@ -72,9 +72,6 @@ class PublishFuture(LightFuture[Confirmation], Entry[Any]):
         return super().exception(timeout)
 
 
-_new = object.__new__
-
-
 def future_factory(
     condition: SharedLockCondition, guard: WaitGuard | None
 ) -> Callable[[str, str, bytes, MessageProperties, bool, str], PublishFuture]:
@@ -89,10 +86,7 @@ def future_factory(
         mandatory: bool,
         message_id: str,
     ) -> PublishFuture:
-        future: PublishFuture = _new(PublishFuture)
-        _init_message(future, exchange, routing_key, body, base, mandatory, message_id)
-        future.adopted = False
-        future.origin = None
+        future = new_entry(exchange, routing_key, body, base, mandatory, message_id, PublishFuture)
         future._init_light(condition)
         future.guard = guard
         return future
