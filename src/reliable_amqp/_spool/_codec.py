@@ -29,8 +29,12 @@ from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from reliable_amqp._core import message as _message_module
-from reliable_amqp._core.message import PERSISTENT, MessageProperties, OutgoingMessage
+from reliable_amqp._core.message import (
+    PERSISTENT,
+    MessageProperties,
+    OutgoingMessage,
+    new_outgoing,
+)
 
 FORMAT = 1
 
@@ -269,11 +273,10 @@ def decode(meta: bytes, body: bytes) -> OutgoingMessage:
         if id_end != size:
             raise CodecError(f"the record is {size} bytes, its fields {id_end}")
         mandatory = bool(flags & 1)
-        if _new_outgoing is not None and (message_id is None or type(message_id) is str):
-            message: OutgoingMessage = _new_outgoing(
+        if message_id is None or type(message_id) is str:
+            return new_outgoing(
                 exchange, routing_key, bytes(body), base, mandatory, message_id or ""
             )
-            return message
         if message_id is not None:
             base = dataclasses.replace(base, message_id=message_id)
         return OutgoingMessage(exchange, routing_key, bytes(body), base, mandatory)
@@ -300,8 +303,6 @@ _ALL_BITS = sum(_BITS)
 _PERSISTENT_ONLY = b"i" + _i64.pack(PERSISTENT)
 _DEFAULT_BASE = MessageProperties()
 _decoded_bases: dict[tuple[int, bytes], MessageProperties] = {}
-# Messages that hold their properties apart from the id are built from the shared base.
-_new_outgoing: Any = getattr(_message_module, "new_outgoing", None)
 
 
 class _Reader:
