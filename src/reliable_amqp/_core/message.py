@@ -39,24 +39,24 @@ _REPLY_TO_PREFIX = DIRECT_REPLY_TO + "."
 #: broker closes the channel (406 unacceptable_type_in_header)
 _ROUTING_HEADERS = ("CC", "BCC")
 
-#: Basic properties a caller may pass as keywords to ``publish()`` (AMQP 0-9-1 names).
-PROPERTY_NAMES: frozenset[str] = frozenset(
-    {
-        "content_type",
-        "content_encoding",
-        "headers",
-        "delivery_mode",
-        "priority",
-        "correlation_id",
-        "reply_to",
-        "expiration",
-        "message_id",
-        "timestamp",
-        "type",
-        "user_id",
-        "app_id",
-    }
+#: AMQP 0-9-1 basic properties, in the order of their flag bits (bit 15 first)
+PROPERTY_ORDER = (
+    "content_type",
+    "content_encoding",
+    "headers",
+    "delivery_mode",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "timestamp",
+    "type",
+    "user_id",
+    "app_id",
 )
+#: Basic properties a caller may pass as keywords to ``publish()`` (AMQP 0-9-1 names).
+PROPERTY_NAMES: frozenset[str] = frozenset(PROPERTY_ORDER)
 _SHORTSTR_PROPERTIES = (
     "content_type",
     "content_encoding",

@@ -31,6 +31,7 @@ from typing import Any
 
 from reliable_amqp._core.message import (
     PERSISTENT,
+    PROPERTY_ORDER,
     MessageProperties,
     OutgoingMessage,
     new_outgoing,
@@ -38,22 +39,7 @@ from reliable_amqp._core.message import (
 
 FORMAT = 1
 
-#: properties in AMQP order; bit 15 of the presence mask is the first
-PROPERTY_ORDER = (
-    "content_type",
-    "content_encoding",
-    "headers",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-)
+#: presence-mask bit of each property, in AMQP order (bit 15 first)
 _BITS = tuple(1 << (15 - i) for i in range(len(PROPERTY_ORDER)))
 _DELIVERY_MODE_BIT = _BITS[PROPERTY_ORDER.index("delivery_mode")]
 _MESSAGE_ID_BIT = _BITS[PROPERTY_ORDER.index("message_id")]
