@@ -3,6 +3,10 @@
     bash scripts/dev.sh run python benchmarks/client_cpu.py                 # 100,000 x 12 B
     bash scripts/dev.sh run python benchmarks/client_cpu.py --size 1024 --repeat 5
     bash scripts/dev.sh run python benchmarks/client_cpu.py --gc-stats      # time in the GC too
+    npm ci --prefix benchmarks/node && \
+    bash scripts/dev.sh run python benchmarks/client_cpu.py --node          # + Node amqplib
+    git worktree add /tmp/before <commit> && \
+    bash scripts/dev.sh run python benchmarks/client_cpu.py --compare /tmp/before/src
 
 Each row publishes ``--count`` persistent messages to a fresh durable queue on the local broker
 ($AMQP_URL), waits for every confirm, and reports the process CPU time (``time.process_time()``:
@@ -10,7 +14,10 @@ every thread, the I/O thread included) divided by the confirmed messages, median
 runs, the rows interleaved. CPU per message is far steadier than msgs/s on a shared machine.
 Rows: ``Publisher.publish()`` in a loop, the same from ``--threads`` threads sharing one
 Publisher, ``Publisher.publish_many()`` with ``--batch`` bodies a call, and the same two for
-``AsyncPublisher``; each with its rate (msgs/s, first publish to last confirm).
+``AsyncPublisher``; each with its rate (msgs/s, first publish to last confirm). ``--node`` adds
+the issue's reference, Node amqplib's ``ConfirmChannel`` with 10,000 unconfirmed at most
+(``benchmarks/node/confirm_cpu.js``); ``--compare SRC`` adds the same rows measured with another
+tree's package in a child process, so a change and its baseline are measured in one run.
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -28,6 +37,7 @@ from collections.abc import Callable
 
 import pika
 
+import reliable_amqp
 from reliable_amqp import AsyncPublisher, Publisher
 
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -126,6 +136,35 @@ def async_row(url: str, count: int, body: bytes, batch: int, threads: int = 1) -
         _drop(url, queue)
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+NODE = os.path.join(HERE, "node")
+#: --only names of the in-process rows
+ROW_KEYS = ("publish", "threads", "many", "async", "async-many")
+
+
+def node_row(url: str, count: int, size: int) -> Measured:
+    """Node amqplib's ConfirmChannel (window 10,000), the issue's reference, in its own process."""
+    out = subprocess.run(
+        ["node", os.path.join(NODE, "confirm_cpu.js"), url, str(count), str(size), "10000"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    figures = json.loads(out)
+    return figures["cpu_seconds"], figures["wall_seconds"]
+
+
+def compare_row(src: str, only: str, args: argparse.Namespace) -> dict[str, Measured]:
+    """The in-process rows ``only`` measured once with the package found in ``src`` (another
+    checkout's ``src/``), in a child process, so two trees are compared pass by pass."""
+    env = dict(os.environ, PYTHONPATH=src)
+    command = [sys.executable, os.path.abspath(__file__), "--json", "--repeat", "1"]
+    command += ["--only", only, "--count", str(args.count), "--size", str(args.size)]
+    command += ["--batch", str(args.batch), "--threads", str(args.threads), "--url", args.url]
+    out = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
+    return {name: (cpu[0], wall[0]) for name, (cpu, wall) in json.loads(out).items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -139,20 +178,59 @@ def main() -> int:
         "--threads", type=int, default=8, help="producer threads of the shared-Publisher row"
     )
     parser.add_argument("--url", default=URL)
+    parser.add_argument(
+        "--only", default=",".join(ROW_KEYS), help=f"rows to run, of {','.join(ROW_KEYS)}"
+    )
+    parser.add_argument(
+        "--node",
+        action="store_true",
+        help="add Node amqplib's ConfirmChannel as a reference row\n"
+        "(needs node and `npm ci --prefix benchmarks/node`)",
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="SRC",
+        help="add the same rows measured with the package in SRC (e.g. an older checkout's src/),\n"
+        "in a child process, interleaved pass by pass",
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print each row's (CPU seconds, wall seconds) as JSON"
+    )
     args = parser.parse_args()
     if args.count % args.batch or args.count % args.threads:
         parser.error("--count must be a multiple of --batch and of --threads")
+    only = [key for key in args.only.split(",") if key]
+    if unknown := set(only) - set(ROW_KEYS):
+        parser.error(f"--only: unknown rows {sorted(unknown)}; known: {', '.join(ROW_KEYS)}")
+    if args.node and not os.path.isdir(os.path.join(NODE, "node_modules", "amqplib")):
+        parser.error(f"--node needs amqplib: npm ci --prefix {os.path.relpath(NODE)}")
     body = b"x" * args.size
-    rows: dict[str, tuple[Callable[[str, int, bytes, int, int], Measured], int, int]] = {
-        "Publisher.publish()": (sync_row, 0, 1),
-        f"Publisher.publish(), {args.threads} threads": (sync_row, 0, args.threads),
-        f"Publisher.publish_many({args.batch})": (sync_row, args.batch, 1),
-        "AsyncPublisher.publish()": (async_row, 0, 1),
-        f"AsyncPublisher.publish_many({args.batch})": (async_row, args.batch, 1),
+    table: dict[str, tuple[str, Callable[[str, int, bytes, int, int], Measured], int, int]] = {
+        "publish": ("Publisher.publish()", sync_row, 0, 1),
+        "threads": (f"Publisher.publish(), {args.threads} threads", sync_row, 0, args.threads),
+        "many": (f"Publisher.publish_many({args.batch})", sync_row, args.batch, 1),
+        "async": ("AsyncPublisher.publish()", async_row, 0, 1),
+        "async-many": (f"AsyncPublisher.publish_many({args.batch})", async_row, args.batch, 1),
     }
-    cpu: dict[str, list[float]] = {name: [] for name in rows}
-    rate: dict[str, list[float]] = {name: [] for name in rows}
-    in_gc: dict[str, list[float]] = {name: [] for name in rows}
+    if not hasattr(Publisher, "publish_many"):  # an older tree, measured for comparison
+        only = [key for key in only if not table[key][2]]
+    rows = {table[key][0]: table[key][1:] for key in only}
+    print(f" measuring {os.path.dirname(reliable_amqp.__file__)}", file=sys.stderr)
+    cpu: dict[str, list[float]] = {}
+    rate: dict[str, list[float]] = {}
+    in_gc: dict[str, list[float]] = {}
+    spents: dict[str, list[float]] = {}
+    walls: dict[str, list[float]] = {}
+
+    def record(name: str, spent: float, wall: float, gc_seconds: float | None = None) -> None:
+        cpu.setdefault(name, []).append(spent / args.count * 1e6)
+        rate.setdefault(name, []).append(args.count / wall)
+        spents.setdefault(name, []).append(spent)
+        walls.setdefault(name, []).append(wall)
+        if gc_seconds is not None:
+            in_gc.setdefault(name, []).append(gc_seconds / args.count * 1e6)
+        print(f"  {name:<48} {cpu[name][-1]:6.2f} us/msg", file=sys.stderr)
+
     clock = GcClock()
     if args.gc_stats:
         gc.callbacks.append(clock)
@@ -161,23 +239,29 @@ def main() -> int:
         for name, (row, batch, threads) in rows.items():
             clock.seconds = 0.0
             spent, wall = row(args.url, args.count, body, batch, threads)
-            cpu[name].append(spent / args.count * 1e6)
-            rate[name].append(args.count / wall)
-            in_gc[name].append(clock.seconds / args.count * 1e6)
-            print(f"  {name:<40} {cpu[name][-1]:6.2f} us/msg", file=sys.stderr)
+            record(name, spent, wall, clock.seconds if args.gc_stats else None)
+        if args.compare:
+            for name, (spent, wall) in compare_row(args.compare, ",".join(only), args).items():
+                record(f"[{args.compare}] {name}", spent, wall)
+        if args.node:
+            record("Node amqplib ConfirmChannel", *node_row(args.url, args.count, args.size))
+    if args.json:
+        json.dump({name: (spents[name], walls[name]) for name in cpu}, sys.stdout)
+        print()
+        return 0
     print(
         f"\n== client CPU per confirmed message: {args.count:,} persistent x {args.size} B, "
         f"median of {args.repeat} =="
     )
-    header = f"{'row':<40} {'us/msg':>7} {'(min-max)':>13} {'msgs/s':>8}"
+    width = max(40, *(len(name) for name in cpu))
+    header = f"{'row':<{width}} {'us/msg':>7} {'(min-max)':>13} {'msgs/s':>8}"
     print(header + (f" {'in GC':>7}" if args.gc_stats else ""))
-    for name in rows:
-        values = cpu[name]
+    for name, values in cpu.items():
         line = (
-            f"{name:<40} {statistics.median(values):7.2f} "
+            f"{name:<{width}} {statistics.median(values):7.2f} "
             f"{f'{min(values):.2f}-{max(values):.2f}':>13} {statistics.median(rate[name]):>8,.0f}"
         )
-        if args.gc_stats:
+        if name in in_gc:
             line += f" {statistics.median(in_gc[name]):7.2f}"
         print(line)
     return 0
