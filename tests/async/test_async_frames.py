@@ -19,8 +19,13 @@ from pamqp import decode
 
 from reliable_amqp import InvalidMessage
 from reliable_amqp._core import frames
-from reliable_amqp._core.frames import encode_table, publish_frames
-from reliable_amqp._core.message import OutgoingMessage, build_message
+from reliable_amqp._core.frames import PublishEncoder, encode_table, publish_frames
+from reliable_amqp._core.message import (
+    OutgoingMessage,
+    build_message,
+    new_message_id,
+    new_outgoing,
+)
 
 shortstr = st.text(max_size=40)
 # pika before 1.3.1 wrote a negative long-long as 'L' (RabbitMQ reads 'l': signed 64-bit, which
@@ -134,6 +139,70 @@ def test_publish_frames_match_pika(  # noqa: PLR0917
     assert ours(channel, message, override, frame_max) == reference(
         channel, message, override, frame_max
     )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    channel=st.integers(1, 65535),
+    templates=st.lists(
+        st.tuples(shortstr, st.text(max_size=60), st.booleans(), properties), min_size=1, max_size=3
+    ),
+    steps=st.lists(
+        st.tuples(
+            st.integers(0, 2),
+            st.binary(max_size=300) | st.sampled_from([b"", b"x" * 5000]),
+            st.sampled_from(["new", "", "short", "long"]) | st.text(max_size=30),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    frame_max=st.sampled_from([4096, 4096 + 8, 131072, 0]),
+)
+def test_the_publish_encoder_writes_what_pika_writes(
+    channel: int,
+    templates: list[tuple[str, str, bool, dict[str, Any]]],
+    steps: list[tuple[int, bytes, str]],
+    frame_max: int,
+) -> None:
+    """PublishEncoder (the writer's fast path: route and properties packed once while messages
+    share them) puts every message on the wire as pika would, through runs of messages sharing
+    a route and properties, switches between them, ids of new lengths, no id, empty bodies and
+    bodies split over frames."""
+    built = [
+        build_message(exchange, routing_key, b"", mandatory=mandatory, properties=props)
+        for exchange, routing_key, mandatory, props in templates
+    ]
+    encoder = PublishEncoder(channel, frame_max)
+    for which, body, id_kind in steps:
+        template = built[which % len(built)]
+        message_id = {"new": new_message_id(), "short": "a", "long": "b" * 200}.get(
+            id_kind, id_kind
+        )
+        message = new_outgoing(
+            template.exchange,  # the very objects, as publish_many() passes them
+            template.routing_key,
+            body,
+            template.base,
+            template.mandatory,
+            message_id,
+        )
+        out: list[bytes | memoryview] = []
+        try:
+            encoder.encode(message, out)
+        except InvalidMessage:  # a header frame over frame_max: publish_frames refuses it too
+            assert out == []
+            with pytest.raises(InvalidMessage):
+                ours(channel, message, None, frame_max)
+            continue
+        assert b"".join(out) == reference(channel, message, None, frame_max)
+
+
+def test_the_publish_encoder_refuses_a_header_over_frame_max_and_appends_nothing() -> None:
+    message = build_message("", "q", b"body", properties={"headers": {"h": "x" * 5000}})
+    out: list[bytes | memoryview] = []
+    with pytest.raises(InvalidMessage) as info:
+        PublishEncoder(1, 4096).encode(message, out)
+    assert info.value.field == "headers" and out == []
 
 
 def test_a_large_body_is_split_at_frame_max() -> None:

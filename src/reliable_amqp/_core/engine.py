@@ -81,6 +81,16 @@ class Resolution(Generic[H]):
         """True when the message was confirmed."""
         return isinstance(self.outcome, Confirmation)
 
+    @property
+    def size(self) -> int:
+        """The entry's body size (what the window counts)."""
+        return self.entry.size
+
+    @property
+    def index(self) -> int:
+        """The entry's issue number."""
+        return self.entry.index
+
 
 class PublishEngine(Generic[H]):
     """Every accepted, unresolved message, and the rules that resolve it exactly once."""
@@ -177,6 +187,12 @@ class PublishEngine(Generic[H]):
         self._live += len(entries)
         self.counters.published += len(entries)
 
+    @property
+    def sendq(self) -> deque[Entry[H]]:
+        """The queue :meth:`next_to_send` takes from, in order (entries no longer WAITING are
+        skipped), for a writer that inlines it while not :attr:`isolating`."""
+        return self._sendq
+
     def has_sendable(self) -> bool:
         """Whether :meth:`next_to_send` has something (possibly an already-resolved entry)."""
         return bool(self._sendq)
@@ -257,7 +273,7 @@ class PublishEngine(Generic[H]):
             # _finish() for a confirm, inlined: this loop runs for every confirmed message
             entry.state = DONE
             latencies.append(now - entry.accepted)
-            entry.outcome = new_confirmation(entry.message.message_id, entry.attempts)
+            entry.outcome = new_confirmation(entry.message_id, entry.attempts)
             resolved.append(entry)
             confirmed += 1
         self._live -= confirmed

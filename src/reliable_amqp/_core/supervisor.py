@@ -26,7 +26,7 @@ from reliable_amqp._core.errors import (
     RecoveryFailed,
     ReliableAmqpError,
 )
-from reliable_amqp._core.frames import publish_frames
+from reliable_amqp._core.frames import PublishEncoder, publish_frames
 from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
@@ -54,6 +54,7 @@ CONNECTION_CULPRIT_CODES = frozenset({501, 502, 505, 541})
 #: what encoding a message's frames can raise (a gap in publish()'s checks)
 ENCODE_ERRORS = (InvalidMessage, TypeError, ValueError, OverflowError)
 _WIRE = Stage.WIRE
+_WAITING = Stage.WAITING
 
 
 def _unencodable(entry: Entry[Any], exc: Exception) -> MessageRejected:
@@ -104,6 +105,7 @@ class Supervisor(Generic[H]):
         #: the frame_max the broker negotiated on the current (or last) connection; 0: unknown
         self.frame_max = 0
         self._heartbeat = 0  # negotiated on the current connection (0: no liveness checks)
+        self._encoder: PublishEncoder | None = None  # for the channel and frame_max in use
 
     # --- connecting ---------------------------------------------------------------------------
 
@@ -299,15 +301,28 @@ class Supervisor(Generic[H]):
         next_to_send = engine.next_to_send
         plain = engine.dedup_header is None  # else every message gets a header of its own
         track = engine.tracker.track
+        encoder = self._encoder
+        if encoder is None or encoder.channel != channel or encoder.frame_max != frame_max:
+            encoder = self._encoder = PublishEncoder(channel, frame_max)
+        encode = encoder.encode
+        # engine.next_to_send(), inlined while no suspects are sent alone (the common case)
+        sendq = None if engine.isolating else engine.sendq
         while count < BATCH_COUNT and size < BATCH_BYTES:
-            entry = next_to_send()
-            if entry is None:
+            if sendq is None:
+                entry = next_to_send()
+                if entry is None:
+                    break
+            elif sendq:
+                entry = sendq.popleft()
+                if entry.state is not _WAITING:
+                    continue  # resolved while queued (expired, closed)
+            else:
                 break
             if plain and not entry.mandatory:
                 # The common case, inlined: frames that do not depend on the delivery tag are
                 # encoded first and the publish tracked once they are (nothing to take back).
                 try:
-                    publish_frames(channel, entry, None, frame_max, out)
+                    encode(entry, out)
                 except ENCODE_ERRORS as exc:
                     failed.append(engine.fail(entry, _unencodable(entry, exc)))
                     continue

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from reliable_amqp._core.errors import PublishTimeout
 
@@ -22,8 +22,12 @@ class Resolved(Protocol):
     """A resolved message as the window sees it (an engine Entry, or a Resolution)."""
 
     @property
-    def entry(self) -> Any:
-        """Its entry: ``size`` and ``index`` (its issue number)."""
+    def size(self) -> int:
+        """Its body's size in bytes."""
+
+    @property
+    def index(self) -> int:
+        """Its issue number."""
 
 
 class Barrier:
@@ -98,7 +102,7 @@ class Window:
     def release(self, resolutions: Sequence[Resolved]) -> list[Barrier]:
         """Messages resolved; returns the barriers that reached zero with them."""
         self.count -= len(resolutions)
-        self.bytes -= sum(r.entry.size for r in resolutions)
+        self.bytes -= sum([r.size for r in resolutions])
         if not self._barriers:
             return []
         cleared: list[Barrier] = []
@@ -106,7 +110,7 @@ class Window:
             if barrier.remaining <= 0:
                 continue
             mark = barrier.mark
-            barrier.remaining -= sum(1 for r in resolutions if r.entry.index <= mark)
+            barrier.remaining -= sum(1 for r in resolutions if r.index <= mark)
             if barrier.remaining <= 0:
                 cleared.append(barrier)
         return cleared
