@@ -159,19 +159,37 @@ class PublishEngine(Generic[H]):
 
     def accept_many(
         self,
-        items: Iterable[tuple[OutgoingMessage, H]],
+        items: Iterable[tuple[OutgoingMessage, H] | Entry[H]],
         now: float,
         first_index: int | None = None,
     ) -> None:
-        """Take many messages at once (``(message, handle)`` pairs), queued in order; their
-        issue numbers follow ``first_index`` (default: each ``handle.index``)."""
+        """Take many messages at once, queued in order; their issue numbers follow
+        ``first_index`` (default: each handle's ``index``).
+
+        An item is a ``(message, handle)`` pair, or an entry that is its own handle (the sync
+        publisher's future): fresh from :func:`new_entry`, its ``index`` set.
+        """
         deadline = now + self.delivery_timeout
         entries: list[Entry[H]] = []
         append = entries.append
         index = first_index
-        for message, handle in items:
+        entry: Entry[H]
+        for item in items:
+            if type(item) is not tuple:
+                # adopt(), inlined for the entry that is its own handle (it keeps none)
+                entry = item  # type: ignore[assignment]
+                entry.adopted = True
+                entry.handle = None  # type: ignore[assignment]
+                entry.deadline = deadline
+                entry.accepted = now
+                if index is not None:
+                    entry.index = index
+                    index += 1
+                append(entry)
+                continue
+            message, handle = item
             if (type(message) is Entry or isinstance(message, Entry)) and not message.adopted:
-                entry: Entry[H] = message
+                entry = message
             else:
                 entry = Entry(message, handle, 0.0, 0)
             if index is None:

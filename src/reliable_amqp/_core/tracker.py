@@ -210,8 +210,8 @@ def new_entry(  # noqa: PLR0917
     cls: type[E] = Entry,  # type: ignore[assignment]
 ) -> E:
     """A message to publish, from checked parts, built fast as the entry an engine will adopt
-    (``base`` has no message_id); ``cls`` is ``Entry`` or a subclass (the sync future), whose
-    own fields the caller sets."""
+    (``base`` has no message_id), its bookkeeping that of a fresh entry; ``cls`` is ``Entry`` or
+    a subclass (the sync future), whose own fields the caller sets."""
     # Plain attribute stores: an entry allows them (OutgoingMessage's frozen __setattr__ is
     # undone), and on a slot they are the interpreter's cheapest store, far cheaper than a call
     # to the slot's setter (what _init_message must do for a plain OutgoingMessage).
@@ -225,19 +225,9 @@ def new_entry(  # noqa: PLR0917
     entry._properties = None
     entry.adopted = False
     entry.origin = None
-    return entry
-
-
-def adopt(  # noqa: PLR0917
-    entry: Entry[H], handle: H, deadline: float, size: int, accepted: float, index: int
-) -> None:
-    """Make a new entry (from :func:`new_entry`) an accepted one: every bookkeeping field."""
-    entry.adopted = True
-    entry.handle = handle
-    entry.deadline = deadline
-    entry.size = size
-    entry.accepted = accepted
-    entry.index = index
+    # a fresh entry's bookkeeping (Entry.__init__'s defaults); adopt() sets the rest
+    entry.size = len(body)
+    entry.index = 0
     entry.attempts = 0
     entry.key = -1
     entry.returned = None
@@ -245,6 +235,19 @@ def adopt(  # noqa: PLR0917
     entry.nacks = 0
     entry.state = _WAITING
     entry.outcome = None
+    return entry
+
+
+def adopt(  # noqa: PLR0917
+    entry: Entry[H], handle: H, deadline: float, size: int, accepted: float, index: int
+) -> None:
+    """Make a fresh entry (from :func:`new_entry` or ``Entry(...)``) an accepted one."""
+    entry.adopted = True
+    entry.handle = handle
+    entry.deadline = deadline
+    entry.size = size
+    entry.accepted = accepted
+    entry.index = index
 
 
 @dataclass(slots=True)  # not frozen: one is made per confirmed message, and frozen costs 2.5x

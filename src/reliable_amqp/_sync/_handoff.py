@@ -35,7 +35,7 @@ class Handoff:
         self.lock = threading.Lock()  # publish() takes it bare: cheaper than the Condition
         self.room = threading.Condition(self.lock)
         self.window = Window(options.max_in_flight, options.max_in_flight_bytes)
-        self.outbox: deque[tuple[OutgoingMessage, PublishFuture]] = deque()
+        self.outbox: deque[tuple[OutgoingMessage, PublishFuture] | PublishFuture] = deque()
         self.requests: deque[Request] = deque()
         #: the condition (over one lock) this publisher's futures share
         self.futures = SharedLockCondition(threading.RLock())
@@ -68,7 +68,7 @@ class Handoff:
         else:
             self.idle.set()
 
-    def take_outbox(self) -> deque[tuple[OutgoingMessage, PublishFuture]] | None:
+    def take_outbox(self) -> deque[tuple[OutgoingMessage, PublishFuture] | PublishFuture] | None:
         """Everything published since the last call (None when nothing was)."""
         with self.lock:
             self.wake_pending = False

@@ -151,8 +151,7 @@ class Publisher(PublisherSurface[None, str]):
         # The I/O thread settled everything it held; a publish that raced close() may remain.
         # The thread is gone, so the engine is this thread's to finish.
         engine = self._supervisor.engine
-        for message, future in handoff.take_outbox() or ():
-            engine.accept(message, future, time.monotonic())
+        engine.accept_many(handoff.take_outbox() or (), time.monotonic())
         handoff.resolve(engine.close_all("publisher closed"))
         if self._spooled is not None:  # what is left stays in the spool for the next publisher
             self._spooled.close(wait)
@@ -218,9 +217,11 @@ class Publisher(PublisherSurface[None, str]):
             if handoff.fatal is not None or not handoff.accepting:
                 self._check_accepting(message)
             future.index = window.take(size)
-            if self._telemetry is not None:  # the span starts once nothing can refuse it
+            if self._telemetry is None:
+                handoff.outbox.append(future)  # the message, the entry and its own handle
+            else:  # the span starts once nothing can refuse it
                 message = self._telemetry.on_publish(message, future.index)
-            handoff.outbox.append((message, future))
+                handoff.outbox.append((message, future))
             if handoff.wake_pending:
                 return future
             wake = handoff.wake_loop
@@ -282,12 +283,18 @@ class Publisher(PublisherSurface[None, str]):
                 taken = window.take_many(sizes, done)
                 for i in range(done, done + taken):
                     futures[i].index = first + i - done
-                if self._telemetry is not None:
+                if self._telemetry is None:
+                    handoff.outbox.extend(futures[done : done + taken])  # see publish()
+                else:
                     for i in range(done, done + taken):
                         messages[i] = self._telemetry.on_publish(messages[i], futures[i].index)
-                handoff.outbox.extend(
-                    zip(messages[done : done + taken], futures[done : done + taken], strict=True)
-                )
+                    handoff.outbox.extend(
+                        zip(
+                            messages[done : done + taken],
+                            futures[done : done + taken],
+                            strict=True,
+                        )
+                    )
                 done += taken
                 wake = None
                 if not handoff.wake_pending:
