@@ -133,6 +133,28 @@ class TrackerMachine(RuleBasedStateMachine):
         self.entries.append(entry)
         self._track(entry)
 
+    @rule(data=st.data(), new=st.integers(min_value=0, max_value=5))
+    def publish_batch(self, data: st.DataObject, new: int) -> None:
+        """A writer's batch (track_all): new entries and republished ones, in wire order."""
+        batch = []
+        for _ in range(new):
+            entry = _entry(len(self.entries) + 1)
+            self.entries.append(entry)
+            batch.append(entry)
+        off = [entry for entry in self._off_wire() if entry not in batch]
+        if off:
+            batch += data.draw(st.lists(st.sampled_from(off), unique_by=id, max_size=3))
+        batch = data.draw(st.permutations(batch))
+        before = [entry.attempts for entry in batch]
+        self.tracker.track_all(batch)
+        for entry, attempts in zip(batch, before, strict=True):
+            self.model.seq += 1
+            assert entry.key == pack_key(self.model.generation, self.model.seq)
+            assert entry.attempts == attempts + 1
+            assert entry.returned is None
+            self.model.wire[self.model.seq] = _Wire(entry, entry.attempts)
+            self.started.add((entry.handle, entry.attempts))
+
     @precondition(lambda self: any(True for _ in self._off_wire()))
     @rule(data=st.data())
     def publish_again(self, data: st.DataObject) -> None:

@@ -300,46 +300,60 @@ class Supervisor(Generic[H]):
         failed: list[Entry[H]] = []
         next_to_send = engine.next_to_send
         plain = engine.dedup_header is None  # else every message gets a header of its own
-        track = engine.tracker.track
+        tracker = engine.tracker
+        # the plain publishes written and not tracked yet (tracked in one call, in wire order)
+        written: list[Entry[H]] = []
+        keep = written.append
         encoder = self._encoder
         if encoder is None or encoder.channel != channel or encoder.frame_max != frame_max:
             encoder = self._encoder = PublishEncoder(channel, frame_max)
         encode = encoder.encode
         # engine.next_to_send(), inlined while no suspects are sent alone (the common case)
         sendq = None if engine.isolating else engine.sendq
-        while count < BATCH_COUNT and size < BATCH_BYTES:
-            if sendq is None:
-                entry = next_to_send()
-                if entry is None:
+        try:
+            while count < BATCH_COUNT and size < BATCH_BYTES:
+                if sendq is None:
+                    if written:  # isolating looks at what is on the wire
+                        tracker.track_all(written)
+                        written.clear()
+                    entry = next_to_send()
+                    if entry is None:
+                        break
+                elif sendq:
+                    entry = sendq.popleft()
+                    if entry.state is not _WAITING:
+                        continue  # resolved while queued (expired, closed)
+                else:
                     break
-            elif sendq:
-                entry = sendq.popleft()
-                if entry.state is not _WAITING:
-                    continue  # resolved while queued (expired, closed)
-            else:
-                break
-            if plain and not entry.mandatory:
-                # The common case, inlined: frames that do not depend on the delivery tag are
-                # encoded first and the publish tracked once they are (nothing to take back).
-                try:
-                    encode(entry, out)
-                except ENCODE_ERRORS as exc:
-                    failed.append(engine.fail(entry, _unencodable(entry, exc)))
-                    continue
-                track(entry)
-                entry.state = _WIRE
-            else:
-                headers = engine.mark_sent(entry)
-                mark = len(out)
-                try:
-                    publish_frames(channel, entry, headers, frame_max, out)
-                except ENCODE_ERRORS as exc:
-                    del out[mark:]
-                    engine.tracker.untrack(entry)
-                    failed.append(engine.fail(entry, _unencodable(entry, exc)))
-                    continue
-            count += 1
-            size += entry.size
+                if plain and not entry.mandatory:
+                    # The common case, inlined: frames that do not depend on the delivery tag are
+                    # encoded first (nothing to take back if that fails), the batch's publishes
+                    # tracked together after.
+                    try:
+                        encode(entry, out)
+                    except ENCODE_ERRORS as exc:
+                        failed.append(engine.fail(entry, _unencodable(entry, exc)))
+                        continue
+                    keep(entry)
+                    entry.state = _WIRE
+                else:
+                    if written:  # delivery tags follow the wire order
+                        tracker.track_all(written)
+                        written.clear()
+                    headers = engine.mark_sent(entry)
+                    mark = len(out)
+                    try:
+                        publish_frames(channel, entry, headers, frame_max, out)
+                    except ENCODE_ERRORS as exc:
+                        del out[mark:]
+                        engine.tracker.untrack(entry)
+                        failed.append(engine.fail(entry, _unencodable(entry, exc)))
+                        continue
+                count += 1
+                size += entry.size
+        finally:  # what went into out is tracked, whatever happens
+            if written:
+                tracker.track_all(written)
         return count, failed
 
     # --- time -----------------------------------------------------------------------------------

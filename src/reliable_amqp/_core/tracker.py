@@ -13,7 +13,7 @@ that covers tags it had nacked one by one just before.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -338,19 +338,31 @@ class ConfirmTracker(Generic[H]):
 
     def track(self, entry: Entry[H]) -> int:
         """Record that ``entry`` is being published now; return its delivery tag (seq)."""
-        self._seq = seq = self._seq + 1
-        key = (self._generation << _SEQ_BITS) | seq
+        self.track_all((entry,))
+        return self._seq
+
+    def track_all(self, entries: Sequence[Entry[H]]) -> None:
+        """:meth:`track` each of ``entries``, in order: the order they go on the wire."""
+        seq = self._seq
+        high = self._generation << _SEQ_BITS
         run = self._open
-        if run is None or len(run.entries) >= RUN_MAX:
-            run = self._open = _Run([], 0)
-            self._runs[key] = run
-        run.entries.append(entry)
-        run.live += 1
-        entry.key = key
-        entry.returned = None
-        entry.attempts += 1
-        self._live += 1
-        return seq
+        count = len(entries)
+        start = 0
+        while start < count:  # whole slices into the open run, then into new ones
+            if run is None or len(run.entries) >= RUN_MAX:
+                run = self._open = _Run([], 0)
+                self._runs[high | (seq + start + 1)] = run
+            chunk = entries[start : start + RUN_MAX - len(run.entries)]
+            run.entries.extend(chunk)
+            run.live += len(chunk)
+            start += len(chunk)
+        for entry in entries:
+            seq += 1
+            entry.key = high | seq
+            entry.returned = None
+            entry.attempts += 1
+        self._seq = seq
+        self._live += count
 
     def _slot(self, key: int) -> tuple[int, _Run[H], int] | None:
         """(first key, run, offset) of the live entry tracked under ``key``, or None."""
