@@ -74,6 +74,38 @@ def test_every_message_confirmed_and_in_the_queue(
     assert {p.delivery_mode for p, _ in received} == {2}  # persistent by default
 
 
+def test_a_confirmed_sync_future_gives_its_confirmation_to_every_reader(
+    amqp_url: str, broker: BrokerAdmin
+) -> None:
+    """A confirm settles the sync future with the entry's raw outcome; the Confirmation is built
+    when read, once, and every way of reading a concurrent Future gets it."""
+    import asyncio
+    import concurrent.futures
+
+    queue = broker.queue()
+    seen: list[object] = []
+    with Publisher(amqp_url) as publisher:
+        futures = publisher.publish_many("", queue, [b"a", b"b", b"c"])
+        futures[0].add_done_callback(lambda f: seen.append(f.result()))
+        assert publisher.flush(timeout=30) == 0
+    done, pending = concurrent.futures.wait(futures, timeout=5)
+    assert len(done) == 3 and not pending
+    assert len(list(concurrent.futures.as_completed(futures, timeout=5))) == 3
+    received = [p.message_id for p, _ in broker.drain(queue)]
+    for future, message_id in zip(futures, received, strict=True):
+        result = future.result(0)
+        assert type(result) is Confirmation and result == Confirmation(message_id, 1)
+        assert future.result(0) is result  # built once
+        assert future.exception(0) is None
+        assert "finished" in repr(future)
+
+    async def through_asyncio() -> object:
+        return await asyncio.wrap_future(futures[1])
+
+    assert asyncio.run(through_asyncio()) == Confirmation(received[1], 1)
+    assert seen == [Confirmation(received[0], 1)]
+
+
 def test_publish_many_in_batches_every_message_in_order_with_its_own_id(
     amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
 ) -> None:

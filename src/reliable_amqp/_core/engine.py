@@ -32,6 +32,7 @@ from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.stats import Counters, Stats
 from reliable_amqp._core.tracker import (
     ATTEMPT_HEADER,
+    CONFIRMED,
     ConfirmTracker,
     Entry,
     Outcome,
@@ -291,7 +292,7 @@ class PublishEngine(Generic[H]):
             # _finish() for a confirm, inlined: this loop runs for every confirmed message
             entry.state = DONE
             latencies.append(now - entry.accepted)
-            entry.outcome = new_confirmation(entry.message_id, entry.attempts)
+            entry._outcome = CONFIRMED  # its Confirmation is built if asked for
             resolved.append(entry)
             confirmed += 1
         self._live -= confirmed

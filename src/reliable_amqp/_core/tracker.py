@@ -25,10 +25,25 @@ from reliable_amqp._core.message import (
     MessageProperties,
     OutgoingMessage,
     _init_message,
+    new_confirmation,
 )
 
 H = TypeVar("H")
 E = TypeVar("E", bound="Entry[Any]")
+
+
+class Confirmed:
+    """The raw outcome of a confirmed entry (:data:`CONFIRMED`): its :class:`Confirmation` is
+    built from the entry when something asks for it (``Entry.outcome``, ``future.result()``).
+    A confirm then makes no object per message, and most futures are never asked."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "CONFIRMED"
+
+
+CONFIRMED = Confirmed()
 
 _SEQ_BITS = 40  # 1e12 publishes per channel before a generation would overflow into the next
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
@@ -71,6 +86,7 @@ class Entry(OutgoingMessage, Generic[H]):
     """
 
     __slots__ = (
+        "_outcome",
         "accepted",
         "adopted",
         "attempts",
@@ -81,7 +97,6 @@ class Entry(OutgoingMessage, Generic[H]):
         "key",
         "nacks",
         "origin",
-        "outcome",
         "returned",
         "size",
         "state",
@@ -103,8 +118,8 @@ class Entry(OutgoingMessage, Generic[H]):
     accepted: float
     #: where the message is (see PublishEngine)
     state: Stage
-    #: the outcome, once resolved: a Confirmation or the PublishError
-    outcome: Confirmation | PublishError | None
+    #: the outcome as the engine set it: CONFIRMED, the PublishError, or None (unresolved)
+    _outcome: Confirmed | Confirmation | PublishError | None
     #: its issue number in the publisher's window (flush() counts by it)
     index: int
     #: True once an engine accepted it (an entry is accepted once; a message given again is
@@ -170,9 +185,22 @@ class Entry(OutgoingMessage, Generic[H]):
         return self
 
     @property
+    def outcome(self) -> Confirmation | PublishError | None:
+        """The outcome, once resolved: a :class:`Confirmation` or the :class:`PublishError`."""
+        outcome = self._outcome
+        if outcome is CONFIRMED:
+            outcome = self._outcome = new_confirmation(self.message_id, self.attempts)
+        return outcome  # type: ignore[return-value]
+
+    @outcome.setter
+    def outcome(self, value: Confirmation | PublishError | None) -> None:
+        self._outcome = value
+
+    @property
     def ok(self) -> bool:
         """True when the message was confirmed."""
-        return isinstance(self.outcome, Confirmation)
+        outcome = self._outcome
+        return outcome is CONFIRMED or isinstance(outcome, Confirmation)
 
     def __repr__(self) -> str:
         state = getattr(self, "state", None)
@@ -234,7 +262,7 @@ def new_entry(  # noqa: PLR0917
     entry.isolated = False
     entry.nacks = 0
     entry.state = _WAITING
-    entry.outcome = None
+    entry._outcome = None
     return entry
 
 

@@ -27,7 +27,6 @@ from typing import Any, Generic, TypeVar
 from sortedcontainers import SortedList
 
 from reliable_amqp._core.errors import PublisherClosed, PublishError
-from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._spool._store import Spool, SpoolEntry
 
@@ -130,10 +129,11 @@ class SpoolFeed(Generic[H]):
             if seq is None:
                 continue
             held.remove(seq)
-            result = entry.outcome
-            if type(result) is Confirmation or isinstance(result, Confirmation):
+            if entry.ok:  # (without building its Confirmation)
                 removes.append(seq)
-            elif isinstance(result, PublisherClosed):
+                continue
+            result = entry.outcome
+            if isinstance(result, PublisherClosed):
                 pass  # not settled by the broker: stays for the next publisher on this spool
             elif seq <= self.recovered_top and isinstance(result, PublishError):
                 self.spool.fail(seq, f"{type(result).__name__}: {result}")

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from reliable_amqp._compat.futures import LIGHT_FUTURES, LightFuture, SharedLockCondition
 from reliable_amqp._core.message import Confirmation, MessageProperties
-from reliable_amqp._core.tracker import Entry, new_entry
+from reliable_amqp._core.tracker import CONFIRMED, Entry, new_entry
 
 __all__ = ["PublishFuture", "SharedLockCondition", "WaitGuard", "future_factory"]
 
@@ -62,7 +62,10 @@ class PublishFuture(LightFuture[Confirmation], Entry[Any]):
         guard = self.guard
         if guard is not None and not self.done():
             guard.check_wait("future.result()")
-        return super().result(timeout)
+        result: object = super().result(timeout)
+        if result is CONFIRMED:  # settled with the entry's raw outcome: build it now, once
+            return self.outcome  # type: ignore[return-value]
+        return result  # type: ignore[return-value]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """What became of the message (None when it was confirmed)."""

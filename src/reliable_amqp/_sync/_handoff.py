@@ -94,7 +94,13 @@ class Handoff:
         # a future the caller cancelled is left as it is; the message was still settled
         # the handle is the future, or None when the entry is the future itself
         futures = [e if (f := e.handle) is None else f for e in resolutions]
-        settle(self.futures, futures, [e.outcome for e in resolutions])
+        # an entry that is its own future keeps its raw outcome (CONFIRMED: the Confirmation is
+        # built by future.result(), if anyone asks); another future gets the real one
+        settle(
+            self.futures,
+            futures,
+            [e._outcome if e.handle is None else e.outcome for e in resolutions],
+        )
         spooled = self.spooled
         with self.room:  # held briefly: publishing threads wait on this lock
             self.window.release(resolutions)
