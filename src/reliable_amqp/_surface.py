@@ -23,6 +23,7 @@ from reliable_amqp._core.message import (
     check_message_id,
     check_route,
     new_message_id,
+    new_message_ids,
 )
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State
@@ -137,9 +138,10 @@ class PublisherSurface(Generic[D, Q]):
                 except InvalidMessage as exc:
                     raise InvalidMessage(f"bodies[{i}]", exc.problem) from None
         base = self._base(properties) if properties else DEFAULT_BASE
+        new = self._new_entry
         messages: list[OutgoingMessage] = [
-            self._new_entry(exchange, routing_key, body, base, mandatory, new_message_id())
-            for body in data
+            new(exchange, routing_key, body, base, mandatory, message_id)
+            for body, message_id in zip(data, new_message_ids(len(data)), strict=True)
         ]
         if base.headers and self._supervisor.frame_max and messages:
             self._check_header_size(messages[-1])  # the last id is the longest

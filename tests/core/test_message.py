@@ -27,6 +27,7 @@ from reliable_amqp._core.message import (
     build_message,
     new_confirmation,
     new_message_id,
+    new_message_ids,
 )
 
 
@@ -282,8 +283,16 @@ def test_generated_message_ids_are_unique() -> None:
     ids = {new_message_id() for _ in range(20_000)}
     ids |= {build_message("e", "r", b"").message_id for _ in range(5_000)}
     ids |= {_props(priority=1).message_id for _ in range(5_000)}
-    assert len(ids) == 30_000
+    many = new_message_ids(5_000)
+    ids |= set(many)
+    assert len(ids) == 35_000 and len(many) == 5_000
     assert all(ids)
+    # the same form: one prefix, a dash, a hex counter that goes on from the single ids
+    prefix, counter = many[0].rsplit("-", 1)
+    assert new_message_id().rsplit("-", 1)[0] == prefix
+    assert [int(i.rsplit("-", 1)[1], 16) for i in many] == list(
+        range(int(counter, 16), int(counter, 16) + 5_000)
+    )
 
 
 @settings(max_examples=100, deadline=None)

@@ -34,11 +34,11 @@ from reliable_amqp._core.errors import (
     PublishTimeout,
     ReliableAmqpError,
 )
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.message import Confirmation, OutgoingMessage, new_confirmation
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
-from reliable_amqp._core.tracker import Entry
+from reliable_amqp._core.tracker import CONFIRMED, Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
@@ -431,10 +431,12 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         for entry in resolutions:
             future = entry.handle
             if not future.done():  # done: the caller cancelled it; the message was settled
-                result = entry.outcome
-                if isinstance(result, Confirmation):
+                result = entry._outcome
+                if result is CONFIRMED:  # (entry.outcome, inlined: the entry is let go next)
+                    future.set_result(new_confirmation(entry.message_id, entry.attempts))
+                elif isinstance(result, Confirmation):
                     future.set_result(result)
-                elif result is not None:
+                elif isinstance(result, BaseException):
                     future.set_exception(result)
         for barrier in self._window.release(resolutions):
             waiter = barrier.waiter

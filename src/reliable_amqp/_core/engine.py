@@ -37,7 +37,6 @@ from reliable_amqp._core.tracker import (
     Entry,
     Outcome,
     Stage,
-    adopt,
     attempt_tag,
 )
 
@@ -137,26 +136,8 @@ class PublishEngine(Generic[H]):
         """Take a message; it is queued to be written. ``index`` is its issue number in the
         window (default: ``handle.index``). A message built by :func:`new_entry` becomes the
         entry itself; any other is copied into one."""
-        if isinstance(message, Entry) and not message.adopted:
-            entry: Entry[H] = message
-        else:
-            entry = Entry(message, handle, 0.0, 0)
-        # a message that is its own handle (the sync publisher's future) keeps none: the entry
-        # would reference itself, and only the garbage collector frees such a cycle
-        kept: H = None if handle is message else handle  # type: ignore[assignment]
-        adopt(
-            entry,
-            kept,
-            now + self.delivery_timeout,
-            len(message.body),
-            now,
-            getattr(handle, "index", 0) if index is None else index,
-        )
-        self._sendq.append(entry)
-        self._fifo.append(entry)
-        self._live += 1
-        self.counters.published += 1
-        return entry
+        self.accept_many(((message, handle),), now, index)
+        return self._sendq[-1]
 
     def accept_many(
         self,
@@ -168,7 +149,8 @@ class PublishEngine(Generic[H]):
         ``first_index`` (default: each handle's ``index``).
 
         An item is a ``(message, handle)`` pair, or an entry that is its own handle (the sync
-        publisher's future): fresh from :func:`new_entry`, its ``index`` set.
+        publisher's future): fresh from :func:`new_entry`, its ``index`` set. A message built by
+        :func:`new_entry` becomes the entry itself; any other is copied into one.
         """
         deadline = now + self.delivery_timeout
         entries: list[Entry[H]] = []
@@ -176,30 +158,27 @@ class PublishEngine(Generic[H]):
         index = first_index
         entry: Entry[H]
         for item in items:
-            if type(item) is not tuple:
-                # adopt(), inlined for the entry that is its own handle (it keeps none)
+            if type(item) is tuple:
+                message, handle = item
+                # a message that is its own handle keeps none: the entry would reference
+                # itself, and only the garbage collector frees such a cycle
+                kept: H = None if handle is message else handle  # type: ignore[assignment]
+                if (type(message) is Entry or isinstance(message, Entry)) and not message.adopted:
+                    entry = message
+                    entry.handle = kept
+                else:
+                    entry = Entry(message, kept, 0.0, len(message.body))
+                if index is None:
+                    entry.index = getattr(handle, "index", 0)
+            else:  # an entry that is its own handle (it keeps none), its index set
                 entry = item  # type: ignore[assignment]
-                entry.adopted = True
-                entry.handle = None  # type: ignore[assignment]
-                entry.deadline = deadline
-                entry.accepted = now
-                if index is not None:
-                    entry.index = index
-                    index += 1
-                append(entry)
-                continue
-            message, handle = item
-            if (type(message) is Entry or isinstance(message, Entry)) and not message.adopted:
-                entry = message
-            else:
-                entry = Entry(message, handle, 0.0, 0)
-            if index is None:
-                number = handle.index  # type: ignore[attr-defined]
-            else:
-                number = index
+            # what accepting adds to a fresh entry
+            entry.adopted = True
+            entry.deadline = deadline
+            entry.accepted = now
+            if index is not None:
+                entry.index = index
                 index += 1
-            kept: H = None if handle is message else handle  # type: ignore[assignment]
-            adopt(entry, kept, deadline, len(message.body), now, number)
             append(entry)
         self._sendq.extend(entries)
         self._fifo.extend(entries)

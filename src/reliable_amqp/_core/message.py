@@ -243,6 +243,12 @@ def new_message_id() -> str:
     return f"{_id_prefix}-{next(_id_counter):x}"
 
 
+def new_message_ids(count: int) -> list[str]:
+    """``count`` fresh ids, as :func:`new_message_id` makes them, in one call."""
+    prefix = _id_prefix + "-"
+    return [f"{prefix}{n:x}" for n in itertools.islice(_id_counter, count)]
+
+
 # The hot path builds its two frozen dataclasses through their slot descriptors: a frozen
 # dataclass's __init__ sets every field with object.__setattr__, which made building them the
 # largest single cost of publish() (2.5x this way). Same classes, same objects: still frozen,

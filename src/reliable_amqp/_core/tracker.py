@@ -79,7 +79,7 @@ class Entry(OutgoingMessage, Generic[H]):
 
     An entry *is* its message (an :class:`OutgoingMessage` with bookkeeping added, ``message``
     is the entry itself): a message in flight is one object for the garbage collector, not two.
-    ``publish()`` builds it (:func:`new_entry`) and the engine adopts it (:func:`adopt` sets the
+    ``publish()`` builds it (:func:`new_entry`) and the engine adopts it (``accept_many`` sets the
     bookkeeping). Every field is a slot: an instance dict would be a second object (a subclass
     of a class with slots gets a real dict, not CPython's inline one). Entries compare by
     identity; errors carry a plain copy of the message (``plain()``).
@@ -253,7 +253,8 @@ def new_entry(  # noqa: PLR0917
     entry._properties = None
     entry.adopted = False
     entry.origin = None
-    # a fresh entry's bookkeeping (Entry.__init__'s defaults); adopt() sets the rest
+    entry.handle = None
+    # a fresh entry's bookkeeping (Entry.__init__'s defaults); accepting sets the rest
     entry.size = len(body)
     entry.index = 0
     entry.attempts = 0
@@ -264,18 +265,6 @@ def new_entry(  # noqa: PLR0917
     entry.state = _WAITING
     entry._outcome = None
     return entry
-
-
-def adopt(  # noqa: PLR0917
-    entry: Entry[H], handle: H, deadline: float, size: int, accepted: float, index: int
-) -> None:
-    """Make a fresh entry (from :func:`new_entry` or ``Entry(...)``) an accepted one."""
-    entry.adopted = True
-    entry.handle = handle
-    entry.deadline = deadline
-    entry.size = size
-    entry.accepted = accepted
-    entry.index = index
 
 
 @dataclass(slots=True)  # not frozen: one is made per confirmed message, and frozen costs 2.5x
