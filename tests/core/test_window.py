@@ -77,6 +77,26 @@ def test_take_numbers_messages_from_one() -> None:
     assert (window.count, window.bytes, window.issued) == (3, 12, 4)
 
 
+@pytest.mark.parametrize(
+    ("taken", "size"), [([], 1000), ([60], 40), ([60], 41), ([1] * 9, 1), ([1] * 10, 0), ([100], 0)]
+)
+def test_try_take_takes_exactly_when_fits_says_so(taken: list[int], size: int) -> None:
+    window = Window(max_count=10, max_bytes=100)
+    fill(window, taken)
+    before = (window.count, window.bytes, window.issued)
+    fits = window.fits(size)
+    index = window.try_take(size)
+    if fits:
+        assert index == before[2] + 1
+        assert (window.count, window.bytes, window.issued) == (
+            before[0] + 1,
+            before[1] + size,
+            before[2] + 1,
+        )
+    else:
+        assert index == 0 and (window.count, window.bytes, window.issued) == before
+
+
 def test_release_subtracts_counts_and_bytes_of_every_outcome() -> None:
     window = Window(max_count=10, max_bytes=100)
     fill(window, [5, 6, 7])

@@ -246,10 +246,11 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             self._check_accepting(message)
         size = len(message.body)
         window = self._window
-        if self._room_waiters or not window.fits(size):
+        index = 0 if self._room_waiters else window.try_take(size)
+        if not index:
             await self._wait_for_room(size, message)
+            index = window.take(size)
         future: asyncio.Future[Confirmation] = pump.loop.create_future()
-        index = window.take(size)
         if self._telemetry is not None:  # the span starts once nothing can refuse it
             message = self._telemetry.on_publish(message, index)
         self._engine.accept(message, future, time.monotonic(), index)

@@ -63,6 +63,17 @@ class Window:
             self.bytes + size <= self.max_bytes or self.count == 0
         )
 
+    def try_take(self, size: int) -> int:
+        """:meth:`take` if the message :meth:`fits` now (its index), else 0: one call where a
+        publisher holds its lock."""
+        count = self.count
+        if count < self.max_count and (self.bytes + size <= self.max_bytes or count == 0):
+            self.count = count + 1
+            self.bytes += size
+            self.issued = issued = self.issued + 1
+            return issued
+        return 0
+
     def take(self, size: int) -> int:
         """Count one more unresolved message; return its index."""
         self.count += 1

@@ -212,11 +212,13 @@ class Publisher(PublisherSurface[None, str]):
         size = len(message.body)
         window = self._window
         with handoff.lock:
-            if not window.fits(size):
-                self._wait_for_room(size, message)
             if handoff.fatal is not None or not handoff.accepting:
                 self._check_accepting(message)
-            future.index = window.take(size)
+            index = window.try_take(size)
+            if not index:
+                self._wait_for_room(size, message)
+                index = window.take(size)
+            future.index = index
             if self._telemetry is None:
                 handoff.outbox.append(future)  # the message, the entry and its own handle
             else:  # the span starts once nothing can refuse it
