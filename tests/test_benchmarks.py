@@ -71,3 +71,59 @@ def test_client_cpu_benchmark_reports_every_row(amqp_url: str) -> None:
     for line in result.stdout.splitlines()[3:]:
         us = line.split()[-3] if "threads" in line else line.split()[1]
         assert 0 < float(us) < 10_000  # us per message
+
+
+@pytest.mark.broker
+def test_client_cpu_benchmark_compares_another_tree_pass_by_pass(amqp_url: str) -> None:
+    script = BENCH.parent / "client_cpu.py"
+    src = str(BENCH.parent.parent / "src")
+    result = subprocess.run(
+        [
+            *(sys.executable, str(script), "--count", "200", "--repeat", "2", "--json"),
+            *("--only", "publish,async-many", "--batch", "100", "--compare", src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "AMQP_URL": amqp_url},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    assert list(figures) == [
+        "Publisher.publish()",
+        "AsyncPublisher.publish_many(100)",
+        f"[{src}] Publisher.publish()",
+        f"[{src}] AsyncPublisher.publish_many(100)",
+    ]
+    for cpu, wall in figures.values():  # (CPU seconds, wall seconds) of each of the 2 passes
+        assert len(cpu) == len(wall) == 2
+        assert all(0 < seconds < 60 for seconds in cpu + wall)
+
+
+@pytest.mark.broker
+@pytest.mark.parametrize("row", ["publish", "many", "async", "async-many"])
+def test_instruction_count_rows_publish_what_they_say(amqp_url: str, row: str) -> None:
+    """benchmarks/instructions.py's measured loop (what valgrind runs), without valgrind."""
+    script = BENCH.parent / "instructions.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--child", row, "--counts", "2000,2000", "--url", amqp_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["2000", "confirmed"]
+
+
+def test_instruction_count_refuses_unknown_rows_and_bad_counts() -> None:
+    script = BENCH.parent / "instructions.py"
+    for args, says in (
+        (["--only", "publish,bogus"], "unknown rows ['bogus']"),
+        (["--counts", "60000,20000"], "--counts"),
+    ):
+        result = subprocess.run(
+            [sys.executable, str(script), *args], capture_output=True, text=True, check=False
+        )
+        assert result.returncode == 2 and says in result.stderr
