@@ -155,6 +155,21 @@ def test_wrong_credentials_fail_at_once_without_retries(
     assert kinds(events) == [EventKind.RECOVERY_FAILED, EventKind.CLOSED]
 
 
+def test_a_connection_lost_while_logging_in_is_retried_not_taken_for_wrong_credentials(
+    peer: FakeBroker, make_publisher: PublisherFactory
+) -> None:
+    """pika calls any close while authenticating a "probable authentication error"; only the
+    broker's own refusal (connection.close 403, the test above) is final. A reset mid-login (a
+    proxy, a broker restarting, a network blip) is retried like any lost connection."""
+    peer.drop_next_logins(2)
+    with make_publisher(peer.url()) as publisher:
+        futures = [publisher.publish("", "q", b"%d" % i) for i in range(5)]
+        assert publisher.flush(timeout=10) == 0
+    assert outcomes(futures) == ["Confirmation"] * 5
+    assert (peer.dropped_logins, peer.auth_refusals, peer.attempts) == (2, 0, 3)
+    assert [m.body for m in peer.received()] == [b"%d" % i for i in range(5)]
+
+
 def test_a_missing_vhost_fails_at_once_without_retries(
     peer: FakeBroker, make_publisher: PublisherFactory
 ) -> None:

@@ -192,6 +192,36 @@ def test_aiormq_errors_are_classified(error: BaseException, expected: type, retr
     [
         (pika.exceptions.ProbableAuthenticationError("ACCESS_REFUSED"), AuthenticationFailed, 0),
         (pika.exceptions.ProbableAccessDeniedError("no vhost"), AuthenticationFailed, 0),
+        # pika's "probable" errors carry the repr of what ended the connection: the broker's
+        # close is final, a lost stream (a reset mid-login) is retried
+        (
+            pika.exceptions.ProbableAuthenticationError(
+                repr(pika.exceptions.ConnectionClosedByBroker(403, "ACCESS_REFUSED - Login"))
+            ),
+            AuthenticationFailed,
+            0,
+        ),
+        (
+            pika.exceptions.ProbableAuthenticationError(
+                repr(pika.exceptions.StreamLostError("Stream connection lost: ConnectionReset"))
+            ),
+            AmqpConnectionError,
+            1,
+        ),
+        (
+            pika.exceptions.ProbableAccessDeniedError(
+                repr(pika.exceptions.ConnectionClosedByBroker(530, "NOT_ALLOWED - vhost"))
+            ),
+            AuthenticationFailed,
+            0,
+        ),
+        (
+            pika.exceptions.ProbableAccessDeniedError(
+                repr(pika.exceptions.StreamLostError("Transport indicated EOF"))
+            ),
+            AmqpConnectionError,
+            1,
+        ),
         (pika.exceptions.ConnectionClosedByBroker(403, "ACCESS_REFUSED"), AuthenticationFailed, 0),
         (pika.exceptions.ConnectionClosedByBroker(320, "FORCED"), AmqpConnectionError, 1),
         (pika.exceptions.StreamLostError("lost"), AmqpConnectionError, 1),

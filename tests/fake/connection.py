@@ -400,6 +400,10 @@ class FakeConnection:
             self.client_properties = dict(value.client_properties or {})
             user, password = _plain_credentials(value.mechanism, value.response)
             self.user = user
+            if broker.take_login_drop():
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self._end("login dropped by the test")  # SO_LINGER 0: a reset
+                return
             if broker.users.get(user) != password:
                 broker.auth_refusals += 1
                 self.close(

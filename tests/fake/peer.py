@@ -91,6 +91,9 @@ class FakeBroker:
         self.refused = 0
         #: handshakes refused for wrong credentials
         self.auth_refusals = 0
+        #: connections cut by :meth:`drop_next_logins` while the client was logging in
+        self.dropped_logins = 0
+        self._drop_logins = 0
         self.frames_received = 0
         #: (connection, channel serial) of each basic.publish discarded on a closing channel
         self.discarded: list[tuple[int, int]] = []
@@ -316,6 +319,22 @@ class FakeBroker:
                 if conn.blocked and not conn.closed:
                     conn.blocked = False
                     conn.send(0, spec.Connection.Unblocked())
+
+    def drop_next_logins(self, n: int) -> None:
+        """Cut the next ``n`` connections (a reset, no connection.close) once the client sent
+        its credentials (connection.start-ok): a network failure mid-login, which a client must
+        not take for a refusal of its credentials."""
+        with self._lock:
+            self._drop_logins = n
+
+    def take_login_drop(self) -> bool:
+        """True (and counted) when the login being answered is to be cut."""
+        with self._lock:
+            if self._drop_logins <= 0:
+                return False
+            self._drop_logins -= 1
+            self.dropped_logins += 1
+            return True
 
     def refuse_next(self, n: int) -> None:
         """Reset the next ``n`` TCP connections right after accepting them."""

@@ -87,6 +87,8 @@ def translate_connection_error(error: Any, params: Any = None) -> ReliableAmqpEr
     tls = tls_failure(error) if isinstance(error, BaseException) else None
     if tls is not None:
         result = connection_failure("tls", f"{_where(params)}{tls}")
+    elif _lost_mid_login(error):
+        result = connection_failure("lost", f"the connection was lost while logging in: {detail}")
     elif isinstance(
         error,
         (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError),
@@ -108,6 +110,25 @@ def translate_connection_error(error: Any, params: Any = None) -> ReliableAmqpEr
     if isinstance(error, BaseException):
         result.__cause__ = error
     return result
+
+
+def _lost_mid_login(error: object) -> bool:
+    """True for pika's "probable" authentication or vhost error that was a lost stream.
+
+    pika renames any end of the connection while it authenticates (or opens the vhost) to
+    ``ProbableAuthenticationError`` (``ProbableAccessDeniedError``), with the original error's
+    repr as its text: the broker's connection.close (wrong credentials: 403 ACCESS_REFUSED, a
+    refused vhost: 530), or a ``StreamLostError`` (a reset, a proxy, a broker restarting). Only
+    the first is the broker's answer; the second is retried like any lost connection, as
+    aiormq, which raises its ``ProbableAuthenticationError`` only for a 403 close, has it.
+    """
+    if not isinstance(
+        error,
+        (pika.exceptions.ProbableAuthenticationError, pika.exceptions.ProbableAccessDeniedError),
+    ):
+        return False
+    text = str(error)
+    return "StreamLostError" in text and "ConnectionClosedByBroker" not in text
 
 
 def _where(params: Any) -> str:
