@@ -76,7 +76,7 @@ def report(batch: trace.Span, orders: str, nacked: BaseException | None) -> None
         print(
             f"   {span.name}: message id {attributes['messaging.message.id']}, routing key "
             f"{attributes.get('messaging.rabbitmq.destination.routing_key')!r}, "
-            f"{(span.end_time - span.start_time) / 1e6:.1f} ms publish to confirm"
+            f"{((span.end_time or 0) - (span.start_time or 0)) / 1e6:.1f} ms publish to confirm"
         )
     print("   ...")
 
@@ -87,9 +87,11 @@ def report(batch: trace.Span, orders: str, nacked: BaseException | None) -> None
     with tracer.start_as_current_span(
         "process order", context=context, kind=trace.SpanKind.CONSUMER
     ) as consumer:
-        parent = consumer.parent
+        parent = getattr(consumer, "parent", None)  # the SDK's span (the API's has no parent)
     producer = next(
-        s for s in producers if s.attributes["messaging.message.id"] == properties.message_id
+        s
+        for s in producers
+        if (s.attributes or {}).get("messaging.message.id") == properties.message_id
     )
     assert parent is not None and parent.span_id == producer.context.span_id
     print(f"2. a consumer read {body!r}: traceparent {properties.headers['traceparent']}")
@@ -102,11 +104,12 @@ def report(batch: trace.Span, orders: str, nacked: BaseException | None) -> None
     assert isinstance(nacked, MessageNacked)
     print(
         f"3. {failed.name}: status {failed.status.status_code.name}, "
-        f"error.type {failed.attributes['error.type']} ({nacked})"
+        f"error.type {(failed.attributes or {}).get('error.type')} ({nacked})"
     )
 
     print("4. metrics:")
     data = reader.get_metrics_data()
+    assert data is not None
     for resource in data.resource_metrics:
         for scope in resource.scope_metrics:
             for metric in scope.metrics:
@@ -114,7 +117,7 @@ def report(batch: trace.Span, orders: str, nacked: BaseException | None) -> None
                     error = dict(point.attributes or {}).get("error.type")
                     value = getattr(point, "value", None)
                     shown = (
-                        f"count {point.count}, sum {point.sum:.3f} s"
+                        f"count {getattr(point, 'count', 0)}, sum {getattr(point, 'sum', 0):.3f} s"
                         if value is None
                         else f"{value:g}"
                     )
