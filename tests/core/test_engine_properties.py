@@ -24,7 +24,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from reliable_amqp._core.engine import PublishEngine, Resolution
+from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.errors import (
     DeliveryTimeout,
     MessageNacked,
@@ -53,7 +53,8 @@ CHANNEL_CLOSES = [
 
 
 def nack_delay(nacks: int) -> float:
-    return min(MAX_DELAY, INITIAL_DELAY * 2 ** (nacks - 1)) + JITTER * RNG
+    delay: float = min(MAX_DELAY, INITIAL_DELAY * 2 ** (nacks - 1)) + JITTER * RNG
+    return delay
 
 
 @dataclass
@@ -145,7 +146,7 @@ class EngineMachine(RuleBasedStateMachine):
         msg.state = "done"
         expected.append((msg, cls))
 
-    def _check(self, got: list[Resolution[int]], expected: list[tuple[Msg, type]]) -> None:
+    def _check(self, got: list[Entry[int]], expected: list[tuple[Msg, type]]) -> None:
         assert [(r.entry.handle, type(r.outcome)) for r in got] == [
             (m.handle, cls) for m, cls in expected
         ]
@@ -163,6 +164,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert result.attempts == msg.attempts >= 1
                 assert msg.returned is None
                 continue
+            assert result is not None  # resolved: a Confirmation or a PublishError
             assert result.message is msg.message
             assert result.attempts == msg.attempts
             if isinstance(result, MessageNacked):
@@ -479,7 +481,9 @@ def _engine(max_attempts: int = 3) -> PublishEngine[int]:
     return PublishEngine(delivery_timeout=TIMEOUT, nack_policy=policy, rng=lambda: RNG)
 
 
-def _accept(engine: PublishEngine[int], n: int, exchange: str = "good", now: float = 0.0) -> list:
+def _accept(
+    engine: PublishEngine[int], n: int, exchange: str = "good", now: float = 0.0
+) -> list[Entry[int]]:
     return [
         engine.accept(build_message(exchange, "rk", bytes(i + 1)), len(engine) + i, now)
         for i in range(n)

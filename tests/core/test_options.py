@@ -522,7 +522,7 @@ def test_credentials_and_tls_options_from_strings_and_checks() -> None:
         False,
     )
     assert "pw" not in repr(options)
-    problems = [
+    problems: list[tuple[dict[str, Any], str, str]] = [
         ({"ca_file": "/ca.pem"}, "amqp://h/", "ca_file set but no broker URL uses TLS"),
         ({"key_file": "/k.pem"}, "amqps://h/", "key_file and key_password need cert_file"),
         ({"password": 5}, "amqp://h/", "password must be a str or None, got int"),

@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 
-from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     AuthenticationFailed,
@@ -86,7 +85,7 @@ def accept(
     ]
 
 
-def write(sup: Supervisor[int], channel: int = 1) -> tuple[int, list[Resolution[int]], bytes]:
+def write(sup: Supervisor[int], channel: int = 1) -> tuple[int, list[Entry[int]], bytes]:
     out: list[bytes | memoryview] = []
     if not sup.frame_max:  # as if the connection had negotiated it
         sup.frame_max = FRAME_MAX
@@ -106,7 +105,7 @@ def opened(sup: Supervisor[int]) -> int:
     return index
 
 
-def handles(resolutions: list[Resolution[int]]) -> list[int]:
+def handles(resolutions: list[Entry[int]]) -> list[int]:
     return [r.entry.handle for r in resolutions]
 
 

@@ -317,7 +317,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         self.sup.channel_opened()
         self.connected = self.channel_open = True
 
-    def _record(self, resolutions: list[Resolution[Handle]]) -> None:
+    def _record(self, resolutions: list[Entry[Handle]]) -> None:
         for r in resolutions:
             index = r.entry.handle.index
             assert index not in self.resolved, f"message {index} resolved twice"
@@ -325,6 +325,7 @@ class SupervisorMachine(RuleBasedStateMachine):
             if isinstance(r.outcome, Confirmation):
                 assert r.outcome.attempts >= 1
             else:
+                assert r.outcome is not None  # resolved: a Confirmation or a PublishError
                 assert r.outcome.message is r.entry.message.plain()
         self.window.release(resolutions)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -99,12 +99,12 @@ def test_bind_op_records_every_argument_and_allows_an_empty_key() -> None:
     [
         (lambda: exchange_op(""), "exchange must not be empty"),
         (lambda: exchange_op("ex", ""), "exchange_type must not be empty"),
-        (lambda: exchange_op(b"ex"), "exchange must be a str, not bytes"),
+        (lambda: exchange_op(cast(Any, b"ex")), "exchange must be a str, not bytes"),
         (lambda: queue_op(""), "queue must not be empty"),
-        (lambda: queue_op(None), "queue must be a str, not NoneType"),
+        (lambda: queue_op(cast(Any, None)), "queue must be a str, not NoneType"),
         (lambda: bind_op("", "ex"), "queue must not be empty"),
         (lambda: bind_op("q", ""), "exchange must not be empty"),
-        (lambda: bind_op("q", "ex", 5), "routing_key must be a str, not int"),
+        (lambda: bind_op("q", "ex", cast(Any, 5)), "routing_key must be a str, not int"),
     ],
 )
 def test_empty_or_non_str_names_are_configuration_errors(build: Any, message: str) -> None:

@@ -78,7 +78,9 @@ class TrackerMachine(RuleBasedStateMachine):
     def _seq_of(self, wire: _Wire) -> int:
         return next(s for s, w in self.model.wire.items() if w is wire)
 
-    def _expect_settle(self, generation: int, tag: int, multiple: bool, ack: bool) -> list:
+    def _expect_settle(
+        self, generation: int, tag: int, multiple: bool, ack: bool
+    ) -> list[tuple[Entry[int], Outcome]]:
         model = self.model
         if generation != model.generation or tag <= 0:
             return []
@@ -87,7 +89,7 @@ class TrackerMachine(RuleBasedStateMachine):
             if multiple
             else ([tag] if tag in model.wire else [])
         )
-        expected = []
+        expected: list[tuple[Entry[int], Outcome]] = []
         for s in seqs:
             wire = model.wire[s]
             if ack:
@@ -99,7 +101,9 @@ class TrackerMachine(RuleBasedStateMachine):
             expected.append((wire.entry, outcome))
         return expected
 
-    def _check_settled(self, got: list[Settled[int]], expected: list) -> None:
+    def _check_settled(
+        self, got: list[Settled[int]], expected: list[tuple[Entry[int], Outcome]]
+    ) -> None:
         assert [(s.entry.handle, s.outcome) for s in got] == [(e.handle, o) for e, o in expected]
         for s, (e, _) in zip(got, expected, strict=True):
             assert s.entry is e
