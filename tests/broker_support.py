@@ -53,7 +53,7 @@ class BrokerAdmin:
 
     def drain(self, queue: str) -> list[tuple[pika.spec.BasicProperties, bytes]]:
         """Take every message from ``queue`` (properties, body), in queue order."""
-        out = []
+        out: list[tuple[pika.spec.BasicProperties, bytes]] = []
         ch = self._ch()
         expected = self.count(queue)
         if expected == 0:

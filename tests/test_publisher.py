@@ -339,8 +339,8 @@ def test_many_threads_share_one_publisher(
 def test_bad_input_fails_fast_and_disturbs_nothing(  # noqa: PLR0917 (fixtures + parameters)
     amqp_url: str,
     broker: BrokerAdmin,
-    args: tuple,
-    kwargs: dict,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     field: str,
     publisher_class: PublisherClass,
 ) -> None:

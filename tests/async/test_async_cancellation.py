@@ -6,11 +6,11 @@ import asyncio
 
 import aio_pika
 import pytest
-from aio_support import aio, outcomes
 
+from aio_support import aio, outcomes
 from broker_support import BrokerAdmin
 from harness.fixtures import ProxyFactory
-from reliable_amqp import PublisherClosed, State
+from reliable_amqp import Confirmation, PublisherClosed, State
 from reliable_amqp._async import AsyncPublisher
 
 pytestmark = pytest.mark.broker
@@ -127,7 +127,7 @@ async def test_cancelling_aclose_still_settles_everything(
 def test_loop_ending_without_aclose_settles_futures(amqp_url: str, broker: BrokerAdmin) -> None:
     # asyncio.run() cancels the publisher's tasks at the end; that alone settles what was left.
     queue = broker.queue(x_max_length=0, x_overflow="reject-publish")
-    held: list[asyncio.Future[object]] = []
+    held: list[asyncio.Future[Confirmation]] = []
 
     async def main() -> None:
         publisher = await AsyncPublisher(amqp_url, nack_policy={"max_attempts": 1000}).connect()

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import aio_pika
 import pytest
-from aio_support import aio, in_thread, outcomes
 
+from aio_support import aio, in_thread, outcomes
 from broker_support import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from harness.node import DisposableBroker

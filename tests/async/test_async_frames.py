@@ -96,7 +96,7 @@ def reference(
     publish = pika.spec.Basic.Publish(
         exchange=message.exchange, routing_key=message.routing_key, mandatory=message.mandatory
     )
-    out = pika.frame.Method(channel, publish).marshal()
+    out: bytes = pika.frame.Method(channel, publish).marshal()
     out += pika.frame.Header(channel, len(message.body), props).marshal()
     step = frame_max - 8 if frame_max else max(len(message.body), 1)  # 0: no limit
     for start in range(0, len(message.body), step):

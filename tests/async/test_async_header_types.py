@@ -12,8 +12,8 @@ import decimal
 
 import aio_pika
 import pytest
-from aio_support import aio
 
+from aio_support import aio
 from broker_support import BrokerAdmin
 from reliable_amqp import InvalidMessage, Publisher
 from reliable_amqp._async import AsyncPublisher

@@ -9,40 +9,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from broker_support import BrokerAdmin, unique
+from cli_support import run_cli
 
 pytestmark = pytest.mark.broker
-
-
-def run_cli(
-    *args: str,
-    url: str | None,
-    stdin: bytes | None = None,
-    timeout: float = 60,
-    env: dict[str, str] | None = None,
-) -> subprocess.CompletedProcess[str]:
-    """``python -m reliable_amqp ARGS`` with AMQP_URL set (unless ``url`` is None) and ``env``."""
-    given = env or {}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RELIABLE_AMQP_")}
-    for name in ("AMQP_URL", "AMQP_USERNAME", "AMQP_PASSWORD"):
-        env.pop(name, None)
-    if url is not None:
-        env["AMQP_URL"] = url
-    env.update(given)
-    result = subprocess.run(
-        [sys.executable, "-m", "reliable_amqp", *args],
-        input=stdin.decode() if stdin is not None else "",
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
-    return result
 
 
 def bodies(broker: BrokerAdmin, queue: str) -> list[bytes]:
@@ -137,7 +111,9 @@ def test_partially_nacked_run_then_replay(
     amqp_url: str, broker: BrokerAdmin, tmp_path: Path
 ) -> None:
     # A queue that holds 5 messages and nacks the rest (x-overflow=reject-publish).
-    queue = broker.queue(**{"x-max-length": 5, "x-overflow": "reject-publish"})
+    queue = broker.queue(
+        **cast(dict[str, Any], {"x-max-length": 5, "x-overflow": "reject-publish"})
+    )
     source = tmp_path / "in.txt"
     source.write_text("".join(f"message {i}\n" for i in range(1, 9)))
     failed = tmp_path / "failed.jsonl"
@@ -352,7 +328,9 @@ def test_interrupt_exits_130_and_keeps_what_was_not_confirmed(
     amqp_url: str, broker: BrokerAdmin, tmp_path: Path
 ) -> None:
     # A full queue and a patient nack policy keep the run going until it is interrupted.
-    queue = broker.queue(**{"x-max-length": 2, "x-overflow": "reject-publish"})
+    queue = broker.queue(
+        **cast(dict[str, Any], {"x-max-length": 2, "x-overflow": "reject-publish"})
+    )
     source = tmp_path / "in.txt"
     source.write_text("".join(f"{i}\n" for i in range(1, 21)))
     failed = tmp_path / "failed.jsonl"
@@ -398,7 +376,9 @@ def test_connection_lost_for_good_exits_3_and_keeps_every_unconfirmed_message(
 ) -> None:
     port = int(amqp_url.rpartition(":")[2].partition("/")[0])
     proxy = make_proxy(port)
-    queue = broker.queue(**{"x-max-length": 2, "x-overflow": "reject-publish"})
+    queue = broker.queue(
+        **cast(dict[str, Any], {"x-max-length": 2, "x-overflow": "reject-publish"})
+    )
     source = tmp_path / "in.txt"
     source.write_text("".join(f"{i}\n" for i in range(1, 21)))
     failed = tmp_path / "failed.jsonl"

@@ -8,9 +8,9 @@ import stat
 from pathlib import Path
 
 import pytest
-from test_cli_publish import run_cli
 
 from broker_support import BrokerAdmin
+from cli_support import run_cli
 
 pytestmark = pytest.mark.broker
 

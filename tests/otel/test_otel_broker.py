@@ -13,10 +13,10 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from otel_support import Otel, make_otel, points_by
 
 from broker_support import BrokerAdmin
 from harness.fixtures import ProxyFactory
+from otel_support import Otel, make_otel, points_by
 from reliable_amqp import (
     AsyncPublisher,
     Confirmation,

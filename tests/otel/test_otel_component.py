@@ -28,8 +28,8 @@ from opentelemetry.trace import (
     set_span_in_context,
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from otel_support import Otel, make_otel, points_by, stats
 
+from otel_support import Otel, make_otel, points_by, stats
 from reliable_amqp import (
     Confirmation,
     EventKind,

@@ -42,6 +42,7 @@ while True:
 def _stored_ids(directory: Path) -> list[str]:
     spool = Spool(directory)
     try:
+        ids: list[str]
         ids, after, size = [], 0, 0
         while entries := spool.read(after, 10_000):
             ids.extend(e.message.message_id for e in entries)

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from spool_support import messages
 
 from reliable_amqp import PublishError, SpoolError, SpoolFull
 from reliable_amqp._spool import Spool
+from spool_support import messages
 
 
 class Disk:
@@ -82,6 +82,7 @@ def _fill(spool: Spool) -> tuple[list[str], int, SpoolFull]:
 
 
 def _ids(spool: Spool) -> list[str]:
+    ids: list[str]
     ids, after = [], 0
     while entries := spool.read(after, 5000):
         ids.extend(e.message.message_id for e in entries)

@@ -13,16 +13,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from spool_support import messages
 
 from reliable_amqp import ConfigurationError, PublishTimeout, SpoolError
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._spool import Spool, drop_failed, failed_entries, inspect
+from spool_support import messages
 
 OpenSpool = Callable[..., Spool]
 
 
 def _all(spool: Spool, chunk: int = 1000) -> list[OutgoingMessage]:
+    out: list[OutgoingMessage]
     out, after = [], 0
     while True:
         entries = spool.read(after, chunk)

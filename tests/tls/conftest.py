@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tls_support import Certificates, make_certificates
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from tls_support import PUBLISHERS, Certificates, client_context, publish_one
 
 from harness.node import DisposableBroker, TlsListener
 from reliable_amqp import Confirmation, TlsError
+from tls_support import PUBLISHERS, Certificates, client_context, publish_one
 
 pytestmark = pytest.mark.broker
 
