@@ -1,5 +1,5 @@
 """Spark fixtures: one local SparkSession at a time, classic or Spark Connect (helpers are in
-spark_support.py).
+tests/spark_support.py).
 
 ``local[2,3]`` runs two tasks at once and gives each task three attempts, so the sink's retry
 behaviour is the real one. Workers run this interpreter (``PYSPARK_PYTHON``), where
@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
@@ -26,9 +27,9 @@ os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 
 from pyspark.sql import SparkSession
-from spark_support import CONNECT_ENV
 
 from reliable_amqp.spark import close_cached_publishers, register
+from spark_support import CONNECT_ENV
 
 CONF = {
     "spark.app.name": "reliable-amqp-tests",
@@ -90,7 +91,8 @@ def _connect() -> tuple[SparkSession, SparkSession]:
 
     os.environ["SPARK_CONNECT_MODE_ENABLED"] = "1"  # pyspark.sql.functions build Connect columns
     client = ConnectSession.builder.remote(f"sc://127.0.0.1:{port}").getOrCreate()
-    return client, server
+    # cast: the tests drive a Connect session through the classic SparkSession's API
+    return cast(SparkSession, client), server
 
 
 @pytest.fixture(scope="session")

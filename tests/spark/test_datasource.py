@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
-from spark_support import read_all, unique_name
 
 from reliable_amqp.spark import AmqpSink
+from spark_support import read_all, unique_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 

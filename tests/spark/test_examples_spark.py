@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from spark_support import CONNECT_ENV
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

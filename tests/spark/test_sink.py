@@ -16,15 +16,16 @@ from pyspark import TaskContext
 from pyspark.cloudpickle import register_pickle_by_value
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from spark_support import Received, read_all, unique_name
 
 from reliable_amqp import ConfigurationError
 from reliable_amqp.spark import AmqpSink
 from reliable_amqp.spark._sink import is_connect
+from spark_support import Received, read_all, unique_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 # Workers cannot import this test module: ship its functions (the flaky UDFs) by value.
-register_pickle_by_value(sys.modules[__name__])
+# (pyspark's vendored cloudpickle has no annotations, hence the ignore)
+register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
 
 ATTEMPT = "x-reliable-amqp-attempt"
 
@@ -149,6 +150,7 @@ def _with_flaky_udf(
         return body
 
     previous = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert previous is not None  # Spark has a default for it
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "1000")
     try:
         write(df.select(F.udf(flaky, "string", useArrow=False)("body").alias("body")))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from spark_support import read_all, unique_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker, pytest.mark.slow]
