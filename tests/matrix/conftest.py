@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from matrix_support import SUMMARY
 
 
