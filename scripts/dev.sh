@@ -174,12 +174,27 @@ case "$cmd" in
         cd "$ROOT"
         exec "$VENV/bin/python" benchmarks/run.py "$@"
         ;;
+    check)
+        # Static checks: ruff (lint and format) everywhere, mypy strict over src/ (pyproject's
+        # [tool.mypy]) and over tests/, examples/ and benchmarks/. Test directories are checked
+        # one at a time: each has its own conftest.py, and mypy takes two as one duplicate module.
+        ensure_venv
+        cd "$ROOT"
+        "$VENV/bin/ruff" check src tests examples benchmarks
+        "$VENV/bin/ruff" format --check src tests examples benchmarks
+        "$VENV/bin/mypy"
+        for dir in tests/*/; do
+            [ -n "$(ls "$dir"*.py 2>/dev/null)" ] || continue
+            MYPYPATH=tests "$VENV/bin/mypy" --strict --python-version 3.10 "$dir"
+        done
+        MYPYPATH=tests "$VENV/bin/mypy" --strict --python-version 3.10 tests/*.py examples benchmarks
+        ;;
     run)
         ensure_venv; ensure_broker
         cd "$ROOT"
         PATH="$VENV/bin:$PATH" exec "$@"
         ;;
     *)
-        echo "usage: scripts/dev.sh main|test|venvs [LEG...]|bench|run CMD..." >&2; exit 2
+        echo "usage: scripts/dev.sh main|test|check|venvs [LEG...]|bench|run CMD..." >&2; exit 2
         ;;
 esac
