@@ -6,6 +6,7 @@
 #   scripts/dev.sh test     the whole test suite (what .ci/run calls); builds the matrix venvs first
 #   scripts/dev.sh venvs [LEG...]  build (or check) the version-matrix venvs only
 #   scripts/dev.sh bench    the benchmark (benchmarks/run.py)
+#   scripts/dev.sh check    the static checks (ruff; mypy strict over src, tests, examples, benchmarks)
 #   scripts/dev.sh run CMD  any command inside the environment
 set -euo pipefail
 
