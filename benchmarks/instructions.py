@@ -11,8 +11,9 @@ queue), and reports (instructions of the larger run - those of the smaller) / (t
 in messages): start-up, imports and connecting cancel out. Every thread of the process is
 counted, the I/O thread included. The figure repeats to about 1.5% from run to run whatever
 else the machine does, where CPU time swings by 15%; it moves with how the broker batches its
-acks, so compare trees in one run (``--compare SRC`` measures another checkout's package too).
-Needs valgrind (``apt-get install valgrind``). A row takes about 15 s.
+acks, so compare trees in one run (``--compare SRC`` measures another checkout's package too;
+give it once per tree for several).
+Needs valgrind (``apt-get install valgrind``). A row takes about a minute per tree.
 """
 
 from __future__ import annotations
@@ -70,7 +71,13 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(ROWS), help=f"rows, of {','.join(ROWS)}")
     parser.add_argument("--counts", default="20000,60000", help="the two runs' message counts")
     parser.add_argument("--size", type=int, default=12)
-    parser.add_argument("--compare", metavar="SRC", help="also measure the package in SRC")
+    parser.add_argument(
+        "--compare",
+        metavar="SRC",
+        action="append",
+        default=[],
+        help="also measure the package in SRC (repeatable: one column per tree)",
+    )
     parser.add_argument("--url", default=URL)
     parser.add_argument("--child", metavar="ROW", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -86,8 +93,7 @@ def main() -> int:
     if shutil.which("valgrind") is None:
         parser.error("needs valgrind: apt-get install valgrind")
     trees = [("this tree", SRC)]
-    if args.compare:
-        trees.append((args.compare, args.compare))
+    trees += [(src, src) for src in args.compare]
     print(
         f"== instructions per confirmed message ({args.size} B, runs of {small:,} and {large:,}) =="
     )
