@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from aio_blocking import BlockingAsyncPublisher
 from reliable_amqp._core.message import OutgoingMessage, build_message
 
 
@@ -20,3 +22,15 @@ def messages(
         )
         for i in range(start, start + count)
     ]
+
+
+class SpooledAsync(BlockingAsyncPublisher):
+    """The blocking AsyncPublisher driver, with ``persist()``."""
+
+    def persist(self, timeout: float | None = None) -> int:
+        """``AsyncPublisher.persist``."""
+        return self._call(self._publisher.persist(timeout))
+
+
+#: a publisher class under test: Publisher, or AsyncPublisher behind a blocking driver
+Kind = Callable[..., Any]

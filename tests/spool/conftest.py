@@ -1,15 +1,23 @@
-"""Fixtures of the spool tests: spools that are closed after the test, messages to put in them."""
+"""Fixtures of the spool tests: spools that are closed after the test, messages to put in them,
+both publishers, a proxy in front of the broker."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from harness.fixtures import ProxyFactory
+from harness.proxy import TcpProxy
+from reliable_amqp import Publisher
 from reliable_amqp._spool import Spool
+from spool_support import Kind, SpooledAsync
+
+AMQP_PORT = int(os.environ.get("AMQP_TEST_PORT", "5672"))
 
 
 @pytest.fixture
@@ -26,3 +34,15 @@ def open_spool(tmp_path: Path) -> Iterator[Callable[..., Spool]]:
     for spool in opened:
         with contextlib.suppress(Exception):
             spool.close(timeout=10)
+
+
+@pytest.fixture(params=["sync", "async"])
+def kind(request: pytest.FixtureRequest) -> Kind:
+    """The publisher class under test: Publisher, or AsyncPublisher behind a blocking driver."""
+    return Publisher if request.param == "sync" else SpooledAsync
+
+
+@pytest.fixture
+def proxy(make_proxy: ProxyFactory) -> TcpProxy:
+    """A proxy in front of the shared broker (its URL is ``proxy.url()``)."""
+    return make_proxy(AMQP_PORT)

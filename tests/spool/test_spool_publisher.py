@@ -9,15 +9,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from aio_blocking import BlockingAsyncPublisher
 from broker_support import BrokerAdmin, unique
-from harness.fixtures import ProxyFactory
 from harness.proxy import TcpProxy
 from reliable_amqp import (
     ConfigurationError,
@@ -30,33 +26,9 @@ from reliable_amqp import (
 )
 from reliable_amqp._core.message import build_message
 from reliable_amqp._spool import Spool, failed_entries, inspect
+from spool_support import Kind, SpooledAsync
 
 pytestmark = pytest.mark.broker
-
-AMQP_PORT = int(os.environ.get("AMQP_TEST_PORT", "5672"))
-
-
-class SpooledAsync(BlockingAsyncPublisher):
-    """The blocking AsyncPublisher driver, with ``persist()``."""
-
-    def persist(self, timeout: float | None = None) -> int:
-        """``AsyncPublisher.persist``."""
-        return self._call(self._publisher.persist(timeout))
-
-
-Kind = Callable[..., Any]
-
-
-@pytest.fixture(params=["sync", "async"])
-def kind(request: pytest.FixtureRequest) -> Kind:
-    """The publisher class under test: Publisher, or AsyncPublisher behind a blocking driver."""
-    return Publisher if request.param == "sync" else SpooledAsync
-
-
-@pytest.fixture
-def proxy(make_proxy: ProxyFactory) -> TcpProxy:
-    """A proxy in front of the shared broker (its URL is ``proxy.url()``)."""
-    return make_proxy(AMQP_PORT)
 
 
 def ids(broker: BrokerAdmin, queue: str) -> list[str]:

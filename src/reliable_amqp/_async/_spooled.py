@@ -3,10 +3,11 @@
 As for the sync publisher (:mod:`reliable_amqp._sync._spooled`): ``publish()`` appends the
 message to the spool and hands it to the engine when nothing older waits on disk and the window
 has room, else leaves it on disk; the backlog is read back in order as resolutions free room;
-every resolution goes through :meth:`SpoolFeed.resolved`. Everything runs on the publisher's
-event loop but the spool's writer, whose commits wake the loop when a read back found the
-backlog not yet committed, and the waits that block (room in the spool, ``persist()``,
-closing), which run in the loop's default executor.
+every resolution goes through :meth:`SpoolFeed.resolved`. Recovered messages wait for the
+caller's first ``publish()``, ``flush()`` or ``aclose()`` (:meth:`SpoolFeed.release`).
+Everything runs on the publisher's event loop but the spool's writer, whose commits wake the
+loop when a read back found the backlog not yet committed, and the waits that block (room in
+the spool, ``persist()``, closing), which run in the loop's default executor.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class AsyncSpooled:
         self._flush_waiters: list[asyncio.Future[None]] = []
         if self.spool.pending:
             log.warning(
-                "reliable-amqp: spool %s holds %d messages from before: sending them first",
+                "reliable-amqp: spool %s holds %d messages from before: they go out first, "
+                "with the first publish(), flush() or close() (declare what they need before)",
                 self.spool.directory,
                 self.spool.pending,
             )
@@ -85,6 +87,8 @@ class AsyncSpooled:
         """
         spool = self.spool
         loop = asyncio.get_running_loop()
+        if self.feed.holding:
+            self.release()
         meta, size = spool.encode(message)  # InvalidMessage for what cannot be stored
         timeout = self.options.publish_timeout
         end = loop.time() + timeout
@@ -125,6 +129,8 @@ class AsyncSpooled:
         return how many are not."""
         loop = asyncio.get_running_loop()
         end = None if timeout is None else loop.time() + timeout
+        if self.feed.holding:
+            self.release()
         mark = self.spool.last_seq
         while (left := self.feed.unresolved(mark)) > 0:
             remaining = None if end is None else end - loop.time()
@@ -138,6 +144,11 @@ class AsyncSpooled:
                 if waiter in self._flush_waiters:
                     self._flush_waiters.remove(waiter)
         return left
+
+    def release(self) -> None:
+        """Let recovered messages go out (the caller's declarations are in place)."""
+        if self.feed.release():
+            self.schedule_refill()
 
     async def persist(self, timeout: float | None) -> int:
         """Wait until everything published so far is durable; return how many are not."""

@@ -10,6 +10,12 @@ place in the append order) and goes to the engine in that order:
   as the window frees room (:meth:`SpoolFeed.take`). Memory holds at most a window of messages
   however long the outage; a backlog message published here keeps only its future in memory.
 
+Recovered messages are *held* until the caller's first ``publish()``, ``flush()`` or
+``close()`` (:meth:`SpoolFeed.release`): the declarations a caller makes before those are in
+place when they go out, so a recovered message is never confirmed into an exchange with no
+queue yet. They go out ``mandatory`` (:meth:`SpoolFeed.read`): one that still reaches no queue
+is returned, and lands in the failed table.
+
 When the engine resolves a message, :meth:`SpoolFeed.resolved` decides what the spool does with
 it: a confirmed one is removed; one that failed with an error its caller holds (nacked,
 returned, rejected, timed out) is removed too; a recovered one (no caller) that failed goes to
@@ -27,6 +33,7 @@ from typing import Any, Generic, TypeVar
 from sortedcontainers import SortedList
 
 from reliable_amqp._core.errors import PublisherClosed, PublishError
+from reliable_amqp._core.message import new_outgoing
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._spool._store import Spool, SpoolEntry
 
@@ -55,6 +62,16 @@ class SpoolFeed(Generic[H]):
         #: set when a read found fewer entries than the backlog holds: the rest are not
         #: committed yet, and the writer's next commit should wake the adapter
         self.want_commit = False
+        #: recovered messages wait for :meth:`release` (the caller's declarations first)
+        self.holding = spool.pending > 0
+
+    def release(self) -> bool:
+        """The caller published, flushed or closed: recovered messages may go out now.
+
+        Returns whether they were held (the adapter then wakes its reader)."""
+        holding = self.holding
+        self.holding = False
+        return holding
 
     # --- publishing -----------------------------------------------------------------------------
 
@@ -77,8 +94,8 @@ class SpoolFeed(Generic[H]):
 
     @property
     def backlog(self) -> bool:
-        """Whether messages wait on disk to be read back."""
-        return self.fed < self.spool.last_seq
+        """Whether messages wait on disk to be read back now (not while held)."""
+        return self.fed < self.spool.last_seq and not self.holding
 
     def read(self, room: int) -> list[SpoolEntry]:
         """The next backlog entries, in order, at most ``room`` (and :data:`READ_CHUNK`).
@@ -101,7 +118,27 @@ class SpoolFeed(Generic[H]):
         last = entries[-1].seq if entries else self.fed
         # what the writer has not committed yet is read after its next commit
         self.want_commit = last < self.spool.last_seq and len(entries) < min(room, READ_CHUNK)
+        if entries and entries[0].seq <= self.recovered_top:
+            entries = [self._recovered(e) if e.seq <= self.recovered_top else e for e in entries]
         return entries
+
+    @staticmethod
+    def _recovered(entry: SpoolEntry) -> SpoolEntry:
+        """A recovered message goes out mandatory: if no queue takes it (the topology it was
+        published for is gone), the broker returns it and it lands in the failed table,
+        rather than being confirmed into nowhere."""
+        message = entry.message
+        if message.mandatory:
+            return entry
+        mandatory = new_outgoing(
+            message.exchange,
+            message.routing_key,
+            message.body,
+            message.base,
+            True,
+            message.message_id,
+        )
+        return SpoolEntry(entry.seq, mandatory, entry.size)
 
     def take(self, entry: SpoolEntry, new_handle: Callable[[], H]) -> H:
         """``entry`` goes to the engine: returns its handle (the caller's future, or a new one

@@ -5,8 +5,10 @@ spool when nothing older waits on disk and the window has room; otherwise it lea
 (it never waits for the broker, only for room in the spool). The I/O thread reads the backlog
 back as the window frees room (:meth:`SpooledPublishing.refill`, called where it takes the
 outbox), and every resolution goes through :meth:`SpoolFeed.resolved` (from
-:meth:`Handoff.resolve`). The bookkeeping is :class:`~reliable_amqp._spool._feed.SpoolFeed`,
-shared with the async publisher.
+:meth:`Handoff.resolve`). Messages recovered from an earlier process wait for the caller's first
+``publish()``, ``flush()`` or ``close()`` (:meth:`SpoolFeed.release`), so that the declarations
+made before it are in place when they go out. The bookkeeping is
+:class:`~reliable_amqp._spool._feed.SpoolFeed`, shared with the async publisher.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ class SpooledPublishing:
         self._events = events
         if self.spool.pending:
             log.warning(
-                "reliable-amqp: spool %s holds %d messages from before: sending them first",
+                "reliable-amqp: spool %s holds %d messages from before: they go out first, "
+                "with the first publish(), flush() or close() (declare what they need before)",
                 self.spool.directory,
                 self.spool.pending,
             )
@@ -63,6 +66,8 @@ class SpooledPublishing:
         """
         handoff = self._handoff
         spool = self.spool
+        if self.feed.holding:
+            self.release()
         meta, size = spool.encode(message)  # InvalidMessage for what cannot be stored
         timeout = self.options.publish_timeout
         end = time.monotonic() + timeout
@@ -113,6 +118,8 @@ class SpooledPublishing:
         return how many are not."""
         end = None if timeout is None else time.monotonic() + timeout
         handoff = self._handoff
+        if self.feed.holding:
+            self.release()
         with handoff.room:
             mark = self.spool.last_seq
             while (left := self.feed.unresolved(mark)) > 0:
@@ -121,6 +128,13 @@ class SpooledPublishing:
                     break
                 handoff.room.wait(remaining if remaining is None else min(remaining, 1.0))
             return left
+
+    def release(self) -> None:
+        """Let recovered messages go out (the caller's declarations are in place)."""
+        with self._handoff.lock:
+            released = self.feed.release()
+        if released:
+            self._handoff.wake()
 
     def persist(self, timeout: float | None) -> int:
         """Wait until everything published so far is durable; return how many are not."""
