@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin
+from broker_support import BrokerAdmin, unique
 from reliable_amqp._core.message import OutgoingMessage, build_message
 from reliable_amqp._spool import Spool
 from reliable_amqp.cli._io import Defaults, read_messages
@@ -224,9 +224,83 @@ def test_what_an_unreachable_broker_left_goes_out_with_the_next_run(
     )
     assert down.returncode == 3, down.stderr
     assert f"300 messages stay in the spool {spool}" in down.stderr
+    # what the spool keeps is neither listed as failed nor pointed to --failed (sent twice)
+    assert "--failed" not in down.stderr + down.stdout
+    assert "line 1:" not in down.stderr
+    assert _row(down.stdout, "in the spool") == 300
     assert json.loads(run_cli("spool", spool, "--json").stdout)["pending"] == 300
     # the next run, broker up, with nothing new to send
     up = run_publish("--routing-key", queue, "--spool", spool, url=amqp_url, stdin="")
     assert up.returncode == 0, up.stderr
     assert [body for _, body in broker.drain(queue)] == [f"line {i}".encode() for i in range(300)]
+    assert f"300 messages recovered from the spool {spool}" in up.stdout
+    assert _row(up.stdout, "confirmed", after="recovered") == 300
     assert json.loads(run_cli("spool", spool, "--json").stdout)["pending"] == 0
+
+
+def _row(summary: str, label: str, after: str | None = None) -> int:
+    """The count of the summary row ``label`` (the first after a line containing ``after``)."""
+    lines = summary.splitlines()
+    if after is not None:
+        lines = lines[next(i for i, line in enumerate(lines) if after in line) :]
+    for line in lines:
+        if line.strip().startswith(label):
+            return int(line.strip()[len(label) :].split()[0].replace(",", ""))
+    raise AssertionError(f"no {label!r} row in:\n{summary}")
+
+
+@pytest.mark.broker
+def test_recovered_messages_wait_for_declare_queue_and_are_counted(
+    amqp_url: str, broker: BrokerAdmin, tmp_path: Path
+) -> None:
+    queue = unique("later")  # does not exist until the run declares it
+    directory = tmp_path / "s"
+    spool = Spool(directory)
+    for i in range(5000):
+        spool.append(build_message("", queue, b"%d" % i, properties={"message_id": f"m-{i}"}))
+    spool.close()
+    result = run_publish(
+        "--declare-queue", queue, "--spool", str(directory), url=amqp_url, stdin=""
+    )
+    broker.queue(queue)  # (the same declaration, so that the test deletes it after)
+    assert result.returncode == 0, result.stderr
+    assert [p.message_id for p, _ in broker.drain(queue)] == [f"m-{i}" for i in range(5000)]
+    assert f"5,000 messages recovered from the spool {directory}" in result.stdout
+    assert _row(result.stdout, "confirmed", after="recovered") == 5000
+    assert "failed" not in result.stdout.split("recovered")[1]
+    shown = json.loads(run_cli("spool", str(directory), "--json").stdout)
+    assert (shown["pending"], shown["failed"]) == (0, 0)
+
+
+@pytest.mark.broker
+def test_recovered_messages_that_fail_are_counted_and_kept(
+    amqp_url: str, broker: BrokerAdmin, tmp_path: Path
+) -> None:
+    queue = broker.queue()
+    missing = unique("no-such-exchange")
+    directory = tmp_path / "s"
+    spool = Spool(directory)
+    for i in range(10):
+        spool.append(
+            build_message(
+                missing if i == 3 else "", queue, b"%d" % i, properties={"message_id": f"m-{i}"}
+            )
+        )
+    spool.close()
+    result = run_publish(
+        "--routing-key", queue, "--spool", str(directory), url=amqp_url, stdin="own\n"
+    )
+    assert result.returncode == 1, result.stderr
+    got = list(dict.fromkeys(p.message_id for p, _ in broker.drain(queue)))
+    assert got[:9] == [f"m-{i}" for i in range(10) if i != 3]
+    assert len(got) == 10  # and the run's own message
+    assert _row(result.stdout, "confirmed", after="recovered") == 9
+    assert _row(result.stdout, "failed", after="recovered") == 1
+    assert "recovered from the spool and failed: 1 message" in result.stderr
+    assert "--export-failed" in result.stderr
+    assert "--failed" not in result.stderr.replace("--export-failed", "")
+    out = tmp_path / "failed.jsonl"
+    assert run_cli("spool", str(directory), "--export-failed", str(out)).returncode == 0
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["message_id"] == "m-3"
+    assert "404" in record["error"]["reason"] and missing in record["error"]["reason"]

@@ -54,6 +54,7 @@ from reliable_amqp.cli._parse import (
     check_options,
     printable,
 )
+from reliable_amqp.cli._spool import SpoolRun
 
 #: Summary lines, in order: label, the outcome it counts, and what to do about it.
 OUTCOMES: tuple[tuple[str, type[BaseException] | None, str], ...] = (
@@ -197,6 +198,8 @@ def run_publish(args: argparse.Namespace) -> int:
     # opened before anything is sent: a --failed that cannot be written is a usage error
     failed_stream = open_failed_file(args.failed) if args.failed else None
     tally = _Tally()
+    # what the spool holds before the run: recovered messages, counted in the summary
+    spool_run = SpoolRun(options.spool) if options.spool is not None else None
     progress = Progress(
         len(items), sys.stderr, sys.stderr.isatty() and not (args.quiet or args.no_progress)
     )
@@ -208,6 +211,11 @@ def run_publish(args: argparse.Namespace) -> int:
             failed_stream.close()
         raise
     progress.finish(tally.confirmed, tally.failed)
+    if spool_run is not None:  # what the spool keeps is no failure (nor for --failed: twice)
+        kept = [pair for pair in tally.failures if isinstance(pair[1], PublisherClosed)]
+        tally.failures = [p for p in tally.failures if not isinstance(p[1], PublisherClosed)]
+        spool_run.finish(len(kept))
+        spool_run.report_failed(sys.stderr)
     failures = sorted(tally.failures, key=lambda pair: pair[0].line)
     if failed_stream is not None:
         try:
@@ -233,8 +241,12 @@ def run_publish(args: argparse.Namespace) -> int:
             elapsed=time.monotonic() - started,
             publishing=tally.publishing,
         )
+        if spool_run is not None:
+            spool_run.summary(sys.stdout)
     if code == EXIT_OK and failures:
         code = EXIT_NOT_CONFIRMED
+    if spool_run is not None:
+        code = spool_run.exit_code(code)
     return code
 
 

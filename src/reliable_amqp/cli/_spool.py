@@ -15,8 +15,9 @@ import base64
 import datetime as dt
 import json
 import sys
-from typing import Any
+from typing import IO, Any
 
+from reliable_amqp._core.errors import SpoolError
 from reliable_amqp._spool import check, failed_entries, inspect
 from reliable_amqp._spool import drop_failed as _drop_failed
 from reliable_amqp._spool._inspect import FailedEntry
@@ -160,3 +161,82 @@ def _size(count: int) -> str:
             return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
         value /= 1024
     return f"{count} B"
+
+
+class SpoolRun:
+    """``reliable-amqp publish --spool DIR``: what became of the messages the run found in the
+    spool (recovered from an earlier run), for the summary and the exit code.
+
+    Counted from the spool's own counts before and after the run: the recovered messages have
+    no future. Of the run's own messages, those whose futures failed with ``PublisherClosed``
+    stay in the spool (``own_kept``); every other outcome of its own removes them from it.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        try:
+            before = inspect(directory)
+        except SpoolError:  # none yet (or no spool: opening the publisher says what is wrong)
+            self.recovered = self._failed_before = 0
+        else:
+            self.recovered, self._failed_before = before.pending, before.failed
+        self.confirmed = self.failed = self.left = 0
+        #: the run's own messages the spool keeps for the next run
+        self.own_kept = 0
+
+    def finish(self, own_kept: int) -> None:
+        """After the publisher closed: count what became of the recovered messages."""
+        self.own_kept = own_kept
+        try:
+            after = inspect(self.directory)
+        except SpoolError:
+            return
+        self.failed = max(0, after.failed - self._failed_before)
+        self.left = min(self.recovered - self.failed, max(0, after.pending - own_kept))
+        self.confirmed = self.recovered - self.failed - self.left
+
+    def exit_code(self, code: int) -> int:
+        """The run's exit code, with what the recovered messages add (1: some failed)."""
+        if code == EXIT_OK and self.failed:
+            return EXIT_NOT_CONFIRMED
+        return code
+
+    def report_failed(self, stream: IO[str]) -> None:
+        """Say where the recovered messages that failed are (stderr, even with --quiet)."""
+        if self.failed:
+            print(
+                f"reliable-amqp: recovered from the spool and failed: {_count(self.failed)}, "
+                "kept in its failed table with their reasons; see them with: reliable-amqp "
+                f"spool {self.directory} --export-failed FILE",
+                file=stream,
+            )
+
+    def summary(self, stream: IO[str]) -> None:
+        """The summary's lines for what the spool keeps and for the recovered messages (after
+        the run's own table)."""
+        if self.own_kept:
+            print(
+                f"  {'in the spool':<14}{self.own_kept:>10,}   not confirmed yet: the next run "
+                f"with --spool {self.directory} sends them",
+                file=stream,
+            )
+        if not self.recovered:
+            return
+        print(f"{_count(self.recovered)} recovered from the spool {self.directory}", file=stream)
+        print(f"  {'confirmed':<14}{self.confirmed:>10,}", file=stream)
+        if self.failed:
+            print(
+                f"  {'failed':<14}{self.failed:>10,}   in the spool's failed table, with their "
+                "reasons (reliable-amqp spool DIR --export-failed FILE)",
+                file=stream,
+            )
+        if self.left:
+            print(
+                f"  {'in the spool':<14}{self.left:>10,}   not confirmed yet: the next run sends "
+                "them",
+                file=stream,
+            )
+
+
+def _count(count: int) -> str:
+    return f"{count:,} message" if count == 1 else f"{count:,} messages"
