@@ -5,6 +5,7 @@
 #   scripts/dev.sh main     a real confirmed publish against the local broker (the main job)
 #   scripts/dev.sh test     the whole test suite (what .ci/run calls); builds the matrix venvs first
 #   scripts/dev.sh venvs [LEG...]  build (or check) the version-matrix venvs only
+#   scripts/dev.sh rabbitmq4  build (or check) the cached RabbitMQ 4 root (scripts/rabbitmq4.sh)
 #   scripts/dev.sh bench    the benchmark (benchmarks/run.py)
 #   scripts/dev.sh check    the static checks (ruff; mypy strict over src, tests, examples, benchmarks)
 #   scripts/dev.sh run CMD  any command inside the environment
@@ -156,6 +157,8 @@ case "$cmd" in
         ;;
     test)
         ensure_venv; ensure_java; ensure_broker; ensure_matrix
+        # RabbitMQ 4 for tests/rabbitmq4 and tests/cluster: cached, a stamp check when current.
+        bash "$ROOT/scripts/rabbitmq4.sh" ensure >/dev/null
         cd "$ROOT"
         set +e
         # No test may skip here (tests/conftest.py turns a skip into a failure): a broker that
@@ -169,6 +172,9 @@ case "$cmd" in
         ;;
     venvs)
         ensure_matrix "$@"
+        ;;
+    rabbitmq4)
+        exec bash "$ROOT/scripts/rabbitmq4.sh" "${@:-ensure}"
         ;;
     bench)
         ensure_venv; ensure_java; ensure_broker
@@ -196,6 +202,6 @@ case "$cmd" in
         PATH="$VENV/bin:$PATH" exec "$@"
         ;;
     *)
-        echo "usage: scripts/dev.sh main|test|check|venvs [LEG...]|bench|run CMD..." >&2; exit 2
+        echo "usage: scripts/dev.sh main|test|check|venvs [LEG...]|rabbitmq4|bench|run CMD..." >&2; exit 2
         ;;
 esac

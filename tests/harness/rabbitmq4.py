@@ -1,0 +1,417 @@
+"""RabbitMQ 4 nodes and a three-node cluster beside the machine's broker, for tests.
+
+The nodes run Debian's own rabbitmq-server package from a minimal Debian root that
+``scripts/rabbitmq4.sh`` builds and caches (debootstrap; ``ensure`` is a stamp check when the
+root is current). Each node runs under ``chroot`` in a private mount namespace (``unshare``: the
+root's ``/proc`` and ``/dev`` mounts vanish with the node), with its own node name, AMQP and
+distribution ports, data directory, Erlang cookie and its own epmd port (``ERL_EPMD_PORT``): the
+machine's RabbitMQ (5672, 25672, epmd on 4369) is never touched.
+
+:class:`Rabbitmq4Node` is :class:`~harness.node.DisposableBroker` with another launcher, so the
+fault fixtures can hand a 4.x node to the tests written for the 3.10 one (kill -9, restart,
+memory alarm through ``ctl``). :class:`Rabbitmq4Cluster` starts three of them at once with
+classic peer discovery, so they form one cluster on first boot; a killed or restarted node rejoins
+from its data. Nodes are also ``freeze()``-able (SIGSTOP: a node that answers nothing and closes
+nothing) and ``thaw()``-able.
+
+Leak protection is the one of ``harness.node``: a parent-death signal on each launcher, an
+``atexit`` hook, and a sweep of stale node directories (and epmd daemons) whose owner is gone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+
+from .node import (
+    _LIMIT_DEFAULTS,
+    BrokerCommandError,
+    BrokerStartError,
+    DisposableBroker,
+    TlsListener,
+    _pick_ports,
+    _port_open,
+    _wait_until,
+)
+
+__all__ = ["ROOT_ENV", "Rabbitmq4Cluster", "Rabbitmq4Node", "ensure_root", "versions"]
+
+_REPO = Path(__file__).resolve().parents[2]
+#: a prepared root to use instead of running ``scripts/rabbitmq4.sh ensure``
+ROOT_ENV = "RELIABLE_AMQP_RABBITMQ4_ROOT"
+#: where node directories live, inside the root (the chroot sees them at the same path minus it)
+_NODES = Path("var/lib/reliable-amqp-nodes")
+_SCRIPTS = Path("/usr/lib/rabbitmq/bin")
+_root_lock = threading.Lock()
+_epmds: weakref.WeakSet[_Epmd] = weakref.WeakSet()
+
+
+def ensure_root() -> Path:
+    """The RabbitMQ 4 root: built (or checked) by ``scripts/rabbitmq4.sh ensure`` once a process."""
+    with _root_lock:
+        return _find_root()
+
+
+@functools.cache
+def _find_root() -> Path:
+    given = os.environ.get(ROOT_ENV)
+    if given:
+        root = Path(given)
+    else:
+        run = subprocess.run(
+            ["bash", str(_REPO / "scripts" / "rabbitmq4.sh"), "ensure"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if run.returncode != 0:
+            raise BrokerStartError(
+                f"scripts/rabbitmq4.sh ensure failed ({run.returncode}):\n{run.stderr}"
+            )
+        root = Path(run.stdout.strip().splitlines()[-1])
+    if not (root / _SCRIPTS.relative_to("/") / "rabbitmq-server").exists():
+        raise BrokerStartError(f"{root} holds no rabbitmq-server ({ROOT_ENV}?)")
+    return root
+
+
+def versions(root: Path | None = None) -> dict[str, str]:
+    """{"rabbitmq-server": "4.3.6-1", "erlang-base": "1:29.1.1+dfsg-1"} as installed in the root."""
+    root = root or ensure_root()
+    out: dict[str, str] = {}
+    for line in (root / ".reliable-amqp-versions").read_text().splitlines():
+        name, _, version = line.partition(" ")
+        out[name] = version
+    return out
+
+
+def _in_root(root: Path, command: Sequence[str]) -> list[str]:
+    """``command`` run in ``root`` under chroot, with /proc and /dev mounted privately."""
+    script = 'mount -t proc proc "$0/proc" && mount --rbind /dev "$0/dev" && exec chroot "$0" "$@"'
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script,
+            str(root), *command]  # fmt: skip
+
+
+class _Epmd:
+    """An epmd of our own on a free port, in the foreground (so we can stop it)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (self.port,) = _pick_ports(1)
+        erts = sorted((root / "usr/lib/erlang").glob("erts-*"))[-1]
+        epmd = "/" + str((erts / "bin" / "epmd").relative_to(root))
+        cmd = ["chroot", str(root), epmd, "-port", str(self.port)]
+        setpriv = shutil.which("setpriv")
+        if setpriv and threading.current_thread() is threading.main_thread():
+            cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        _wait_until(lambda: _port_open(self.port), 10.0, f"epmd on port {self.port}")
+        _epmds.add(self)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        _epmds.discard(self)
+
+
+class Rabbitmq4Node(DisposableBroker):
+    """A disposable RabbitMQ 4 node run from the cached Debian root (see the module docstring).
+
+    Same surface as :class:`DisposableBroker` (``url``, ``port``, ``start``, ``kill``,
+    ``restart``, ``stop``, ``ctl``, ``reset_limits``), plus ``freeze()``/``thaw()``. A lone node
+    gets an epmd of its own; cluster members share the cluster's.
+    """
+
+    def __init__(
+        self,
+        *,
+        root: Path | None = None,
+        extra_config: Mapping[str, str] | None = None,
+        cookie: str | None = None,
+        epmd_port: int | None = None,
+        short_name: str | None = None,
+        tls: TlsListener | None = None,
+    ) -> None:
+        """Prepare (but do not start) a node in ``root`` (default: :func:`ensure_root`)."""
+        if tls is not None:
+            raise NotImplementedError("Rabbitmq4Node has no TLS listener")
+        self.root = root or ensure_root()
+        super().__init__(
+            base_dir=self.root / _NODES,
+            scripts_dir=self.root / _SCRIPTS.relative_to("/"),
+            extra_config=extra_config,
+        )
+        if short_name is not None:
+            self.nodename = f"{short_name}@localhost"
+            self.dir = self._base_dir / short_name
+        self._user = None  # root inside the chroot: the files are ours, no su
+        self._cookie = cookie or secrets.token_hex(20).upper()
+        self._own_epmd: _Epmd | None = None
+        self._epmd_port = epmd_port or 0
+        self.frozen = False
+
+    @property
+    def epmd_port(self) -> int:
+        """The epmd port the node registers with (0 before the first start)."""
+        return self._epmd_port
+
+    def start(self, timeout: float = 90.0) -> None:
+        """Start the node (and a lone node's epmd); see :meth:`DisposableBroker.start`."""
+        with self._lock:
+            if not self._epmd_port:
+                self._own_epmd = _Epmd(self.root)
+                self._epmd_port = self._own_epmd.port
+            self.frozen = False
+            super().start(timeout)
+
+    def kill(self, timeout: float = 30.0, *, sync_metadata: bool = False) -> None:
+        """SIGKILL the beam process. RabbitMQ 4 keeps its metadata in Khepri (a Raft log written
+        before it answers), so there is no Mnesia log to flush first: ``sync_metadata`` is
+        accepted for the 3.10 node's signature and ignored."""
+        with self._lock:
+            self.thaw()
+            super().kill(timeout, sync_metadata=False)
+
+    def freeze(self) -> None:
+        """SIGSTOP the beam process: its sockets stay open and nothing answers."""
+        with self._lock:
+            pid = self.pid
+            if pid is None:
+                raise BrokerStartError(f"{self.nodename} is not running")
+            os.kill(pid, signal.SIGSTOP)
+            self.frozen = True
+
+    def thaw(self) -> None:
+        """SIGCONT a frozen node (nothing when it is not frozen)."""
+        with self._lock:
+            pid = self.pid
+            if self.frozen and pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            self.frozen = False
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the node (thawed first), delete its directory, stop its own epmd."""
+        with self._lock:
+            self.thaw()
+            try:
+                super().stop(timeout)
+            finally:
+                if self._own_epmd is not None:
+                    self._own_epmd.stop()
+                    self._own_epmd = None
+                    self._epmd_port = 0
+
+    def ctl(self, *args: str, timeout: float = 60.0) -> str:
+        """``rabbitmqctl -n NODE *args`` inside the root; see :meth:`DisposableBroker.ctl`."""
+        if args and args[0] in _LIMIT_DEFAULTS:  # what reset_limits() undoes, as the base does
+            if tuple(args[1:]) == _LIMIT_DEFAULTS[args[0]]:
+                self._changed_limits.discard(args[0])
+            else:
+                self._changed_limits.add(args[0])
+        return self.tool("rabbitmqctl", *args, timeout=timeout)
+
+    def tool(self, name: str, *args: str, timeout: float = 60.0) -> str:
+        """Run one of the root's CLI tools (``rabbitmqctl``, ``rabbitmq-queues``, ...) against
+        the node; its stdout. Raises :class:`BrokerCommandError` on a non-zero exit."""
+        cmd = ["chroot", str(self.root), str(_SCRIPTS / name), "-n", self.nodename, *args]
+        result = subprocess.run(
+            cmd, env=self._env(), capture_output=True, text=True, timeout=timeout, check=False
+        )
+        if result.returncode != 0:
+            raise BrokerCommandError((name, *args), result.returncode, result.stdout, result.stderr)
+        return result.stdout
+
+    # -- DisposableBroker hooks -----------------------------------------------------------------
+
+    def _create_layout(self) -> None:
+        super()._create_layout()
+        cookie = self.dir / "home" / ".erlang.cookie"
+        cookie.chmod(0o600)
+        cookie.write_text(self._cookie)
+        cookie.chmod(0o400)
+
+    def _inner(self, path: Path) -> str:
+        return "/" + str(path.relative_to(self.root))
+
+    def _env(self) -> dict[str, str]:
+        env = {
+            key: (self._inner(Path(value)) if value.startswith(str(self.root)) else value)
+            for key, value in super()._env().items()
+        }
+        env["PATH"] = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
+        env["ERL_EPMD_PORT"] = str(self._epmd_port)
+        # A quiet scheduler: no busy-waiting (2 cores shared with the suite and other nodes).
+        env["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"] += " +sbwt none +sbwtdcpu none +sbwtdio none"
+        return env
+
+    def _spawn(self) -> None:
+        cmd = _in_root(self.root, [str(_SCRIPTS / "rabbitmq-server")])
+        setpriv = shutil.which("setpriv")
+        if setpriv and threading.current_thread() is threading.main_thread():
+            cmd = [setpriv, "--pdeathsig", "TERM", "--", *cmd]
+        with open(self.dir / "startup.log", "ab") as out:
+            self._proc = subprocess.Popen(
+                cmd,
+                env=self._env(),
+                cwd=self.dir,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def __enter__(self) -> Rabbitmq4Node:
+        super().__enter__()
+        return self
+
+    def __repr__(self) -> str:
+        state = "frozen" if self.frozen else "running" if self.is_running() else "stopped"
+        return f"<Rabbitmq4Node {self.nodename} port={self.port} {state}>"
+
+
+class Rabbitmq4Cluster:
+    """``size`` RabbitMQ 4 nodes forming one cluster (classic peer discovery), one epmd.
+
+    A context manager: ``start()`` on enter (all nodes boot at once, about 15 s), ``stop()`` on
+    exit. ``urls`` lists every node's AMQP URL, in node order.
+    """
+
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        root: Path | None = None,
+        extra_config: Mapping[str, str] | None = None,
+    ) -> None:
+        """Prepare (but do not start) the cluster."""
+        self.root = root or ensure_root()
+        self._epmd: _Epmd | None = None
+        self._size = size
+        self._extra_config = dict(extra_config or {})
+        self.nodes: list[Rabbitmq4Node] = []
+        self.last_start_seconds: float | None = None
+
+    @property
+    def urls(self) -> list[str]:
+        """Every node's ``amqp://guest:guest@127.0.0.1:PORT/%2F``, in node order."""
+        return [node.url for node in self.nodes]
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Start every node at once and wait until the cluster reports all of them running."""
+        began = time.monotonic()
+        self._epmd = _Epmd(self.root)
+        tag = f"ra4c-{os.getpid()}-{secrets.token_hex(2)}"
+        names = [f"{tag}-{i}" for i in range(1, self._size + 1)]
+        cookie = secrets.token_hex(20).upper()
+        peers = {
+            f"cluster_formation.classic_config.nodes.{i}": f"{name}@localhost"
+            for i, name in enumerate(names, 1)
+        }
+        self.nodes = [
+            Rabbitmq4Node(
+                root=self.root,
+                cookie=cookie,
+                epmd_port=self._epmd.port,
+                short_name=name,
+                extra_config={**peers, **self._extra_config},
+            )
+            for name in names
+        ]
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            for future in [pool.submit(node.start, timeout) for node in self.nodes]:
+                future.result()
+        self.await_members(timeout=max(10.0, timeout - (time.monotonic() - began)))
+        self.last_start_seconds = time.monotonic() - began
+
+    def await_members(self, timeout: float = 60.0) -> None:
+        """Wait until every running node sees all running nodes as cluster members."""
+        want = {n.nodename for n in self.nodes if n.is_running() and not n.frozen}
+
+        def converged() -> bool:
+            for node in self.nodes:
+                if node.nodename not in want:
+                    continue
+                try:
+                    status = json.loads(
+                        node.ctl("cluster_status", "--formatter", "json", timeout=30)
+                    )
+                except (BrokerCommandError, subprocess.TimeoutExpired, ValueError):
+                    return False
+                if not want <= set(status.get("running_nodes", [])):
+                    return False
+            return True
+
+        _wait_until(converged, timeout, f"cluster members {sorted(want)}")
+
+    def leader(self, queue: str) -> Rabbitmq4Node:
+        """The node holding the leader of quorum queue ``queue`` (asked of any running node)."""
+        for node in self.nodes:
+            if not node.is_running() or node.frozen:
+                continue
+            rows = json.loads(node.ctl("list_queues", "--formatter", "json", "name", "leader"))
+            for row in rows:
+                if row["name"] == queue:
+                    for candidate in self.nodes:
+                        if candidate.nodename == row["leader"]:
+                            return candidate
+                    raise BrokerStartError(f"{queue}: leader {row['leader']} is no cluster node")
+            raise BrokerStartError(f"no queue {queue} on {node.nodename}")
+        raise BrokerStartError("no running node to ask")
+
+    def stop(self) -> None:
+        """Stop every node (thawed first), delete their directories, stop the epmd."""
+        errors: list[BaseException] = []
+        for node in self.nodes:
+            try:
+                node.stop()
+            except Exception as exc:  # stop them all before reporting the first failure
+                errors.append(exc)
+        if self._epmd is not None:
+            self._epmd.stop()
+            self._epmd = None
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Rabbitmq4Cluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+@atexit.register
+def _stop_epmds() -> None:
+    for epmd in list(_epmds):
+        with contextlib.suppress(Exception):
+            epmd.stop()
