@@ -14,6 +14,7 @@ or with ``from harness.fixtures import *``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -32,9 +33,19 @@ __all__ = [
 ProxyFactory = Callable[..., TcpProxy]
 
 
+#: ``rabbitmq4`` makes the disposable node a RabbitMQ 4 one (the RabbitMQ 4 leg, tests/rabbitmq4)
+DISPOSABLE_BROKER_ENV = "RELIABLE_AMQP_DISPOSABLE_BROKER"
+
+
 @pytest.fixture(scope="session")
 def disposable_broker_session() -> Iterator[DisposableBroker]:
     """One disposable node for the whole session (about 5 s to start)."""
+    if os.environ.get(DISPOSABLE_BROKER_ENV) == "rabbitmq4":
+        from .rabbitmq4 import Rabbitmq4Node
+
+        with Rabbitmq4Node() as node:
+            yield node
+        return
     with DisposableBroker() as broker:
         yield broker
 
@@ -57,6 +68,10 @@ def make_proxy() -> Iterator[ProxyFactory]:
     proxies: list[TcpProxy] = []
 
     def factory(target_port: int, target_host: str = "127.0.0.1") -> TcpProxy:
+        if (target_port, target_host) == (5672, "127.0.0.1"):
+            # 5672 in a test means the shared test broker: in the RabbitMQ 4 leg that is a
+            # RabbitMQ 4 node on another port (AMQP_TEST_PORT), and the proxies go there.
+            target_port = int(os.environ.get("AMQP_TEST_PORT", "5672"))
         proxy = TcpProxy(target_port, target_host).start()
         proxies.append(proxy)
         return proxy
