@@ -97,7 +97,7 @@ def test_latencies_keep_the_latest_ten_thousand() -> None:
 
 def test_events_default_to_no_downtime_and_are_frozen() -> None:
     event = PublisherEvent(EventKind.CLOSED, "closed", 3.0)
-    assert event.downtime is None
+    assert event.downtime is None and event.attempt is None and event.delay is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         event.at = 4.0  # type: ignore[misc]
     assert [k.value for k in EventKind] == [
@@ -107,6 +107,7 @@ def test_events_default_to_no_downtime_and_are_frozen() -> None:
         "channel_lost",
         "blocked",
         "unblocked",
+        "retrying",
         "recovery_failed",
         "closed",
         "spool_failed",

@@ -140,8 +140,9 @@ def test_a_lost_established_connection_reports_connection_lost() -> None:
     resolutions, plan = sup.connection_lost(loss, 5.0, established=True)
     assert resolutions == [] and plan == Reconnect(1, 0.0)
     assert state_of(sup) is State.RECOVERING and not sup.writable
-    assert kinds(events) == [EventKind.CONNECTED, EventKind.CONNECTION_LOST]
-    assert events[-1].detail == "reset by peer"
+    assert kinds(events) == [EventKind.CONNECTED, EventKind.CONNECTION_LOST, EventKind.RETRYING]
+    assert events[1].detail == "reset by peer"
+    assert (events[2].attempt, events[2].delay, events[2].error) == (2, 0.0, loss)
     sup.next_attempt()
     sup.channel_opened()
     assert kinds(events)[-1] is EventKind.RECOVERED
@@ -153,7 +154,11 @@ def test_a_failed_attempt_reports_no_connection_lost() -> None:
     sup.next_attempt()
     _, plan = sup.connection_lost(AmqpConnectionError("refused"), 0.0, established=False)
     assert plan == Reconnect(1, 0.0)
-    assert events == [] and state_of(sup) is State.RECOVERING
+    assert kinds(events) == [EventKind.RETRYING] and state_of(sup) is State.RECOVERING
+    assert (
+        events[0].detail
+        == "cannot connect to amqp://u:***@a/: refused; attempt 2 to amqp://b/ in 0.00 s"
+    )
 
 
 def test_failover_tries_every_url_at_once_and_backs_off_after_each_round() -> None:
@@ -240,7 +245,8 @@ def test_giving_up_when_the_connect_policy_runs_out_of_attempts() -> None:
     assert isinstance(give_up.error.__cause__, AmqpConnectionError)
     assert str(give_up.error.__cause__) == "refused"
     assert sup.fatal is give_up.error
-    assert kinds(events) == [EventKind.RECOVERY_FAILED]
+    assert kinds(events) == [EventKind.RETRYING, EventKind.RETRYING, EventKind.RECOVERY_FAILED]
+    assert [(e.attempt, e.delay) for e in events[:2]] == [(2, 1.0), (3, 2.0)]
 
 
 def test_giving_up_when_the_next_attempt_would_start_after_the_deadline() -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import socket
 from typing import Any
 
 import aio_pika
@@ -19,19 +21,28 @@ import aio_pika.abc
 import aiormq.abc
 from yarl import URL
 
-from reliable_amqp._compat import installed_version
-from reliable_amqp._compat.aiormq import close_called, close_connection, underlying_connection
+from reliable_amqp._compat import installed_version, scrub_credentials
+from reliable_amqp._compat.aiormq import (
+    close_called,
+    close_connection,
+    translate_connection_error,
+    underlying_connection,
+)
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     ConfigurationError,
     RecoveryFailed,
     ReliableAmqpError,
     connection_failure,
+    unreachable,
 )
-from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._core.options import PublisherOptions, redact_url, vhost_of
+from reliable_amqp._logs import install, own_context
 from reliable_amqp._tls import client_context, tls_failure, uses_tls
 
 log = logging.getLogger("reliable_amqp")
+
+install()  # aiormq's and aio-pika's loggers drop records about our own connections (_logs)
 
 _BORROWED_POLL = 0.05  # how often to look whether a borrowed robust connection is back
 
@@ -56,6 +67,36 @@ def _connection_class(server_hostname: str | None) -> type[aio_pika.Connection]:
             self.kwargs["server_hostname"] = server_hostname
 
     return _NamedConnection
+
+
+def _failure(error: Exception, url: URL, login: tuple[str, str]) -> ReliableAmqpError:
+    """What connecting to ``url`` raised, as one of ours: a socket error in one line that names
+    where (``connection refused at 127.0.0.1:5699``), a refused login with its user and vhost."""
+    translated = translate_connection_error(error, login)
+    if not translated.retriable:  # a refused login, a TLS failure: said as well as it can be
+        return translated
+    # aiormq raises its AMQPConnectionError (an OSError itself) from the socket's OSError
+    cause: BaseException | None = error
+    socket_error: OSError | None = None
+    for _ in range(4):
+        if cause is None:
+            break
+        if isinstance(cause, OSError) and not type(cause).__module__.startswith("aiormq"):
+            socket_error = cause
+            break
+        cause = cause.__cause__
+    host, port = url.host or "", url.port
+    if isinstance(error, asyncio.TimeoutError) or isinstance(socket_error, TimeoutError):
+        return unreachable(host, port, errno.ETIMEDOUT)
+    if socket_error is not None:
+        return unreachable(
+            host,
+            port,
+            socket_error.errno,
+            scrub_credentials(socket_error.strerror or str(socket_error)),
+            resolving=isinstance(socket_error, socket.gaierror),
+        )
+    return translated
 
 
 class ConnectionSource:
@@ -87,6 +128,9 @@ class ConnectionSource:
         """A connected aiormq connection; raises what connecting raised."""
         if self._borrowed is not None:
             return await self._wait_for_borrowed(self._borrowed, stop)
+        # aiormq's records about this connection are ours to report (_logs): the mark is on the
+        # supervisor task's context, which every task and callback aiormq starts here copies
+        own_context()
         await self.release()
         options = self.options
         raw = options.urls[attempt % len(options.urls)]
@@ -114,7 +158,7 @@ class ConnectionSource:
         except Exception as exc:
             reason = tls_failure(exc) if tls else None
             if reason is None:
-                raise
+                raise _failure(exc, url, (url.user or "guest", vhost_of(raw))) from exc
             where = f"{url.host}:{url.port}"
             if options.server_hostname and options.server_hostname != url.host:
                 where += f" (certificate name {options.server_hostname!r})"

@@ -504,8 +504,11 @@ def close_called(connection: aio_pika.abc.AbstractConnection) -> bool:
 # --- errors -----------------------------------------------------------------------------------
 
 
-def translate_connection_error(error: BaseException) -> ReliableAmqpError:
-    """An aiormq/aio-pika connection failure as one of ours (see ``connection_failure``)."""
+def translate_connection_error(
+    error: BaseException, login: tuple[str, str] | None = None
+) -> ReliableAmqpError:
+    """An aiormq/aio-pika connection failure as one of ours (see ``connection_failure``);
+    ``login`` (user name, virtual host) is named when the broker refused it."""
     if isinstance(error, ReliableAmqpError):
         return error
     from reliable_amqp._tls import tls_failure  # a certificate, host name or handshake failure
@@ -519,28 +522,31 @@ def translate_connection_error(error: BaseException) -> ReliableAmqpError:
         # The broker answered connection.open (which names the vhost) with connection.close: a
         # missing vhost or no permission on it. aiormq 7 raises that as an InvalidFrameError,
         # aiormq 6 as pamqp's AMQPInternalError; both carry the frame and the expected reply.
-        result = connection_failure("vhost", _text(error))
+        result = connection_failure("vhost", _text(error), login=login)
     elif close is not None:
         reply_text = scrub_credentials(str(close.reply_text or ""))
-        result = connection_failure("closed", _text(error), int(close.reply_code or 0), reply_text)
+        code = int(close.reply_code or 0)
+        result = connection_failure("closed", _text(error), code, reply_text, login=login)
     elif isinstance(
         error,
         (aiormq.exceptions.ProbableAuthenticationError, aiormq.exceptions.AuthenticationError),
     ):
-        result = connection_failure("credentials", _text(error))
+        result = connection_failure("credentials", _text(error), login=login)
     elif isinstance(error, aiormq.exceptions.ConnectionNotAllowed) or (
         # aiormq reports a connection.close in answer to connection.open (a missing vhost, no
         # permission on it) as an unexpected frame rather than as the close it is.
         isinstance(error, aiormq.exceptions.InvalidFrameError) and "Connection.OpenOk" in str(error)
     ):
-        result = connection_failure("vhost", _text(error))
+        result = connection_failure("vhost", _text(error), login=login)
     elif (
         isinstance(error, aiormq.exceptions.ConnectionClosed)
         and len(error.args) == 2
         and isinstance(error.args[0], int)
     ):
         code, text = error.args
-        result = connection_failure("closed", _text(error), code, scrub_credentials(str(text)))
+        result = connection_failure(
+            "closed", _text(error), code, scrub_credentials(str(text)), login=login
+        )
     elif isinstance(error, (asyncio.TimeoutError, TimeoutError)):
         result = connection_failure("timeout", f"{type(error).__name__}: {_text(error)}")
     else:

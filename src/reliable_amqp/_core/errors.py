@@ -8,6 +8,7 @@ with a reply code is turned into a :class:`BrokerError` subclass through :data:`
 
 from __future__ import annotations
 
+import errno
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
@@ -244,7 +245,12 @@ CONNECTION_FAILURES = ("credentials", "vhost", "closed", "timeout", "tls", "lost
 
 
 def connection_failure(
-    kind: str, detail: str, reply_code: int | None = None, reply_text: str = ""
+    kind: str,
+    detail: str,
+    reply_code: int | None = None,
+    reply_text: str = "",
+    *,
+    login: tuple[str, str] | None = None,
 ) -> AmqpConnectionError:
     """The one translation of a failed or lost connection into this library's errors.
 
@@ -252,18 +258,25 @@ def connection_failure(
     (:class:`AuthenticationFailed`), nor is a TLS failure (:class:`TlsError`); everything else
     is a retriable :class:`AmqpConnectionError`.
     ``detail`` is the client library's own description (never a URL: it may hold a password).
+    ``login`` (user name, virtual host) is named in an :class:`AuthenticationFailed`; the
+    password never is.
     """
     if kind == "credentials":
+        of = f" of user {login[0]!r} on virtual host {login[1]!r}" if login else ""
         return AuthenticationFailed(
-            f"the broker refused the credentials (wrong user or password): {detail}"
+            f"the broker refused the credentials{of} (wrong user or password): {detail}"
         )
     if kind == "vhost":
+        who = f" user {login[0]!r}" if login else ""
+        which = f" {login[1]!r}" if login else ""
         return AuthenticationFailed(
-            "the broker refused access to the virtual host (missing vhost or no permission)"
+            f"the broker refused{who} access to the virtual host{which} (missing vhost or no "
+            "permission)"
         )
     if kind == "closed" and reply_code in (403, 530):
         broker = broker_error(reply_code, reply_text)
-        return AuthenticationFailed(f"the broker refused the connection: {broker}")
+        of = f" of user {login[0]!r} to virtual host {login[1]!r}" if login else ""
+        return AuthenticationFailed(f"the broker refused the connection{of}: {broker}")
     if kind == "closed" and reply_code is not None:
         return AmqpConnectionError(f"the broker closed the connection: {reply_code} {reply_text}")
     if kind == "timeout":
@@ -273,6 +286,38 @@ def connection_failure(
     if kind not in CONNECTION_FAILURES:
         raise ValueError(f"unknown connection failure kind {kind!r}")
     return AmqpConnectionError(detail)
+
+
+#: what the errno of a failed TCP connection says, in words ({where} is host:port)
+_SOCKET_ERRNOS = {
+    errno.ECONNREFUSED: "connection refused at {where}",
+    errno.ETIMEDOUT: "timed out connecting to {where}",
+    errno.EHOSTUNREACH: "no route to {where} (host unreachable)",
+    errno.ENETUNREACH: "no route to {where} (network unreachable)",
+    errno.ECONNRESET: "connection reset by {where}",
+    errno.ECONNABORTED: "connection aborted at {where}",
+    errno.EPIPE: "connection to {where} broken",
+    errno.EADDRNOTAVAIL: "cannot connect to {where} (address not available)",
+}
+
+
+def unreachable(
+    host: str, port: int | None, code: int | None, text: str = "", *, resolving: bool = False
+) -> AmqpConnectionError:
+    """A broker that could not be reached, in one line that names the cause and where:
+    ``connection refused at 127.0.0.1:5699``.
+
+    ``code`` is the socket error's errno (None when it has none: ``text`` then says what
+    happened); ``resolving`` is True when the host name did not resolve. Retriable, as every
+    :class:`AmqpConnectionError`: a broker may be starting, a name may come back.
+    """
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if resolving:
+        return AmqpConnectionError(f"cannot resolve the host name {host!r} ({text})")
+    phrase = _SOCKET_ERRNOS.get(code) if code is not None else None
+    if phrase is not None:
+        return AmqpConnectionError(phrase.format(where=where))
+    return AmqpConnectionError(f"cannot connect to {where}: {text}" if text else where)
 
 
 class WouldDeadlock(ReliableAmqpError, RuntimeError):

@@ -36,11 +36,14 @@ class Lifecycle:
         detail: str,
         downtime: float | None = None,
         error: BaseException | None = None,
+        *,
+        attempt: int | None = None,
+        delay: float | None = None,
     ) -> None:
         """Call the hook, if any; a hook that raises is logged, not propagated."""
         if self._hook is None and self.listener is None:
             return
-        event = PublisherEvent(kind, detail, self._clock(), downtime, error)
+        event = PublisherEvent(kind, detail, self._clock(), downtime, error, attempt, delay)
         if self.listener is not None:
             self.listener(event)
         if self._hook is None:
@@ -57,6 +60,32 @@ class Lifecycle:
             since = self._lost[1] if self._lost is not None else self._clock()
             self._lost = (what, since)
         self.emit(kind, detail)
+
+    def retrying(
+        self,
+        where: str,
+        then: str,
+        loss: BaseException,
+        attempt: int,
+        delay: float,
+        *,
+        established: bool,
+    ) -> None:
+        """A connection to ``where`` failed (``established``: it was open, and is lost) and
+        attempt number ``attempt`` follows, to ``then``, in ``delay`` s: one WARNING line, and
+        a RETRYING event. A connection that never opened is not called lost."""
+        what = f"connection to {where} lost" if established else f"cannot connect to {where}"
+        to = f" to {then}" if then != where else ""
+        detail = f"{what}: {loss}; attempt {attempt}{to} in {delay:.2f} s"
+        log.warning("reliable-amqp: %s", detail)
+        self.emit(EventKind.RETRYING, detail, error=loss, attempt=attempt, delay=delay)
+
+    def gave_up(self, error: BaseException) -> None:
+        """Recovery is over with ``error``: a RECOVERY_FAILED event. Logged at DEBUG only: the
+        error reaches the caller (``connect()`` raises it, every pending message fails with it
+        as cause), who reports it; the library does not say it twice."""
+        log.debug("reliable-amqp: %s", error)
+        self.emit(EventKind.RECOVERY_FAILED, str(error), error=error)
 
     def opened(self) -> None:
         """Confirm mode is on: report the first connection, or the recovery and its downtime."""

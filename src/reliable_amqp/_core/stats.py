@@ -16,6 +16,10 @@ class EventKind(enum.Enum):
     CHANNEL_LOST = "channel_lost"
     BLOCKED = "blocked"
     UNBLOCKED = "unblocked"
+    #: a connection attempt failed, or an open connection was lost, and another attempt
+    #: follows: ``attempt`` is its number (2 after the first failure), ``delay`` the seconds
+    #: until it, ``error`` what failed (one event per failure; the WARNING log line says the same)
+    RETRYING = "retrying"
     RECOVERY_FAILED = "recovery_failed"
     CLOSED = "closed"
     #: a message recovered from the spool (no caller future) failed for good: it was moved to
@@ -32,8 +36,13 @@ class PublisherEvent:
     at: float
     #: for RECOVERED: seconds since the connection (or channel) was lost
     downtime: float | None = None
-    #: for SPOOL_FAILED: what became of the message (a PublishError; ``.message`` is it)
+    #: for SPOOL_FAILED: what became of the message (a PublishError; ``.message`` is it); for
+    #: RETRYING and RECOVERY_FAILED: the connection error
     error: BaseException | None = None
+    #: for RETRYING: the number of the connection attempt that comes next (2 after one failure)
+    attempt: int | None = None
+    #: for RETRYING: seconds until that attempt
+    delay: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

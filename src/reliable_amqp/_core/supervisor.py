@@ -208,12 +208,13 @@ class Supervisor(Generic[H]):
             return resolutions, GiveUp(self.give_up(loss, failures))
         delay = 0.0 if in_round else policy.delay(failures)
         index = self._attempts % urls
-        log.warning(
-            "reliable-amqp: connection to %s lost (%s); retry %d in %.2f s",
+        self.events.retrying(
             self.describe((self._attempts - 1) % urls),
+            self.describe(index),
             loss,
-            failures,
+            failures + 1,
             delay,
+            established=established,
         )
         return resolutions, Reconnect(index, delay)
 
@@ -223,8 +224,7 @@ class Supervisor(Generic[H]):
         if error.retriable:
             fatal = RecoveryFailed(f"gave up connecting after {failures} attempts: {error}")
             fatal.__cause__ = error
-        log.error("reliable-amqp: %s", fatal)
-        self.events.emit(EventKind.RECOVERY_FAILED, str(fatal))
+        self.events.gave_up(fatal)
         self.fatal = fatal
         return fatal
 

@@ -25,6 +25,7 @@ from reliable_amqp._core.errors import ReliableAmqpError
 from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
 from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
+from reliable_amqp._logs import own_context, own_loop
 from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync._handoff import Handoff
 from reliable_amqp._sync._pika import call_threadsafe, translate_connection_error
@@ -88,6 +89,7 @@ class IOThread:
 
     def _run(self) -> None:
         self._handoff.io_ident = threading.get_ident()
+        own_context()  # pika's records about this connection are ours to report (_logs)
         try:
             self._connect_loop()
         except BaseException as exc:
@@ -112,6 +114,7 @@ class IOThread:
             )
             self._connection = connection
             loop = connection.ioloop
+            own_loop(loop)  # pika resolves the host on a thread of its own (_logs)
             with self._handoff.lock:
                 self._handoff.wake_loop = functools.partial(call_threadsafe, loop, self._drain)
                 self._handoff.wake_pending = False
@@ -294,7 +297,7 @@ class IOThread:
         if isinstance(reason, pika.exceptions.ConnectionClosedByBroker):
             self._reply = (reason.reply_code, reason.reply_text)
         if self._loss is None:
-            self._loss = translate_connection_error(reason)
+            self._loss = translate_connection_error(reason, connection.params)
         connection.ioloop.stop()
 
     def _on_blocked(self, connection: SelectConnection, frame: Any) -> None:

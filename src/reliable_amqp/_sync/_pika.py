@@ -6,7 +6,9 @@ The hooks into pika internals (the coalescing connection class, ending a dead st
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import ssl
 from collections.abc import Callable
 from typing import Any
@@ -14,12 +16,22 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pika
 import pika.exceptions
-from pika.adapters.utils.connection_workflow import AMQPConnectorStackTimeout
+from pika.adapters.utils.connection_workflow import (
+    AMQPConnectionWorkflowFailed,
+    AMQPConnectorPhaseErrorBase,
+    AMQPConnectorStackTimeout,
+)
 
 from reliable_amqp._compat import scrub_credentials
 from reliable_amqp._compat.pika import CoalescingConnection, terminate_stream
-from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError, connection_failure
+from reliable_amqp._core.errors import (
+    ConfigurationError,
+    ReliableAmqpError,
+    connection_failure,
+    unreachable,
+)
 from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._logs import OWNED, install
 from reliable_amqp._tls import client_context, tls_failure, uses_tls
 
 __all__ = [
@@ -31,6 +43,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("reliable_amqp")
+
+install()  # pika's loggers drop records about the library's own connections (_logs)
 
 
 def connection_parameters(
@@ -78,13 +92,17 @@ def translate_connection_error(error: Any, params: Any = None) -> ReliableAmqpEr
     """A pika connection failure as one of ours (see ``connection_failure``: what is retriable).
 
     This only sorts pika's exceptions into the kinds ``connection_failure`` knows. ``params``
-    (the failed connection's ``pika.ConnectionParameters``) lets a TLS failure name the host.
+    (the failed connection's ``pika.ConnectionParameters``) lets the error name the host and
+    port (``connection refused at 127.0.0.1:5699``), and the user and virtual host of a
+    refused login.
     """
     if isinstance(error, ReliableAmqpError):
         return error
-    detail = scrub_credentials(f"{type(error).__name__}: {error!r}")
+    detail = scrub_credentials(_describe(error))
     result: ReliableAmqpError
     tls = tls_failure(error) if isinstance(error, BaseException) else None
+    socket_error = _socket_error(error)
+    login = _login(params)
     if tls is not None:
         result = connection_failure("tls", f"{_where(params)}{tls}")
     elif _lost_mid_login(error):
@@ -93,23 +111,79 @@ def translate_connection_error(error: Any, params: Any = None) -> ReliableAmqpEr
         error,
         (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError),
     ):
-        result = connection_failure("credentials", detail)
+        result = connection_failure("credentials", detail, login=login)
     elif isinstance(error, pika.exceptions.ProbableAccessDeniedError):
-        result = connection_failure("vhost", detail)
+        result = connection_failure("vhost", detail, login=login)
     elif isinstance(error, pika.exceptions.ConnectionClosed) and isinstance(error.reply_code, int):
         reply_text = scrub_credentials(str(error.reply_text))
-        result = connection_failure("closed", detail, error.reply_code, reply_text)
+        result = connection_failure("closed", detail, error.reply_code, reply_text, login=login)
+    elif socket_error is not None and isinstance(getattr(params, "host", None), str):
+        timed_out = isinstance(socket_error, TimeoutError)
+        result = unreachable(
+            params.host,
+            params.port,
+            errno.ETIMEDOUT if timed_out else socket_error.errno,
+            scrub_credentials(socket_error.strerror or str(socket_error)),
+            resolving=isinstance(socket_error, socket.gaierror),
+        )
     elif isinstance(error, (TimeoutError, AMQPConnectorStackTimeout)) or isinstance(
         # pika wraps a socket timeout while connecting in AMQPConnectorSocketConnectError
         getattr(error, "exception", None),
         TimeoutError,
     ):
-        result = connection_failure("timeout", detail)
+        result = connection_failure("timeout", f"{_where(params)}{detail}")
+    elif isinstance(getattr(params, "host", None), str):
+        result = connection_failure("lost", f"{_where(params)}{detail}")
     else:
         result = connection_failure("lost", detail)
     if isinstance(error, BaseException):
         result.__cause__ = error
     return result
+
+
+def _describe(error: object) -> str:
+    """pika's error in one line, its class named once (``StreamLostError: Stream connection
+    lost: ...``), pika's wrappers of a failed connect left out."""
+    error = _innermost(error)
+    text = str(error)
+    name = type(error).__name__
+    return f"{name}: {text}" if text and not text.startswith(name) else text or name
+
+
+def _innermost(error: object) -> object:
+    """What pika's wrappers of a failed connect hold (AMQPConnectionError around
+    AMQPConnectionWorkflowFailed around AMQPConnectorSocketConnectError around, say,
+    ConnectionRefusedError)."""
+    for _ in range(8):
+        if isinstance(error, AMQPConnectionWorkflowFailed) and error.exceptions:
+            error = error.exceptions[-1]
+        elif isinstance(error, AMQPConnectorPhaseErrorBase) and error.exception is not None:
+            error = error.exception
+        elif (
+            isinstance(error, pika.exceptions.AMQPConnectionError)
+            and type(error) is pika.exceptions.AMQPConnectionError  # not a subclass: a wrapper
+            and len(error.args) == 1
+            and isinstance(error.args[0], BaseException)
+        ):
+            error = error.args[0]
+        else:
+            break
+    return error
+
+
+def _socket_error(error: object) -> OSError | None:
+    """The socket error a failed connect comes down to, if that is what it is."""
+    inner = _innermost(error)
+    return inner if isinstance(inner, OSError) else None
+
+
+def _login(params: Any) -> tuple[str, str] | None:
+    """(user name, virtual host) of a connection's parameters, for a refused login."""
+    user = getattr(getattr(params, "credentials", None), "username", None)
+    vhost = getattr(params, "virtual_host", None)
+    if isinstance(user, str) and isinstance(vhost, str):
+        return user, vhost
+    return None
 
 
 def _lost_mid_login(error: object) -> bool:
@@ -143,7 +217,10 @@ def _where(params: Any) -> str:
 
 def call_threadsafe(loop: Any, callback: Callable[[], None]) -> None:
     """Run ``callback`` on pika's I/O loop thread; a closed loop drops it (logged at debug)."""
+    token = OWNED.set(True)  # pika logs this call (DEBUG), on the caller's thread: ours (_logs)
     try:
         loop.add_callback_threadsafe(callback)
     except Exception:  # the loop closed under us; the next connection drains the outbox
         log.debug("reliable-amqp: wake-up lost with a closed I/O loop", exc_info=True)
+    finally:
+        OWNED.reset(token)

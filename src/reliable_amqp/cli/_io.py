@@ -13,6 +13,7 @@ import binascii
 import datetime as dt
 import json
 import shutil
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -20,6 +21,8 @@ from typing import IO, Any
 
 from reliable_amqp._core.errors import InvalidMessage, PublishError
 from reliable_amqp._core.message import PROPERTY_NAMES, OutgoingMessage, build_message
+from reliable_amqp._core.stats import EventKind, PublisherEvent
+from reliable_amqp.cli._parse import printable
 
 #: Fields of a JSON line besides the AMQP properties.
 MESSAGE_FIELDS = frozenset({"body", "body_encoding", "exchange", "routing_key", "mandatory"})
@@ -257,6 +260,8 @@ class Progress:
         self.enabled = enabled and total > 0
         self.started = time.monotonic()
         self._drawn = 0.0
+        #: shown after the counts while it is set (the publisher reconnecting, say)
+        self.note = ""
 
     def update(self, confirmed: int, failed: int, *, force: bool = False) -> None:
         """Redraw (at most ten times a second unless ``force``)."""
@@ -274,8 +279,15 @@ class Progress:
         text = f"\r[{bar}] {confirmed:,}/{self.total:,} confirmed  {confirmed / elapsed:,.0f} msg/s"
         if failed:
             text += f"  {failed:,} failed"
+        if self.note:
+            text += f"  {self.note}"
         self.stream.write(text + "\033[K")
         self.stream.flush()
+
+    @property
+    def drawn(self) -> bool:
+        """True once the bar was drawn (it owns the terminal's last line from then on)."""
+        return self._drawn > 0
 
     def finish(self, confirmed: int, failed: int) -> None:
         """Draw the final state and end the line."""
@@ -289,3 +301,55 @@ def set_properties(message: OutgoingMessage) -> dict[str, Any]:
     """The properties ``message`` sets (the ones not None), as ``publish()`` keywords."""
     props = message.properties
     return {f.name: value for f in fields(props) if (value := getattr(props, f.name)) is not None}
+
+
+class RetryStatus:
+    """On a terminal, that the publisher is retrying a connection (the cause, attempt n of m,
+    next in x s): one line that the next attempt replaces and that is cleared once connected or
+    given up, so the final error is the only one left; while the progress bar is drawn, a note
+    on the bar instead. An ``on_event`` hook: runs on the publisher's I/O thread."""
+
+    def __init__(self, stream: IO[str], progress: Progress, max_attempts: int | None) -> None:
+        self.stream = stream
+        self.progress = progress
+        self.max_attempts = max_attempts
+        self._lock = threading.Lock()
+        self._shown = False  # a status line is on the terminal
+        self._lost = False  # a connection was open and is lost (not just failing to connect)
+        #: RETRYING events seen (attempts after the first)
+        self.retries = 0
+
+    def on_event(self, event: PublisherEvent) -> None:
+        """The publisher's ``on_event`` hook."""
+        kind = event.kind
+        if kind is EventKind.CONNECTION_LOST:
+            self._lost = True
+        elif kind is EventKind.RETRYING:
+            self.retries += 1
+            of = f" of {self.max_attempts}" if self.max_attempts else ""
+            delay = event.delay or 0.0
+            what = "reconnecting" if self._lost else "retrying"
+            cause = printable(event.error if event.error is not None else event.detail)
+            note = f"{what}: attempt {event.attempt}{of}, next in {delay:.1f} s"
+            if self.progress.drawn:
+                self.progress.note = f"({cause}; {note})"
+                return
+            with self._lock:
+                self.stream.write(f"\rreliable-amqp: {cause}; {note}\033[K")
+                self.stream.flush()
+                self._shown = True
+        elif kind in (EventKind.CONNECTED, EventKind.RECOVERED):
+            self._lost = False
+            self.progress.note = ""
+            self.clear()
+        elif kind in (EventKind.RECOVERY_FAILED, EventKind.CLOSED):
+            self.progress.note = ""
+            self.clear()
+
+    def clear(self) -> None:
+        """Take the status line off the terminal (before anything else is written there)."""
+        with self._lock:
+            if self._shown:
+                self.stream.write("\r\033[K")
+                self.stream.flush()
+                self._shown = False

@@ -39,6 +39,7 @@ from reliable_amqp.cli._io import (
     InputError,
     Item,
     Progress,
+    RetryStatus,
     read_messages,
     set_properties,
 )
@@ -203,9 +204,13 @@ def run_publish(args: argparse.Namespace) -> int:
     progress = Progress(
         len(items), sys.stderr, sys.stderr.isatty() and not (args.quiet or args.no_progress)
     )
+    # on a terminal, retries show as they happen (with -v the library's log says it)
+    status = None
+    if sys.stderr.isatty() and not args.quiet and not args.verbose:
+        status = RetryStatus(sys.stderr, progress, options.connect_policy.max_attempts)
     started = time.monotonic()
     try:
-        code = _publish_all(args, options, items, tally, progress)
+        code = _publish_all(args, options, items, tally, progress, status=status)
     except BaseException:
         if failed_stream is not None:
             failed_stream.close()
@@ -285,11 +290,16 @@ def _publish_all(
     items: list[Item],
     tally: _Tally,
     progress: Progress,
+    *,
+    status: RetryStatus | None = None,
 ) -> int:
     """Publish every item, wait for every outcome; returns the exit code so far."""
     if not items and options.spool is None:
         return EXIT_OK
-    publisher = Publisher(list(options.urls), **options.kwargs())
+    kwargs = options.kwargs()
+    if status is not None:
+        kwargs["on_event"] = status.on_event
+    publisher = Publisher(list(options.urls), **kwargs)
     published = 0
     code = EXIT_OK
     try:
@@ -332,9 +342,11 @@ def _publish_all(
         # Connecting failed, or the connection was given up (publish() raises PublisherClosed),
         # or the window stayed full for publish_timeout: what was sent settles; the rest stays.
         problem = printable(_connection_problem(options, exc))
-        print(f"reliable-amqp: {problem}", file=sys.stderr)
+        if status is not None:
+            status.clear()
+        print(f"reliable-amqp: {problem}", file=sys.stderr)  # the one place it is said
         code = EXIT_CONNECTION
-        tally.add(items[published:], f"not sent: {problem}")
+        tally.add(items[published:], f"not sent: {_unsent(exc)}")
         published = len(items)
     finally:
         if published < len(items):
@@ -355,6 +367,15 @@ def _publish_all(
     if code == EXIT_OK and any(isinstance(e, PublisherClosed) for _, e in tally.failures):
         code = EXIT_CONNECTION
     return code
+
+
+def _unsent(exc: BaseException) -> str:
+    """Why messages were not sent, short: the error itself was printed once already."""
+    if isinstance(exc, PublishTimeout):
+        return "the broker stopped confirming"
+    if isinstance(exc, (AmqpConnectionError, PublisherClosed)):
+        return "no connection to the broker"
+    return "publishing failed"
 
 
 def _connection_problem(options: PublisherOptions, exc: BaseException) -> str:

@@ -1,0 +1,97 @@
+"""Keeping pika's, aiormq's and aio-pika's log records about the library's own connections out
+of the user's log, without touching those loggers' records for anybody else's connections.
+
+A refused port costs seven pika ERROR records per attempt, tracebacks included, and aiormq adds
+one of its own; the publisher reports the same failure itself, once, in its own words (a WARNING
+per retry, then the error it raises). Those client libraries log through module loggers that
+every other user of them shares, so neither their level nor their handlers may change.
+
+Instead, the code that drives a connection the library owns runs in a context marked by
+:data:`OWNED` (the sync publisher's I/O thread, the async publisher's supervisor task and
+everything aiormq starts from it: tasks and callbacks copy the context they were made in; and
+pika's host name resolver thread for one of the library's I/O loops), and a
+:class:`logging.Filter` on those loggers drops a record emitted there, and only there. What it
+drops is passed on at DEBUG to the ``reliable_amqp.client`` logger, so ``-vv`` (or a DEBUG
+configuration of ``reliable_amqp``) still shows it. A connection the caller lends to an
+``AsyncPublisher`` is the caller's: its records are left alone.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import weakref
+
+#: set in the context that drives a connection the library owns
+OWNED: contextvars.ContextVar[bool] = contextvars.ContextVar("reliable_amqp_owned", default=False)
+
+#: the client libraries whose records about our connections are ours to report
+CLIENT_LOGGERS = ("pika", "aiormq", "aio_pika")
+#: loggers those libraries create only when they first log (the filter must be on them before)
+_LAZY_LOGGERS = ("aiormq.connection.marshall",)
+
+relay = logging.getLogger("reliable_amqp.client")
+
+
+class OwnedConnectionFilter(logging.Filter):
+    """Drops a client library's record emitted while driving a connection the library owns
+    (relayed at DEBUG to ``reliable_amqp.client``); passes every other record unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not OWNED.get() and not _owned_resolver():
+            return True
+        if relay.isEnabledFor(logging.DEBUG):
+            copy = logging.makeLogRecord(record.__dict__)
+            copy.name = relay.name
+            copy.levelno, copy.levelname = logging.DEBUG, "DEBUG"
+            copy.msg = f"{record.name}: {record.getMessage()}"
+            copy.args = None
+            relay.handle(copy)
+        return False
+
+
+FILTER = OwnedConnectionFilter()
+
+#: pika I/O loops of the library's connections: pika resolves a host name on a thread of its
+#: own (a ``threading.Timer`` running its ``_AddressResolver``), which no context reaches
+_OWNED_LOOPS: weakref.WeakSet[object] = weakref.WeakSet()
+
+
+def own_loop(loop: object) -> None:
+    """``loop`` (a pika I/O loop) drives a connection the library owns."""
+    _OWNED_LOOPS.add(loop)
+
+
+def _owned_resolver() -> bool:
+    # pika's private names, read defensively: should they change, records pass as before
+    function = getattr(threading.current_thread(), "function", None)  # a threading.Timer's
+    loop = getattr(getattr(function, "__self__", None), "_loop", None)
+    try:
+        return loop is not None and loop in _OWNED_LOOPS
+    except TypeError:  # not weak-referenceable: not one of ours
+        return False
+
+
+def install() -> None:
+    """Put :data:`FILTER` on every logger of the client libraries (idempotent; cheap enough to
+    call whenever a publisher starts, which catches the loggers created since)."""
+    for name in _LAZY_LOGGERS:
+        logging.getLogger(name)
+    for name in CLIENT_LOGGERS:
+        logging.getLogger(name)
+    # a copy (one C-level call): another thread may create a logger meanwhile
+    loggers = dict(logging.Logger.manager.loggerDict)
+    for name, logger in loggers.items():
+        if (
+            isinstance(logger, logging.Logger)
+            and name.partition(".")[0] in CLIENT_LOGGERS
+            and FILTER not in logger.filters
+        ):
+            logger.addFilter(FILTER)
+
+
+def own_context() -> None:
+    """Mark the current context (a thread's, a task's) as driving an owned connection."""
+    install()
+    OWNED.set(True)

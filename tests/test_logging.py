@@ -1,0 +1,220 @@
+"""What a user's log shows when connecting fails (issue 20, "failures that read well").
+
+- ``logging.basicConfig(level=WARNING)`` and a refused port: at most one line per attempt (the
+  library's own, naming the cause), none of pika's or aiormq's for the library's connections,
+  and the final error once: raised, not also logged.
+- pika's and aiormq's records about *other* connections in the same process (the user's own)
+  are untouched, even while a publisher retries beside them.
+- A connection that never opened is not called lost; one that was open and went away is.
+- ``AuthenticationFailed`` names the user and the virtual host, never the password.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from broker_support import unique
+from reliable_amqp import AsyncPublisher, AuthenticationFailed, Publisher, RetryPolicy
+
+pytestmark = pytest.mark.broker
+
+
+def refused_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_child(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+# The child: basicConfig(WARNING), as a user's script has it; a user's own pika (or aiormq)
+# connection to the refused port before, beside and after the publisher's attempts; the
+# publisher's connect() error printed by the script, as a user prints it.
+CHILD = """
+    import asyncio, logging, sys, threading, time
+    import pika, aiormq
+    logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(name)s %(message)s")
+    from reliable_amqp import AsyncPublisher, Publisher, RetryPolicy
+
+    port, kind = int(sys.argv[1]), sys.argv[2]
+    url = f"amqp://guest:s3cret-pw@127.0.0.1:{port}/%2F"
+    policy = RetryPolicy(max_attempts=3, initial_delay=0.05, max_delay=0.05, jitter=0)
+
+    def users_pika():  # the user's own connection, with pika's own logging
+        try:
+            pika.BlockingConnection(pika.URLParameters(url + "?connection_attempts=1"))
+        except pika.exceptions.AMQPConnectionError:
+            pass
+
+    async def users_aiormq():
+        try:
+            await aiormq.connect(url)
+        except ConnectionError:
+            pass
+
+    def mark(text):
+        sys.stderr.flush(); print(f"MARK {text}", file=sys.stderr, flush=True)
+
+    if kind == "sync":
+        users_pika()
+        mark("publisher")
+        beside = threading.Thread(target=lambda: [users_pika() for _ in range(3)])
+        beside.start()
+        publisher = Publisher(url, connect_policy=policy)
+        try:
+            publisher.connect()
+        except Exception as exc:
+            print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+        publisher.close()
+        beside.join()
+        mark("after")
+        users_pika()
+    else:
+        async def main():
+            await users_aiormq()
+            mark("publisher")
+            beside = asyncio.ensure_future(asyncio.gather(*(users_aiormq() for _ in range(3))))
+            publisher = AsyncPublisher(url, connect_policy=policy)
+            try:
+                await publisher.connect()
+            except Exception as exc:
+                print(f"ERROR {type(exc).__name__}: {exc}", flush=True)
+            await publisher.aclose()
+            await beside
+            mark("after")
+            await users_aiormq()
+        asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_refused_port_costs_one_line_per_attempt_and_the_error_once(kind: str) -> None:
+    port = refused_port()
+    result = run_child(CHILD, str(port), kind)
+    assert result.returncode == 0, result.stderr
+    cause = f"connection refused at 127.0.0.1:{port}"
+    # the final error: once, one line, the cause in words, no class names of pika or aiormq
+    assert result.stdout == f"ERROR RecoveryFailed: gave up connecting after 3 attempts: {cause}\n"
+    before, _, rest = result.stderr.partition("MARK publisher\n")
+    during, _, after = rest.partition("MARK after\n")
+    client = "pika." if kind == "sync" else "aiormq."
+
+    def records(text: str) -> list[str]:  # "LOG ERROR pika.adapters...": level and logger
+        return [" ".join(line.split()[:3]) for line in text.splitlines() if line.startswith("LOG")]
+
+    users_lines = records(before)
+    # the user's own connection logs through pika/aiormq as it always did, before and after
+    assert users_lines and all(client in line for line in users_lines)
+    assert records(after) == users_lines
+    ours = [line for line in during.splitlines() if "reliable_amqp" in line]
+    theirs = [line for line in records(during) if client in line]
+    # attempts 1 and 2 failed with a retry: one WARNING each; attempt 3's failure is the
+    # error the script printed, not logged again (not at ERROR, not at all at WARNING)
+    assert ours == [
+        f"LOG WARNING reliable_amqp reliable-amqp: cannot connect to "
+        f"amqp://guest:***@127.0.0.1:{port}/%2F: {cause}; attempt {n} in 0.05 s"
+        for n in (2, 3)
+    ]
+    # beside the publisher, the user's three attempts logged exactly as the one before did
+    assert len(theirs) == 3 * len(users_lines)
+    # and nothing else: no traceback beyond those of the user's own records, no "lost"
+    assert len(during.splitlines()) == 3 * len(before.splitlines()) + len(ours)
+    assert "lost" not in during
+    assert "s3cret-pw" not in result.stdout + result.stderr
+
+
+def test_the_client_libraries_records_are_relayed_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A DEBUG configuration of reliable_amqp still sees what pika said, as its own DEBUG records;
+    # pika's own loggers show nothing of it, not even from the thread pika resolves names on.
+    caplog.set_level(logging.DEBUG)
+    port = refused_port()
+    for url, cause in (
+        (f"amqp://127.0.0.1:{port}/", f"connection refused at 127.0.0.1:{port}"),
+        ("amqp://no-such-host.invalid/", "cannot resolve the host name 'no-such-host.invalid'"),
+    ):
+        caplog.clear()
+        publisher = Publisher(url, connect_policy=RetryPolicy(max_attempts=1))
+        with pytest.raises(Exception, match=cause):
+            publisher.connect()
+        publisher.close()
+        relayed = [r for r in caplog.records if r.name == "reliable_amqp.client"]
+        assert relayed and all(r.levelno == logging.DEBUG for r in relayed)
+        assert any("pika.adapters" in r.getMessage() for r in relayed)
+        assert not [r for r in caplog.records if r.name.startswith("pika")]
+
+
+@pytest.mark.faults
+def test_only_a_connection_that_was_open_is_called_lost(
+    caplog: pytest.LogCaptureFixture, make_proxy: Any
+) -> None:
+    caplog.set_level(logging.WARNING, logger="reliable_amqp")
+    proxy = make_proxy(5672)
+    policy = RetryPolicy(max_attempts=3, initial_delay=0.05, max_delay=0.05, jitter=0)
+    publisher = Publisher(proxy.url(), connect_policy=policy)
+    publisher.connect()
+    port = proxy.port
+    proxy.close()  # resets the connection and stops listening: the port refuses from now on
+    with pytest.raises(Exception, match=f"connection refused at 127.0.0.1:{port}"):
+        publisher.publish("", unique("nowhere"), b"x", mandatory=False).result(timeout=30)
+    publisher.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "reliable_amqp"]
+    assert len(lines) == 2 and all(r.levelno == logging.WARNING for r in caplog.records)
+    where = f"amqp://guest:***@127.0.0.1:{port}/%2F"
+    assert lines[0].startswith(f"reliable-amqp: connection to {where} lost: ")
+    assert lines[0].endswith("; attempt 2 in 0.05 s")
+    assert lines[1] == (
+        f"reliable-amqp: cannot connect to {where}: connection refused at "
+        f"127.0.0.1:{port}; attempt 3 in 0.05 s"
+    )
+
+
+def test_authentication_failed_names_the_user_and_vhost_never_the_password(
+    amqp_url: str,
+) -> None:
+    host = amqp_url.rpartition("@")[2].partition("/")[0]
+    wrong = f"amqp://guest:wrong-pw-77@{host}/%2F"
+    vhost = unique("no-such-vhost")
+    no_vhost = f"amqp://guest:guest@{host}/{vhost}"
+    policy = RetryPolicy(max_attempts=1)
+    for url, text in (
+        (wrong, "the broker refused the credentials of user 'guest' on virtual host '/'"),
+        (no_vhost, f"the broker refused user 'guest' access to the virtual host {vhost!r}"),
+    ):
+        publisher = Publisher(url, connect_policy=policy)
+        with pytest.raises(AuthenticationFailed) as sync_error:
+            publisher.connect()
+        publisher.close()
+
+        async def connect_async(url: str = url) -> BaseException:
+            publisher = AsyncPublisher(url, connect_policy=policy)
+            try:
+                await publisher.connect()
+            except AuthenticationFailed as exc:
+                return exc
+            finally:
+                await publisher.aclose()
+            raise AssertionError("connected")
+
+        async_error = asyncio.run(connect_async())
+        for error in (sync_error.value, async_error):
+            assert str(error).startswith(text), str(error)
+            assert "wrong-pw-77" not in str(error) and "guest:guest" not in str(error)
