@@ -348,7 +348,9 @@ def test_no_publish_argument_costs_more_than_its_own_message(
                 refused += 1
                 return
             routed = _routed(call, queue, exchanges)
-            sent.append(Sent(future, bytes(call.body), routed, call.mandatory and not routed))
+            # mandatory=None is the publisher's default: mandatory
+            mandatory = True if call.mandatory is None else call.mandatory
+            sent.append(Sent(future, bytes(call.body), routed, mandatory and not routed))
 
         publish_one()
         assert publisher.flush(timeout=60) == 0

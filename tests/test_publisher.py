@@ -224,16 +224,34 @@ def test_unroutable_mandatory_messages_are_returned(
             publisher.publish(exchange, "nowhere", b"l", mandatory=True, message_id="same")
             for _ in range(10)
         ]
-        unchecked = publisher.publish(exchange, "nowhere", b"u")  # not mandatory: dropped, acked
+        # mandatory by default: with generated ids, returns are matched by message_id
+        default = [publisher.publish(exchange, "nowhere", b"d") for _ in range(10)]
+        default_routed = [publisher.publish(exchange, "routed", b"d") for _ in range(10)]
+        # opted out: dropped by the broker, and acked
+        unchecked = publisher.publish(exchange, "nowhere", b"u", mandatory=False)
         publisher.flush(timeout=30)
     assert outcomes(routed) == {"Confirmation": 10}
     assert outcomes(lost) == {"MessageReturned": 10}
+    assert outcomes(default) == {"MessageReturned": 10}
+    assert outcomes(default_routed) == {"Confirmation": 10}
     error = lost[0].exception()
     assert isinstance(error, MessageReturned)
     assert error.reply_code == 312 and "NO_ROUTE" in error.reply_text
     assert error.message.routing_key == "nowhere"
     assert unchecked.result().attempts == 1
-    assert broker.count(queue) == 10
+    assert broker.count(queue) == 20
+
+
+def test_a_publisher_may_opt_out_of_mandatory(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
+    exchange = broker.exchange()
+    with publisher_class(amqp_url, mandatory=False) as publisher:
+        dropped = [publisher.publish(exchange, "nowhere", b"x") for _ in range(5)]
+        returned = publisher.publish(exchange, "nowhere", b"y", mandatory=True)
+        publisher.flush(timeout=30)
+    assert outcomes(dropped) == {"Confirmation": 5}
+    assert outcomes([returned]) == {"MessageReturned": 1}
 
 
 def test_missing_exchange_fails_only_that_message(

@@ -61,6 +61,8 @@ class PublisherSurface(Generic[D, Q]):
         self._routes: set[tuple[str, str]] = set()
         #: checked properties (their message_id aside) by the keywords that gave them
         self._bases: dict[tuple[tuple[str, Any], ...], MessageProperties] = {}
+        #: what ``mandatory=None`` (the default) means: the publisher's ``mandatory`` option
+        self._mandatory: bool = self.options.mandatory
         #: builds the message of a publish from checked parts: an engine entry (the sync
         #: publisher's builds its future, which is also the entry)
         self._new_entry: Callable[
@@ -72,7 +74,7 @@ class PublisherSurface(Generic[D, Q]):
         exchange: str,
         routing_key: str,
         body: bytes,
-        mandatory: bool,
+        mandatory: bool | None,
         properties: dict[str, Any],
     ) -> OutgoingMessage:
         """The validated message of a ``publish()`` call (raises :class:`InvalidMessage`).
@@ -88,7 +90,9 @@ class PublisherSurface(Generic[D, Q]):
             self._check_route(exchange, routing_key)
         if type(body) is not bytes:
             body = check_body(body)
-        if mandatory is not False and mandatory is not True:
+        if mandatory is None:
+            mandatory = self._mandatory
+        elif mandatory is not False and mandatory is not True:
             check_mandatory(mandatory)
         if not properties:
             return self._new_entry(
@@ -106,14 +110,16 @@ class PublisherSurface(Generic[D, Q]):
         exchange: str,
         routing_key: str,
         bodies: Iterable[bytes],
-        mandatory: bool,
+        mandatory: bool | None,
         properties: dict[str, Any],
     ) -> list[OutgoingMessage]:
         """The validated messages of a ``publish_many()`` call: the shared arguments checked
         once, every body checked before any message is built."""
         if (exchange, routing_key) not in self._routes:
             self._check_route(exchange, routing_key)
-        if mandatory is not False and mandatory is not True:
+        if mandatory is None:
+            mandatory = self._mandatory
+        elif mandatory is not False and mandatory is not True:
             check_mandatory(mandatory)
         if "message_id" in properties:
             raise InvalidMessage(

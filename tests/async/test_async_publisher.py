@@ -161,8 +161,10 @@ async def test_unroutable_mandatory_messages_are_returned(
             await publisher.publish(exchange, "nowhere", b"l", mandatory=True, message_id="same")
             for _ in range(10)
         ]
-        unchecked = await publisher.publish(exchange, "nowhere", b"u")  # dropped, but acked
+        unchecked = await publisher.publish(exchange, "nowhere", b"u", mandatory=False)  # acked
+        default = await publisher.publish(exchange, "nowhere", b"d")  # mandatory by default
         await publisher.flush(timeout=30)
+    assert await outcomes([default]) == {"MessageReturned": 1}
     assert await outcomes(routed) == {"Confirmation": 10}
     assert await outcomes(lost) == {"MessageReturned": 10}
     error = lost[0].exception()

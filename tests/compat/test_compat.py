@@ -254,7 +254,15 @@ class _Sink:
     def on_confirm(self, generation: int, ack: bool, tag: int, multiple: bool) -> None:
         self.confirms.append((generation, ack, tag, multiple))
 
-    def on_return(self, headers: Any, reply_code: int, text: str) -> None:
+    def on_return(
+        self,
+        headers: Any,
+        reply_code: int,
+        text: str,
+        returned: tuple[str | None, str, str, bytes],
+        generation: int,
+    ) -> None:
+        assert generation == 7
         self.returns.append((headers, reply_code, text))
 
 

@@ -200,7 +200,7 @@ def _hook(event: PublisherEvent) -> None:
 def test_kwargs_names_every_option_but_the_urls() -> None:
     options = PublisherOptions.create(URL)
     names = {f.name for f in dataclasses.fields(PublisherOptions)} - {"urls"}
-    assert set(options.kwargs()) == names and len(names) == 27
+    assert set(options.kwargs()) == names and len(names) >= 29
     assert options.kwargs() == {
         "max_in_flight": 10_000,
         "max_in_flight_bytes": 64 * 1024 * 1024,
@@ -209,6 +209,8 @@ def test_kwargs_names_every_option_but_the_urls() -> None:
         "connect_timeout": 10.0,
         "heartbeat": 30,
         "close_timeout": 30.0,
+        "exit_timeout": 10.0,
+        "mandatory": True,
         "blocked_timeout": None,
         "connect_policy": DEFAULT_CONNECT_POLICY,
         "nack_policy": DEFAULT_NACK_POLICY,

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,7 @@ from reliable_amqp import (
 )
 from reliable_amqp._core.message import build_message
 from reliable_amqp._spool import Spool, failed_entries, inspect
+from reliable_amqp._spool._feed import PRUNE_MIN
 from spool_support import Kind, SpooledAsync
 
 pytestmark = pytest.mark.broker
@@ -194,3 +196,38 @@ def test_a_spool_whose_last_entries_failed_flushes_to_zero(
         publisher.publish("", queue, b"", message_id="new")
         assert publisher.flush(30) == 0
     assert ids(broker, queue) == [f"m-{i}" for i in range(5)] + ["new"]
+
+
+def test_kept_and_watched_futures_resolve_and_dropped_ones_are_forgotten(
+    kind: Kind, broker: BrokerAdmin, proxy: TcpProxy, tmp_path: Path
+) -> None:
+    queue = broker.queue()
+    proxy.refuse()
+    count = 12_000  # several times PRUNE_MIN: the waiting futures are pruned meanwhile
+    called: list[str] = []
+    lock = threading.Lock()
+
+    def done(future: Any) -> None:
+        with lock:
+            called.append(future.result().message_id)
+
+    with kind(proxy.url(), spool=tmp_path / "s", max_in_flight=100) as publisher:
+        kept = []
+        for i in range(count):
+            future = publisher.publish("", queue, b"%d" % i, message_id=f"m-{i}")
+            if i % 3 == 0:
+                kept.append(future)  # kept by the caller
+            elif i % 3 == 1:
+                future.add_done_callback(done)  # only watched: the callback must still run
+            # else dropped at once: nothing of it may stay in memory
+        if kind is Publisher:
+            waiting = len(publisher._spooled.feed.waiting)
+            assert waiting < count * 2 // 3 + PRUNE_MIN, waiting
+        proxy.accept()
+        assert publisher.flush(120) == 0
+    assert [f.result(5).message_id for f in kept] == [f"m-{i}" for i in range(0, count, 3)]
+    deadline = time.monotonic() + 10
+    while len(called) < count // 3 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the async driver's callbacks run on its loop thread
+    assert sorted(called) == sorted(f"m-{i}" for i in range(1, count, 3))
+    assert ids(broker, queue) == [f"m-{i}" for i in range(count)]

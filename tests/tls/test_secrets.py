@@ -124,12 +124,16 @@ def test_a_publisher_with_a_password_option_confirms(kind: str) -> None:
     url = f"amqp://{HOST}/%2F"
     if kind == "sync":
         with Publisher(url, username="guest", password="guest") as publisher:
-            confirmation = publisher.publish_and_wait("", "secrets-test-no-queue", b"x")
+            confirmation = publisher.publish_and_wait(
+                "", "secrets-test-no-queue", b"x", mandatory=False
+            )
     else:
 
         async def run() -> Confirmation:
             async with AsyncPublisher(url, username="guest", password="guest") as publisher:
-                return await publisher.publish_and_wait("", "secrets-test-no-queue", b"x")
+                return await publisher.publish_and_wait(
+                    "", "secrets-test-no-queue", b"x", mandatory=False
+                )
 
         confirmation = asyncio.run(run())
     assert isinstance(confirmation, Confirmation)

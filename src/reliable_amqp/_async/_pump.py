@@ -65,6 +65,10 @@ class Pump(Generic[H]):
         self.topology = topology
         self.settle = settle
         self.on_end = on_end
+        #: called once, before what is left is failed, when the task was cancelled while the
+        #: publisher was open (its event loop is stopping under it: asyncio.run's end)
+        self.on_abandoned: Callable[[], None] | None = None
+        self._abandoned = False
         #: set once the first channel opened, or the publisher failed or closed
         self.ready = asyncio.Event()
         #: the connection the channel is on, while it is open (declarations use it)
@@ -161,10 +165,17 @@ class Pump(Generic[H]):
             # settled, everything that waited behind them).
             self._wakeup.set()
 
-    def on_return(self, headers: Any, reply_code: int, text: str) -> None:
+    def on_return(
+        self,
+        headers: Any,
+        reply_code: int,
+        text: str,
+        returned: tuple[str | None, str, str, bytes],
+        generation: int,
+    ) -> None:
         """``basic.return``: the ack that follows settles the message as returned."""
         attempt = headers.get(ATTEMPT_HEADER) if isinstance(headers, dict) else None
-        self.engine.on_return(attempt, reply_code, text)
+        self.engine.on_return(attempt, reply_code, text, returned=returned, generation=generation)
 
     # --- tasks ---------------------------------------------------------------------------------
 
@@ -207,6 +218,7 @@ class Pump(Generic[H]):
         try:
             await self._connect_loop()
         except asyncio.CancelledError:
+            self._abandoned = not self.stopping
             raise
         except Exception as exc:
             # A bug must not leave callers waiting on futures nobody settles.
@@ -345,6 +357,8 @@ class Pump(Generic[H]):
             self._timer.cancel()
             self._timer = None
         self.on_end()  # no more publishes: release those waiting for room
+        if self._abandoned and self.on_abandoned is not None:
+            self.on_abandoned()
         self.settle(supervisor.shutdown())
         self.ready.set()
         channel, self._channel = self._channel, None

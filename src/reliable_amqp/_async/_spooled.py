@@ -50,7 +50,7 @@ class AsyncSpooled:
         self.spool = Spool(
             options.spool, max_bytes=options.spool_max_bytes, fsync=options.spool_fsync
         )
-        self.feed: SpoolFeed[Handle] = SpoolFeed(self.spool)
+        self.feed: SpoolFeed[Handle] = SpoolFeed(self.spool, _watched)
         self._supervisor = supervisor
         self._engine = supervisor.engine
         self._window = window
@@ -94,6 +94,9 @@ class AsyncSpooled:
         end = loop.time() + timeout
         while True:
             check(message)
+            if spool.writer_behind:  # the disk is slower than the producer: wait off the loop
+                await loop.run_in_executor(None, spool.wait_for_writer, 1.0)
+                continue
             if spool.has_room(size):
                 try:
                     seq = spool.append(message, 0, meta)
@@ -115,8 +118,9 @@ class AsyncSpooled:
         window = self._window
         feed = self.feed
         if feed.direct(seq) and not queued() and window.fits(body_size):
-            feed.track(future, seq)
-            self._engine.accept(message, future, time.monotonic(), window.take(body_size))
+            index = window.take(body_size)
+            feed.track(index, seq)
+            self._engine.accept(message, future, time.monotonic(), index)
             self._wake()
         else:
             feed.park(future, seq)
@@ -159,7 +163,7 @@ class AsyncSpooled:
         """After the engine closed: fail the futures of what stayed on disk (it stays in the
         spool for the next publisher), then close the spool (durably)."""
         loop = asyncio.get_running_loop()
-        waiting = dict(self.feed.waiting)
+        waiting = dict(self.feed.waiting)  # the futures the callers still keep
         self.feed.waiting.clear()
         if waiting:
             await loop.run_in_executor(None, self.spool.persist, timeout)
@@ -211,8 +215,10 @@ class AsyncSpooled:
             size = len(entry.message.body)
             if entry.seq <= feed.fed or not window.fits(size):
                 break
-            future = feed.take(entry, lambda: self._recovered_future(loop))
-            window.take(size)
+            future = feed.take(entry.seq)
+            if future is None:  # recovered, or the caller dropped it
+                future = self._recovered_future(loop)
+            feed.track(window.take(size), entry.seq)
             items.append((entry.message, future))
         if items:
             self._engine.accept_many(items, time.monotonic(), first)
@@ -248,6 +254,11 @@ class AsyncSpooled:
             self.feed.want_commit = False
             with contextlib.suppress(RuntimeError):  # the loop is closed
                 loop.call_soon_threadsafe(self.schedule_refill)
+
+
+def _watched(future: Handle) -> bool:
+    """Whether an asyncio future has done-callbacks (an awaiting task adds one)."""
+    return bool(getattr(future, "_callbacks", True))
 
 
 def _discard_outcome(future: asyncio.Future[Confirmation]) -> None:

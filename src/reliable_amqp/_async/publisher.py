@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections import deque
 from collections.abc import Coroutine, Iterable, Sequence
 from types import TracebackType
@@ -32,22 +33,52 @@ from reliable_amqp._core.errors import (
     OperationTimeout,
     PublisherClosed,
     PublishTimeout,
-    ReliableAmqpError,
 )
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, new_confirmation
-from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
 from reliable_amqp._core.tracker import CONFIRMED, Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
+from reliable_amqp._unclosed import report_unclosed
 
 if TYPE_CHECKING:
     from reliable_amqp._otel._telemetry import Telemetry
 
 #: what the engine holds per message: the caller's future
 _Handle = asyncio.Future[Confirmation]
+
+_FIX = "Call `await publisher.aclose()` (or use `async with`) before the event loop ends."
+
+
+class _Open:
+    """Whether an AsyncPublisher was closed, and what reporting it needs: its finalizer holds
+    this, not the publisher."""
+
+    __slots__ = ("closed", "name", "reported", "spool", "started", "window")
+
+    def __init__(self, name: str, window: Window, spool: str | None) -> None:
+        self.name = name
+        self.window = window
+        self.spool = spool
+        self.started = False
+        self.closed = False
+        self.reported = False
+
+    def report(self, what: str, fate: str) -> None:
+        """Report the publisher as not closed (once)."""
+        if self.started and not self.closed and not self.reported:
+            self.reported = True
+            report_unclosed(f"{self.name} {what}", self.window.count, fate, self.spool, _FIX)
+
+
+def _collected(state: _Open) -> None:
+    state.report(
+        "was garbage-collected (or the interpreter exited) while open",
+        "nothing can confirm them now",
+    )
 
 
 class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, Any, str]]):
@@ -92,6 +123,14 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         )
         self._room_waiters: deque[asyncio.Future[None]] = deque()
         self._accepting = True
+        urls = ", ".join(redact_url(u) for u in self.options.urls)
+        self._open = _Open(f"AsyncPublisher [{urls}]", self._window, self.options.spool)
+        state = self._open
+        self._pump.on_abandoned = lambda: state.report(
+            "was not closed before its event loop stopped",
+            "they failed with PublisherClosed",
+        )
+        weakref.finalize(self, _collected, state)
         #: OpenTelemetry, decided at connect() (None: off; see docs/observability.md)
         self._otel = TelemetrySlot()
         self._telemetry: Telemetry | None = None
@@ -124,10 +163,11 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         the connect policy is spent.
         """
         pump = self._pump
+        if not self._accepting:
+            raise PublisherClosed.refused("connect()")
         if not pump.started:
-            if not self._accepting:
-                raise ReliableAmqpError("publisher is closed")
             self._telemetry = self._otel.decide(self.options, self._supervisor, self.stats)
+            self._open.started = True
             pump.start()
             if self._spooled is not None:
                 self._spooled.start(pump.loop)
@@ -137,7 +177,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         if pump.fatal is not None:
             raise pump.fatal
         if not self._accepting:
-            raise ReliableAmqpError("publisher was closed while connecting")
+            raise PublisherClosed.refused("connect()", reason="closed while connecting")
         return self
 
     async def __aenter__(self) -> AsyncPublisher:
@@ -159,6 +199,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         A lent aio-pika connection stays open; only the publisher's channel is closed.
         """
         self._accepting = False
+        self._open.closed = True
         self._release_room_waiters()
         pump = self._pump
         wait = self.options.close_timeout if timeout is None else timeout
@@ -182,10 +223,16 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             self._telemetry.close()
         return left
 
+    async def close(self, timeout: float | None = None) -> int:
+        """:meth:`aclose` under the name aio-pika's objects use (``await publisher.close()``)."""
+        return await self.aclose(timeout)
+
     # --- topology ----------------------------------------------------------------------------
 
     async def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
         pump = self._pump
+        if not self._accepting:
+            raise PublisherClosed.refused(f"declaring {op.describe()}")
         if not pump.ready.is_set():
             await self.connect()
         self._check_usable()
@@ -204,11 +251,11 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         self._topology.record(op)
         return name
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, call: str = "a declaration") -> None:
         if self._pump.fatal is not None:
             raise self._pump.fatal
         if not self._accepting:
-            raise ReliableAmqpError("publisher is closed")
+            raise PublisherClosed.refused(call)
 
     # --- publishing --------------------------------------------------------------------------
 
@@ -218,7 +265,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         routing_key: str,
         body: bytes,
         *,
-        mandatory: bool = False,
+        mandatory: bool | None = None,
         **properties: Any,
     ) -> asyncio.Future[Confirmation]:
         """Send a message; return its future once accepted (waits only while the window is full).
@@ -263,7 +310,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         routing_key: str,
         bodies: Iterable[bytes],
         *,
-        mandatory: bool = False,
+        mandatory: bool | None = None,
         **properties: Any,
     ) -> list[asyncio.Future[Confirmation]]:
         """Send many messages to one route with the same properties; one future per body.
@@ -327,7 +374,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         routing_key: str,
         body: bytes,
         *,
-        mandatory: bool = False,
+        mandatory: bool | None = None,
         **properties: Any,
     ) -> Confirmation:
         """Publish one message and wait for its outcome (prefer ``publish`` + ``flush`` for many).
@@ -420,7 +467,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         if fatal is not None:
             raise PublisherClosed(message, 0, str(fatal)) from fatal
         if not self._accepting:
-            raise PublisherClosed(message, 0, "publisher is closed")
+            raise PublisherClosed.refused("publish()", message)
 
     # --- settling ----------------------------------------------------------------------------
 
@@ -439,6 +486,8 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
                     future.set_result(result)
                 elif isinstance(result, BaseException):
                     future.set_exception(result)
+                    if self._open.reported:  # counted in that report: not one log line each
+                        future.exception()
         for barrier in self._window.release(resolutions):
             waiter = barrier.waiter
             if isinstance(waiter, asyncio.Future) and not waiter.done():

@@ -126,11 +126,14 @@ def probe(aiormq_module: Any = aiormq, aio_pika_module: Any = aio_pika) -> None:
     for command, names in (
         (spec.Basic.Ack, ["delivery_tag", "multiple"]),
         (spec.Basic.Nack, ["delivery_tag", "multiple"]),
-        (spec.Basic.Return, ["reply_code", "reply_text"]),
+        (spec.Basic.Return, ["reply_code", "reply_text", "exchange", "routing_key"]),
         (spec.Channel.Close, ["reply_code", "reply_text"]),
     ):
         require_attributes("pamqp", command, names, f"its {command.__name__}")
     require_attributes("pamqp", ContentHeader(), ["body_size", "properties"], "its ContentHeader")
+    require_attributes(
+        "pamqp", spec.Basic.Properties(), ["headers", "message_id"], "its Basic.Properties"
+    )
     require_attributes("pamqp", ContentBody(b""), ["value"], "its ContentBody")
 
 
@@ -143,8 +146,16 @@ class FrameSink(Protocol):
     def on_confirm(self, generation: int, ack: bool, tag: int, multiple: bool) -> None:
         """``basic.ack`` (``ack=True``) or ``basic.nack`` on the channel of ``generation``."""
 
-    def on_return(self, headers: Mapping[str, Any] | None, reply_code: int, text: str) -> None:
-        """``basic.return`` of a message with these headers."""
+    def on_return(
+        self,
+        headers: Mapping[str, Any] | None,
+        reply_code: int,
+        text: str,
+        returned: tuple[str | None, str, str, bytes],
+        generation: int,
+    ) -> None:
+        """``basic.return`` of a message with these headers and (message_id, exchange,
+        routing key, body), on the channel of ``generation``."""
 
 
 class ConfirmChannel:
@@ -162,7 +173,10 @@ class ConfirmChannel:
         #: ``(reply_code, reply_text)`` of the broker's ``channel.close``, if it sent one
         self.close_reply: tuple[int, str] | None = None
         #: a basic.return whose content frames are still arriving: (frame, header or None, left)
-        self._returning: tuple[spec.Basic.Return, ContentHeader | None, int] | None = None
+        #: the body's frames so far (a return is matched by what it carries, body included)
+        self._returning: tuple[spec.Basic.Return, ContentHeader | None, int, list[bytes]] | None = (
+            None
+        )
 
     @property
     def connection(self) -> aiormq.abc.AbstractConnection:
@@ -214,7 +228,7 @@ class ConfirmChannel:
                 )
                 return True
             if isinstance(frame, spec.Basic.Return):
-                self._returning = (frame, None, 0)
+                self._returning = (frame, None, 0, [])
                 return True
             if isinstance(frame, spec.Channel.Close):
                 # Recorded as the connection reads it, before aiormq's channel reader queues
@@ -232,21 +246,33 @@ class ConfirmChannel:
     def _return_content(self, frame: Any) -> bool:
         """Take the content frames of a basic.return; False for a frame that is not one."""
         assert self._returning is not None
-        returned, header, left = self._returning
+        returned, header, left, chunks = self._returning
         if header is None and isinstance(frame, ContentHeader):
             header, left = frame, int(frame.body_size or 0)
         elif header is not None and isinstance(frame, ContentBody):
             left -= len(frame.value)
+            chunks.append(bytes(frame.value))
         else:
             log.error("reliable-amqp: %r arrived inside a returned message; dropped it", frame)
             self._returning = None
             return False
         if left > 0:
-            self._returning = (returned, header, left)
+            self._returning = (returned, header, left, chunks)
             return True
         self._returning = None
-        headers = header.properties.headers if header.properties is not None else None
-        self.sink.on_return(headers, int(returned.reply_code or 0), returned.reply_text or "")
+        properties = header.properties
+        self.sink.on_return(
+            properties.headers if properties is not None else None,
+            int(returned.reply_code or 0),
+            returned.reply_text or "",
+            (
+                properties.message_id if properties is not None else None,
+                returned.exchange or "",
+                returned.routing_key or "",
+                b"".join(chunks),
+            ),
+            self.generation,
+        )
         return True
 
     def _fail(self) -> None:

@@ -244,7 +244,7 @@ class PublishEngine(Generic[H]):
         if not message.mandatory and self.dedup_header is None:
             return None
         headers = dict(message.base.headers or {})
-        if message.mandatory:
+        if message.mandatory:  # its return is matched by this, whatever its message_id
             headers[ATTEMPT_HEADER] = attempt_tag(entry.key)
         if self.dedup_header is not None:
             headers[self.dedup_header] = message.message_id
@@ -293,9 +293,21 @@ class PublishEngine(Generic[H]):
                     resolved.append(done)
         return resolved
 
-    def on_return(self, attempt: object, reply_code: int, reply_text: str) -> None:
-        """``basic.return``; ``attempt`` is the returned message's attempt header value."""
-        self.tracker.on_return(attempt, reply_code, reply_text)
+    def on_return(
+        self,
+        attempt: object,
+        reply_code: int,
+        reply_text: str,
+        *,
+        returned: tuple[object, str, str, bytes] | None = None,
+        generation: int | None = None,
+    ) -> None:
+        """``basic.return``; ``attempt`` is the returned message's attempt header value (None
+        when it has none), ``returned`` its (message_id, exchange, routing key, body),
+        ``generation`` the channel's it came on (see ConfirmTracker.on_return)."""
+        self.tracker.on_return(
+            attempt, reply_code, reply_text, returned=returned, generation=generation
+        )
 
     def on_channel_lost(
         self, reply_code: int | None, reply_text: str, now: float

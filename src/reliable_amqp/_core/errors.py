@@ -405,7 +405,10 @@ class MessageRejected(PublishError):
 
 
 class PublisherClosed(PublishError):
-    """The publisher was closed (or failed for good) before the message could be confirmed."""
+    """The publisher was closed (or failed for good) before the message could be confirmed;
+    also what every call on a closed publisher raises (:meth:`refused`), where ``message`` is
+    the message the call was given, or None for a call that publishes nothing (``connect()``,
+    ``declare_*``, ``with``)."""
 
     retriable = True
 
@@ -413,6 +416,21 @@ class PublisherClosed(PublishError):
         detail = "was not confirmed before the publisher closed"
         super().__init__(message, attempts, f"{detail}: {reason}" if reason else detail)
         self.reason = reason
+
+    @classmethod
+    def refused(
+        cls, call: str, message: OutgoingMessage | None = None, reason: str = ""
+    ) -> PublisherClosed:
+        """The error of ``call`` (``"publish()"``, ``"connect()"``, ...) on a closed publisher:
+        nothing was sent; ``reason`` says more (why it closed, when it was not ``close()``)."""
+        error = cls.__new__(cls)
+        text = f"the publisher is closed: {call} sends nothing"
+        ReliableAmqpError.__init__(error, f"{text} ({reason})" if reason else text)
+        # None only for a call that was given no message (documented above)
+        error.message = message.plain() if message is not None else None  # type: ignore[assignment]
+        error.attempts = 0
+        error.reason = reason or "publisher is closed"
+        return error
 
 
 # --- the durable spool ----------------------------------------------------------------------------

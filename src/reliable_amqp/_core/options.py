@@ -292,6 +292,12 @@ class PublisherOptions:
     heartbeat: int = 30
     #: how ``close()`` waits for outstanding confirms when no timeout is given
     close_timeout: float = 30.0
+    #: a sync ``Publisher`` still open when the interpreter exits is closed then, waiting this
+    #: long for outstanding confirms (what is left is reported: docs/contract.md)
+    exit_timeout: float = 10.0
+    #: the default of ``publish(mandatory=...)``: True makes a message that no queue takes fail
+    #: with MessageReturned; False lets the broker confirm and drop it
+    mandatory: bool = True
     #: seconds a ``connection.blocked`` may last before the connection is dropped and recovered
     #: (None: wait as long as deadlines allow)
     blocked_timeout: float | None = None
@@ -356,7 +362,7 @@ class PublisherOptions:
         self._check_credentials_and_tls()
         _positive_int("max_in_flight", self.max_in_flight)
         _positive_int("max_in_flight_bytes", self.max_in_flight_bytes)
-        for name in ("publish_timeout", "delivery_timeout", "connect_timeout", "close_timeout"):
+        for name in _FLOAT_OPTIONS:
             _positive_float(name, getattr(self, name))
         if self.blocked_timeout is not None:
             _positive_float("blocked_timeout", self.blocked_timeout)
@@ -402,8 +408,11 @@ class PublisherOptions:
                 raise ConfigurationError(f"{name} must be a str or None, got {shown}")
         if self.username == "":
             raise ConfigurationError("username must not be empty (None: the URL's)")
-        if not isinstance(self.tls_verify, bool):
-            raise ConfigurationError(f"tls_verify must be True or False, got {self.tls_verify!r}")
+        for name in _BOOL_OPTIONS:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigurationError(
+                    f"{name} must be True or False, got {getattr(self, name)!r}"
+                )
         if self.server_hostname == "":
             raise ConfigurationError("server_hostname must not be empty (None: the URL's host)")
         files = [
@@ -518,7 +527,7 @@ class PublisherOptions:
                 )
             elif name in _STRING_OPTIONS:
                 typed[name] = raw or None
-            elif name == "tls_verify":
+            elif name in _BOOL_OPTIONS:
                 typed[name] = _parse_bool(name, raw)
             elif name == "ssl_context":
                 raise ConfigurationError(
@@ -561,12 +570,14 @@ _STRING_OPTIONS = frozenset(
     {"dedup_header", "connection_name", "spool", "spool_fsync", *_CREDENTIAL_AND_TLS_STRINGS}
 )
 _INT_OPTIONS = {"max_in_flight", "max_in_flight_bytes", "heartbeat", "spool_max_bytes"}
-_FLOAT_OPTIONS = {
+_FLOAT_OPTIONS = (
     "publish_timeout",
     "delivery_timeout",
     "connect_timeout",
     "close_timeout",
-}
+    "exit_timeout",
+)
+_BOOL_OPTIONS = ("tls_verify", "mandatory")
 
 
 def _parse_int(name: str, raw: str) -> int:

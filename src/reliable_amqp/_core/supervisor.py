@@ -325,10 +325,11 @@ class Supervisor(Generic[H]):
                         continue  # resolved while queued (expired, closed)
                 else:
                     break
-                if plain and not entry.mandatory:
+                if plain:
                     # The common case, inlined: frames that do not depend on the delivery tag are
                     # encoded first (nothing to take back if that fails), the batch's publishes
-                    # tracked together after.
+                    # tracked together after. A mandatory one goes out as it is too: its return
+                    # is matched by what it carries (ConfirmTracker.on_return).
                     try:
                         encode(entry, out)
                     except ENCODE_ERRORS as exc:

@@ -48,8 +48,10 @@ CONFIRMED = Confirmed()
 _SEQ_BITS = 40  # 1e12 publishes per channel before a generation would overflow into the next
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
-#: Header stamped on mandatory publishes so a ``basic.return`` (which has no delivery tag) can be
-#: matched to its publish attempt. The user's ``message_id`` cannot serve: users repeat ids.
+#: Header stamped on a mandatory publish that goes out alone (after a frame error, or with a
+#: dedup header, when the message gets headers of its own anyway), naming its publish attempt
+#: for the ``basic.return`` (which has no delivery tag). Every other mandatory publish goes out
+#: as the caller made it: its return is matched by what it carries (ConfirmTracker.on_return).
 ATTEMPT_HEADER = "x-reliable-amqp-attempt"
 
 
@@ -338,6 +340,9 @@ class ConfirmTracker(Generic[H]):
         self._generation = 0
         self._seq = 0
         self._live = 0
+        #: key of the last entry a return without an attempt header matched: the broker returns
+        #: in publish order, so the next one is searched for after it
+        self._returned_at = 0
 
     @property
     def generation(self) -> int:
@@ -417,21 +422,70 @@ class ConfirmTracker(Generic[H]):
         """Settle a ``basic.nack``."""
         return self._settle(generation, tag, multiple, Outcome.NACKED)
 
-    def on_return(self, attempt: object, reply_code: int, reply_text: str) -> Entry[H] | None:
+    def on_return(
+        self,
+        attempt: object,
+        reply_code: int,
+        reply_text: str,
+        *,
+        returned: tuple[object, str, str, bytes] | None = None,
+        generation: int | None = None,
+    ) -> Entry[H] | None:
         """Note a ``basic.return``; the ack that follows it settles the entry as RETURNED.
 
-        ``attempt`` is the :data:`ATTEMPT_HEADER` value of the returned message. Returns the
-        entry, or None when the value matches no entry on the wire (a stale generation).
+        ``attempt`` is the :data:`ATTEMPT_HEADER` value of the returned message, None when it
+        has none: then ``returned`` (its message_id, exchange, routing key and body) names it,
+        as the first mandatory entry on the wire that carries all four, searched from the last
+        one matched (returns come in publish order: constant work per publish). Two entries
+        that match alike are the same message to the broker and to any consumer: whichever is
+        taken, one copy was routed and one was not. ``generation`` is the channel's the return
+        came on (None: the current one). Returns the entry, or None when nothing on the wire
+        matches (a stale generation, a message not ours).
         """
-        key = parse_attempt_tag(attempt)
-        slot = self._slot(key) if key is not None else None
-        if slot is None:
+        if generation is not None and generation != self._generation:
             return None
-        _, run, offset = slot
-        entry = run.entries[offset]
-        assert entry is not None
+        entry: Entry[H] | None
+        if attempt is None:
+            entry = self._find_returned(returned) if returned is not None else None
+            if entry is None:
+                return None
+        else:
+            key = parse_attempt_tag(attempt)
+            slot = self._slot(key) if key is not None else None
+            if slot is None:
+                return None
+            _, run, offset = slot
+            entry = run.entries[offset]
+            assert entry is not None
         entry.returned = (reply_code, reply_text)
         return entry
+
+    def _find_returned(self, returned: tuple[object, str, str, bytes]) -> Entry[H] | None:
+        message_id, exchange, routing_key, body = returned
+        runs = self._runs
+        if not runs:
+            return None
+        after = self._returned_at
+        keys = runs.keys()
+        at = max(0, runs.bisect_right(after) - 1)
+        # after the last match first (the broker's order), then from the start up to it
+        for lo, hi, pick in ((at, len(keys), after), (0, at + 1, -1)):
+            for first in keys[lo:hi]:
+                for key, entry in enumerate(runs[first].entries, first):
+                    if (
+                        entry is not None
+                        and entry.message_id == message_id
+                        and entry.key == key
+                        and (key > pick if pick >= 0 else key <= after)
+                        and entry.returned is None
+                        and entry.mandatory
+                        and entry.exchange == exchange
+                        and entry.routing_key == routing_key
+                        and entry.body == body
+                    ):
+                        self._returned_at = key
+                        return entry
+        return None
 
     def untrack(self, entry: Entry[H]) -> bool:
         """Take back the latest :meth:`track` (its publish never reached the wire).
@@ -479,6 +533,7 @@ class ConfirmTracker(Generic[H]):
         self._runs.clear()
         self._open = None
         self._live = 0
+        self._returned_at = 0
         self._generation += 1
         self._seq = 0
         return unconfirmed

@@ -8,7 +8,11 @@ place in the append order) and goes to the engine in that order:
 - otherwise it stays on disk only (the *backlog*: messages recovered from an earlier process, and
   whatever did not fit in the window during an outage), and the adapter reads it back, in order,
   as the window frees room (:meth:`SpoolFeed.take`). Memory holds at most a window of messages
-  however long the outage; a backlog message published here keeps only its future in memory.
+  however long the outage. A backlog message published here keeps its future in memory only
+  while someone else does (:attr:`SpoolFeed.waiting`, pruned as it grows): a future the caller
+  keeps, awaits or gave a done-callback still resolves; one the caller dropped costs nothing
+  (its message is read back from disk). Weak references would not do: a caller that only adds
+  a done-callback and drops the future expects the callback to run.
 
 Recovered messages are *held* until the caller's first ``publish()``, ``flush()`` or
 ``close()`` (:meth:`SpoolFeed.release`): the declarations a caller makes before those are in
@@ -27,8 +31,9 @@ Not thread-safe: the sync publisher calls it under its handoff lock, the async o
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from sortedcontainers import SortedList
 
@@ -41,22 +46,38 @@ H = TypeVar("H")
 
 #: entries read back from the spool at a time, at most
 READ_CHUNK = 1000
+#: waiting futures are pruned of the dropped ones when there are this many more than after the
+#: last pruning (and at least this many): pruning costs O(1) a message, memory stays bounded
+PRUNE_MIN = 4096
+
+
+def _refcounts(handles: dict[int, object]) -> list[tuple[int, int]]:
+    """(seq, reference count) of each handle; the same code measures :data:`_UNREFERENCED`."""
+    return [(seq, sys.getrefcount(handle)) for seq, handle in handles.items()]
+
+
+#: the reference count :func:`_refcounts` reports for a handle that only the dict holds
+_UNREFERENCED = _refcounts({0: object()})[0][1]
 
 
 class SpoolFeed(Generic[H]):
     """Which messages are on disk only, which seq each message in memory has, what ``flush()``
     waits for (see the module docstring)."""
 
-    def __init__(self, spool: Spool) -> None:
+    def __init__(self, spool: Spool, watched: Callable[[H], bool]) -> None:
+        """``watched(handle)`` says whether a future has done-callbacks or waiters."""
         self.spool = spool
+        self._watched = watched
         #: entries up to this seq were left by an earlier process: they have no caller future
         self.recovered_top = spool.last_seq
         #: every entry with a seq up to this one went to the engine (or never needs to)
         self.fed = 0
-        #: futures (handles) of backlog messages published here, by seq
+        #: futures (handles) of backlog messages published here, by seq (see the module
+        #: docstring: pruned of those nobody else holds)
         self.waiting: dict[int, H] = {}
-        #: the seq of each message in memory, by its handle
-        self._seqs: dict[Any, int] = {}
+        self._prune_at = PRUNE_MIN
+        #: the seq of each message in memory, by its window index (``Entry.index``)
+        self._seqs: dict[int, int] = {}
         #: the seqs in memory, in order (flush() counts those up to its mark)
         self._held: SortedList[int] = SortedList()
         #: set when a read found fewer entries than the backlog holds: the rest are not
@@ -80,15 +101,29 @@ class SpoolFeed(Generic[H]):
         older waits on disk); the caller also checks the window has room."""
         return seq == self.fed + 1
 
-    def track(self, handle: H, seq: int) -> None:
-        """``handle``'s message (``seq``) goes to the engine now."""
-        self._seqs[handle] = seq
+    def track(self, index: int, seq: int) -> None:
+        """The message ``seq`` goes to the engine now, with window index ``index``."""
+        self._seqs[index] = seq
         self._held.add(seq)
         self.fed = max(self.fed, seq)
 
     def park(self, handle: H, seq: int) -> None:
         """``handle``'s message (``seq``) stays on disk until there is room for it."""
-        self.waiting[seq] = handle
+        waiting = self.waiting
+        waiting[seq] = handle
+        if len(waiting) >= self._prune_at:
+            self.prune()
+
+    def prune(self) -> None:
+        """Forget the waiting futures nobody else references and nobody watches: their
+        messages are read back from disk (with a handle of the adapter's) when their turn
+        comes. CPython's reference counts tell; the dict's own reference is the baseline."""
+        waiting = self.waiting
+        watched = self._watched
+        for seq, count in _refcounts(waiting):  # type: ignore[arg-type]
+            if count <= _UNREFERENCED and not watched(waiting[seq]):
+                del waiting[seq]
+        self._prune_at = max(PRUNE_MIN, 2 * len(waiting))
 
     # --- reading back ---------------------------------------------------------------------------
 
@@ -140,14 +175,10 @@ class SpoolFeed(Generic[H]):
         )
         return SpoolEntry(entry.seq, mandatory, entry.size)
 
-    def take(self, entry: SpoolEntry, new_handle: Callable[[], H]) -> H:
-        """``entry`` goes to the engine: returns its handle (the caller's future, or a new one
-        for a recovered message)."""
-        handle = self.waiting.pop(entry.seq, None)
-        if handle is None:
-            handle = new_handle()
-        self.track(handle, entry.seq)
-        return handle
+    def take(self, seq: int) -> H | None:
+        """The caller's future of backlog message ``seq``, if the caller still keeps it (None:
+        recovered, or dropped); the adapter then tracks the message."""
+        return self.waiting.pop(seq, None)
 
     # --- resolving ------------------------------------------------------------------------------
 
@@ -162,7 +193,7 @@ class SpoolFeed(Generic[H]):
         removes: list[int] = []
         failed: list[PublishError] = []
         for entry in entries:
-            seq = seqs.pop(entry.handle, None)
+            seq = seqs.pop(entry.index, None)
             if seq is None:
                 continue
             held.remove(seq)

@@ -49,6 +49,9 @@ DEFAULT_MAX_BYTES = 1024**3
 _RETRY_MAX = 2.0
 #: how many rows one read of pending entries returns at most
 READ_LIMIT_MAX = 100_000
+#: bytes queued for the writer at most: beyond, append() waits for the disk (a producer faster
+#: than the disk would otherwise hold the difference in memory)
+QUEUE_MAX_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,7 @@ class Spool:
         self._read_lock = threading.Lock()
         # caller-side state, under _lock
         self._appends: list[_Append] = []
+        self._queued_bytes = 0  # of _appends
         self._removes: list[int] = []
         self._fails: list[tuple[int, str]] = []
         self._next_seq = counts[0] + 1
@@ -222,9 +226,12 @@ class Spool:
                 raise SpoolError(f"the spool {self.directory} is closed")
             if self._bytes and self._bytes + size > self.max_bytes:
                 self._wait_for_room(size, timeout, message)
+            if self._queued_bytes > QUEUE_MAX_BYTES:
+                self._wait_for_writer(message)
             seq = self._next_seq
             self._next_seq = seq + 1
             self._appends.append((seq, size, crc, meta, body))
+            self._queued_bytes += size
             self._bytes += size
             self._count += 1
             if self._writer_idle:
@@ -247,6 +254,35 @@ class Spool:
                     f"{size:,} bytes; the broker is not confirming (down or blocked?)"
                 )
             self._changed.wait(left)
+
+    def _wait_for_writer(self, message: OutgoingMessage) -> None:
+        """The writer is behind by more than QUEUE_MAX_BYTES: wait for it (the disk)."""
+        while self._queued_bytes > QUEUE_MAX_BYTES:
+            if self._error is not None:
+                raise self._write_error(message)
+            if self._closing:
+                raise SpoolError(f"the spool {self.directory} is closed")
+            if self._writer_idle:
+                self._writer_idle = False
+                self._work.notify()
+            self._changed.wait(1.0)
+
+    @property
+    def writer_behind(self) -> bool:
+        """Whether :meth:`append` would wait for the writer (more than QUEUE_MAX_BYTES queued)."""
+        return self._queued_bytes > QUEUE_MAX_BYTES
+
+    def wait_for_writer(self, timeout: float | None = None) -> None:
+        """Wait until the writer is no longer behind (or it failed, or ``timeout`` passed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._queued_bytes > QUEUE_MAX_BYTES and self._error is None:
+                if self._closing:
+                    return
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._changed.wait(left)
 
     def has_room(self, size: int) -> bool:
         """Whether a message of ``size`` bytes (see :meth:`encode`) fits without waiting."""
@@ -399,6 +435,7 @@ class Spool:
                         self._work.wait()
                     self._writer_idle = False
                     appends, self._appends = self._appends, []
+                    self._queued_bytes = 0
                     removes, self._removes = self._removes, []
                     fails, self._fails = self._fails, []
                     persist = self._persist_target > self._synced_seq
@@ -414,6 +451,7 @@ class Spool:
                     with self._lock:
                         # keep the work, in order, ahead of anything queued since
                         self._appends[:0] = appends
+                        self._queued_bytes += sum(entry[1] for entry in appends)
                         self._removes[:0] = removes
                         self._fails[:0] = fails
                         if self._error is None:

@@ -85,6 +85,14 @@ class IOThread:
         if wait and self._thread is not None:
             self._thread.join()
 
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the thread to end; True when it has (or never ran)."""
+        thread = self._thread
+        if thread is None:
+            return True
+        thread.join(timeout)
+        return not thread.is_alive()
+
     # --- the thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -260,7 +268,7 @@ class IOThread:
 
     def _on_channel_open(self, generation: int, channel: Channel) -> None:
         channel.add_on_close_callback(functools.partial(self._on_channel_closed, generation))
-        channel.add_on_return_callback(self._on_return)
+        channel.add_on_return_callback(functools.partial(self._on_return, generation))
         channel.confirm_delivery(
             ack_nack_callback=functools.partial(self._on_confirm, generation),
             callback=lambda _frame: self._on_confirm_mode(generation, channel),
@@ -324,10 +332,21 @@ class IOThread:
             self._drain()
 
     def _on_return(
-        self, channel: Channel, method: Basic.Return, properties: BasicProperties, body: bytes
+        self,
+        generation: int,
+        channel: Channel,
+        method: Basic.Return,
+        properties: BasicProperties,
+        body: bytes,
     ) -> None:
         attempt = (properties.headers or {}).get(ATTEMPT_HEADER)
-        self._engine.on_return(attempt, method.reply_code, method.reply_text)
+        self._engine.on_return(
+            attempt,
+            method.reply_code,
+            method.reply_text,
+            returned=(properties.message_id, method.exchange, method.routing_key, body),
+            generation=generation,
+        )
 
     # --- writing and closing ----------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from reliable_amqp._compat.futures import LIGHT_FUTURES
 from reliable_amqp._core.errors import PublisherClosed, PublishError, PublishTimeout
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
@@ -34,6 +35,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("reliable_amqp")
 
 
+def _watched(future: PublishFuture) -> bool:
+    """Whether a future has done-callbacks or waiters (``concurrent.futures.wait``)."""
+    if LIGHT_FUTURES:  # the lists are made only when something is put in them
+        return bool(future._lazy_callbacks or future._lazy_waiters)
+    return bool(future._done_callbacks or future._waiters)
+
+
 class SpooledPublishing:
     """A sync publisher's spool, its feed, and the calls its publisher and I/O thread make."""
 
@@ -43,7 +51,7 @@ class SpooledPublishing:
         self.spool = Spool(
             options.spool, max_bytes=options.spool_max_bytes, fsync=options.spool_fsync
         )
-        self.feed: SpoolFeed[PublishFuture] = SpoolFeed(self.spool)
+        self.feed: SpoolFeed[PublishFuture] = SpoolFeed(self.spool, _watched)
         self._handoff = handoff
         self._events = events
         if self.spool.pending:
@@ -93,11 +101,12 @@ class SpooledPublishing:
                         f"room for a message of {size:,} bytes; the broker is not confirming "
                         "(down or blocked?)"
                     ) from None
-                future = PublishFuture(handoff.futures, 0, handoff)
+                # the message is its own future (as without a spool: see Publisher.publish)
+                future: PublishFuture = message  # type: ignore[assignment]
                 if feed.direct(seq) and window.fits(body_size):
-                    future.index = window.take(body_size)
-                    feed.track(future, seq)
-                    handoff.outbox.append((message, future))
+                    future.index = index = window.take(body_size)
+                    feed.track(index, seq)
+                    handoff.outbox.append(future)
                 elif window.free_slots() <= 0:
                     feed.park(future, seq)  # read back when confirms free room
                     return future
@@ -150,37 +159,21 @@ class SpooledPublishing:
             feed.waiting.clear()
         if waiting:
             self.spool.persist(timeout)
-            reason = (
+            stored = self.spool.committed_seq
+            kept = (
                 "publisher closed; the message stays in the spool "
                 f"{self.spool.directory} and goes out with the next publisher opened on it"
             )
-            futures: list[PublishFuture] = []
-            errors: list[BaseException] = []
-            after = min(waiting) - 1
-            while waiting and (entries := self.spool.read(after, 1000)):
-                for entry in entries:
-                    future = waiting.pop(entry.seq, None)
-                    if future is not None:
-                        futures.append(future)
-                        errors.append(PublisherClosed(entry.message, 0, reason))
-                after = entries[-1].seq
-            for future in waiting.values():  # never written (the disk failed): say so
-                futures.append(future)
-                errors.append(
-                    PublisherClosed(
-                        OutgoingMessage("", "", b""),
-                        0,
-                        "publisher closed; the spool could not store the message",
-                    )
-                )
-            for future, error in zip(futures, errors, strict=True):
-                if not future.done():
-                    future.set_exception(error)
+            lost = "publisher closed; the spool could not store the message"
+            for seq, future in waiting.items():
+                if not future.done():  # it is its own message (see publish())
+                    reason = kept if seq <= stored else lost
+                    future.set_exception(PublisherClosed(future.plain(), 0, reason))
         self.spool.close(timeout)
 
     # --- the I/O thread's side ------------------------------------------------------------------
 
-    def refill(self) -> list[tuple[OutgoingMessage, PublishFuture]]:
+    def refill(self) -> list[tuple[OutgoingMessage, PublishFuture] | PublishFuture]:
         """The backlog messages the window has room for now, read back in order."""
         feed = self.feed
         if not feed.backlog:
@@ -192,16 +185,22 @@ class SpooledPublishing:
         entries = feed.read(room)  # the disk, outside the lock
         if not entries:
             return []
-        items: list[tuple[OutgoingMessage, PublishFuture]] = []
+        items: list[tuple[OutgoingMessage, PublishFuture] | PublishFuture] = []
         condition = handoff.futures
         with handoff.lock:
             for entry in entries:
                 size = len(entry.message.body)
                 if entry.seq <= feed.fed or not window.fits(size):
                     break
-                future = feed.take(entry, lambda: PublishFuture(condition, 0, handoff))
-                future.index = window.take(size)
-                items.append((entry.message, future))
+                future = feed.take(entry.seq)
+                index = window.take(size)
+                feed.track(index, entry.seq)
+                if future is not None and not future.adopted:  # the caller's, its own message
+                    future.index = index
+                    items.append(future)
+                else:  # recovered, or the caller dropped its future: a handle of our own
+                    handle = PublishFuture(condition, index, handoff)
+                    items.append((entry.message, handle))
         return items
 
     def resolved_locked(self, resolutions: list[Entry[PublishFuture]]) -> list[PublishError]:

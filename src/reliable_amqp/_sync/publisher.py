@@ -10,7 +10,9 @@ does, and the handoff turns its resolutions into futures.
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -23,10 +25,9 @@ from reliable_amqp._core.errors import (
     OperationTimeout,
     PublisherClosed,
     PublishTimeout,
-    ReliableAmqpError,
 )
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
-from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
 from reliable_amqp._otel import TelemetrySlot
@@ -36,6 +37,7 @@ from reliable_amqp._sync._handoff import Handoff
 from reliable_amqp._sync._io import IOThread
 from reliable_amqp._sync._pika import connection_parameters
 from reliable_amqp._sync._spooled import SpooledPublishing
+from reliable_amqp._unclosed import report_unclosed
 
 if TYPE_CHECKING:
     from reliable_amqp._otel._telemetry import Telemetry
@@ -53,10 +55,114 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _dropped(io: IOThread) -> None:
-    """A Publisher was garbage-collected without close(): end its thread and connection."""
-    if io.started and not io.stopping.is_set():
-        io.stop(wait=False)
+#: how long a publisher closed at interpreter exit waits for its I/O thread to end, beyond
+#: ``exit_timeout`` (a connection attempt under way ends at its next check of the stop flag)
+_EXIT_JOIN = 3.0
+#: Publishers connected and not closed: closed at interpreter exit (see _close_at_exit)
+_open_publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
+
+
+def _close_open_publishers() -> None:
+    for publisher in list(_open_publishers):
+        publisher._close_at_exit()
+
+
+# The I/O threads are daemons, so they still run when atexit handlers do.
+atexit.register(_close_open_publishers)
+
+
+class _Parts:
+    """What closing needs, without the Publisher object: the finalizer of a publisher that was
+    garbage-collected holds this, not the publisher."""
+
+    __slots__ = ("handoff", "io", "name", "options", "spooled", "supervisor", "telemetry")
+
+    def __init__(
+        self,
+        handoff: Handoff,
+        io: IOThread,
+        supervisor: Supervisor[PublishFuture],
+        *,
+        spooled: SpooledPublishing | None,
+        options: PublisherOptions,
+        name: str,
+    ) -> None:
+        self.handoff = handoff
+        self.io = io
+        self.supervisor = supervisor
+        self.spooled = spooled
+        self.options = options
+        self.name = name
+        self.telemetry: Telemetry | None = None
+
+    def flush(self, timeout: float | None) -> int:
+        """:meth:`Publisher.flush`."""
+        end = None if timeout is None else time.monotonic() + timeout
+        handoff = self.handoff
+        if handoff.forked:
+            return handoff.window.count  # nothing will resolve them here
+        handoff.check_wait("flush()")
+        if self.spooled is not None:  # what waits on disk counts too
+            return self.spooled.flush(timeout)
+        window = handoff.window
+        with handoff.room:
+            barrier = window.barrier()
+            try:
+                while barrier.remaining > 0:
+                    remaining = None if end is None else end - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    handoff.room.wait(remaining)
+            finally:
+                window.end_barrier(barrier)
+            return barrier.remaining
+
+    def close(self, wait: float, join: float | None = None) -> int:
+        """:meth:`Publisher.close`; ``join`` bounds the wait for the I/O thread to end after the
+        flush (None: as long as it takes). Returns how many messages were not confirmed."""
+        handoff = self.handoff
+        handoff.check_wait("close()")
+        with handoff.room:
+            handoff.accepting = False
+            handoff.room.notify_all()
+        if not self.io.started:
+            if self.spooled is not None:
+                self.spooled.close(wait)
+            return 0
+        left = self.flush(wait)
+        self.io.stop(wait=join is None)
+        if join is not None and not self.io.join(join):
+            return max(left, handoff.window.count)  # still stopping: the engine is its own
+        # The I/O thread settled everything it held; a publish that raced close() may remain.
+        # The thread is gone, so the engine is this thread's to finish.
+        engine = self.supervisor.engine
+        engine.accept_many(handoff.take_outbox() or (), time.monotonic())
+        handoff.resolve(engine.close_all("publisher closed"))
+        if self.spooled is not None:  # what is left stays in the spool for the next publisher
+            self.spooled.close(wait)
+        if self.telemetry is not None:
+            self.telemetry.close()
+        return left
+
+
+def _collected(parts: _Parts) -> None:
+    """A connected Publisher was garbage-collected without close(): report what is still
+    unconfirmed, and close it in the background as close() would (its futures may still be
+    held; a finalizer must not block)."""
+    if not parts.io.started or parts.io.stopping.is_set() or parts.handoff.forked:
+        return
+    wait = parts.options.close_timeout
+    report_unclosed(
+        f"{parts.name} was garbage-collected while open",
+        parts.handoff.window.count,
+        f"they get up to close_timeout={wait:g} s to be confirmed, in the background, then "
+        "fail with PublisherClosed",
+        parts.options.spool,
+        "Call close() (or use `with Publisher(...)`) to wait for them and see their outcome.",
+    )
+    threading.Thread(
+        target=parts.close, args=(wait,), name="reliable-amqp-close", daemon=True
+    ).start()
 
 
 class Publisher(PublisherSurface[None, str]):
@@ -87,9 +193,19 @@ class Publisher(PublisherSurface[None, str]):
         self._telemetry: Telemetry | None = None
         self._io = IOThread(params, self._handoff, self._supervisor, Topology())
         _live_handoffs.add(self._handoff)
+        urls = ", ".join(redact_url(u) for u in self.options.urls)
+        self._parts = _Parts(
+            self._handoff,
+            self._io,
+            self._supervisor,
+            spooled=self._spooled,
+            options=self.options,
+            name=f"Publisher [{urls}]",
+        )
         # Dropped without close(): the thread holds no reference to this object, so it can be
-        # collected; then the thread closes the connection and ends (what was pending fails).
-        weakref.finalize(self, _dropped, self._io)
+        # collected; then what is unconfirmed is reported and the publisher closed.
+        self._finalizer = weakref.finalize(self, _collected, self._parts)
+        self._finalizer.atexit = False  # at exit, _close_at_exit() closes it while still here
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -103,10 +219,13 @@ class Publisher(PublisherSurface[None, str]):
         handoff = self._handoff
         if handoff.fatal is not None:
             raise handoff.fatal
+        if not handoff.accepting:
+            raise PublisherClosed.refused("connect()")
         handoff.check_wait("connect()")
-        self._telemetry = handoff.telemetry = self._otel.decide(
+        self._telemetry = self._parts.telemetry = handoff.telemetry = self._otel.decide(
             self.options, self._supervisor, self.stats
         )
+        _open_publishers.add(self)
         self._io.start()
         if self._spooled is not None:
             return self  # connects in the background; publish() goes to the spool meanwhile
@@ -114,7 +233,7 @@ class Publisher(PublisherSurface[None, str]):
             if handoff.fatal is not None:
                 raise handoff.fatal
             if not handoff.accepting:
-                raise ReliableAmqpError("publisher was closed while connecting")
+                raise PublisherClosed.refused("connect()", reason="closed while connecting")
         return self
 
     def __enter__(self) -> Publisher:
@@ -134,35 +253,38 @@ class Publisher(PublisherSurface[None, str]):
         Whatever is still unresolved then fails with :class:`PublisherClosed`: after ``close()``
         returns, every future this publisher handed out is resolved. Returns how many failed so.
         """
-        handoff = self._handoff
-        if handoff.forked:  # the parent's thread and socket: leave them alone
+        if self._handoff.forked:  # the parent's thread and socket: leave them alone
             return self._window.count
-        handoff.check_wait("close()")
-        with handoff.room:
-            handoff.accepting = False
-            handoff.room.notify_all()
-        wait = self.options.close_timeout if timeout is None else timeout
-        if not self._io.started:
-            if self._spooled is not None:
-                self._spooled.close(wait)
-            return 0
-        left = self.flush(wait)
-        self._io.stop()
-        # The I/O thread settled everything it held; a publish that raced close() may remain.
-        # The thread is gone, so the engine is this thread's to finish.
-        engine = self._supervisor.engine
-        engine.accept_many(handoff.take_outbox() or (), time.monotonic())
-        handoff.resolve(engine.close_all("publisher closed"))
-        if self._spooled is not None:  # what is left stays in the spool for the next publisher
-            self._spooled.close(wait)
-        if self._telemetry is not None:
-            self._telemetry.close()
-        return left
+        self._finalizer.detach()
+        _open_publishers.discard(self)
+        return self._parts.close(self.options.close_timeout if timeout is None else timeout)
+
+    def _close_at_exit(self) -> None:
+        """The interpreter is exiting and nobody closed this publisher: close it, waiting
+        ``exit_timeout`` for what is unconfirmed (what is left is reported, not lost quietly)."""
+        _open_publishers.discard(self)
+        self._finalizer.detach()
+        handoff = self._handoff
+        if handoff.forked or not handoff.accepting:
+            return
+        wait = self.options.exit_timeout
+        left = self._parts.close(wait, join=_EXIT_JOIN)
+        if left:
+            report_unclosed(
+                f"{self._parts.name} was still open when the interpreter exited (it waited "
+                f"exit_timeout={wait:g} s for confirms)",
+                left,
+                "they failed with PublisherClosed",
+                self.options.spool,
+                "Call close() (or flush()) before the program ends, or use `with Publisher(...)`.",
+            )
 
     # --- topology ----------------------------------------------------------------------------
 
     def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
         self._handoff.check_wait(f"declaring {op.describe()}")
+        if not self._handoff.accepting and self._handoff.fatal is None:
+            raise PublisherClosed.refused(f"declaring {op.describe()}")
         if not self._io.opened.is_set():
             self.connect()
         future: Future[Any] = Future()
@@ -171,7 +293,7 @@ class Publisher(PublisherSurface[None, str]):
             if handoff.fatal is not None:
                 raise handoff.fatal
             if not handoff.accepting:
-                raise ReliableAmqpError("publisher is closed")
+                raise PublisherClosed.refused(f"declaring {op.describe()}")
             handoff.requests.append((op, future))
         handoff.wake(force=True)
         wait = self.options.connect_timeout if timeout is None else timeout
@@ -188,7 +310,7 @@ class Publisher(PublisherSurface[None, str]):
         routing_key: str,
         body: bytes,
         *,
-        mandatory: bool = False,
+        mandatory: bool | None = None,
         **properties: Any,
     ) -> Future[Confirmation]:
         """Send a message; return a future at once (it waits only while the window is full).
@@ -238,7 +360,7 @@ class Publisher(PublisherSurface[None, str]):
         routing_key: str,
         bodies: Iterable[bytes],
         *,
-        mandatory: bool = False,
+        mandatory: bool | None = None,
         **properties: Any,
     ) -> list[Future[Confirmation]]:
         """Send many messages to one route with the same properties; one future per body.
@@ -320,24 +442,7 @@ class Publisher(PublisherSurface[None, str]):
 
         Messages published by other threads after this call started are not waited for.
         """
-        end = None if timeout is None else time.monotonic() + timeout
-        handoff = self._handoff
-        if handoff.forked:
-            return self._window.count  # nothing will resolve them here
-        handoff.check_wait("flush()")
-        if self._spooled is not None:  # what waits on disk counts too
-            return self._spooled.flush(timeout)
-        with handoff.room:
-            barrier = self._window.barrier()
-            try:
-                while barrier.remaining > 0:
-                    remaining = None if end is None else end - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        break
-                    handoff.room.wait(remaining)
-            finally:
-                self._window.end_barrier(barrier)
-            return barrier.remaining
+        return self._parts.flush(timeout)
 
     def persist(self, timeout: float | None = None) -> int:
         """With a spool: wait until every message published so far is durable on disk
@@ -369,4 +474,4 @@ class Publisher(PublisherSurface[None, str]):
         if fatal is not None:
             raise PublisherClosed(message, 0, str(fatal)) from fatal
         if not self._handoff.accepting:
-            raise PublisherClosed(message, 0, "publisher is closed")
+            raise PublisherClosed.refused("publish()", message)
