@@ -4,7 +4,7 @@ Every message handed to a publisher resolves exactly once: confirmed by the brok
 a :class:`PublishError` subclass that says why. See ``docs/`` for the delivery contract.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from reliable_amqp._core.errors import (
     AccessRefused,
@@ -48,13 +48,19 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     # AsyncPublisher needs the `aio` extra: aio-pika is imported only when it is asked for.
     if name == "AsyncPublisher":
         from reliable_amqp._async import AsyncPublisher
 
         return AsyncPublisher
     raise AttributeError(f"module 'reliable_amqp' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # the public names (AsyncPublisher among them, though loaded on first use), not the
+    # helpers of this module (TYPE_CHECKING) nor the private submodules
+    return sorted({*__all__, "AsyncPublisher"})
 
 
 __all__ = [

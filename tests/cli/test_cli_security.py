@@ -61,7 +61,7 @@ def assert_no_secret(*texts: str) -> None:
         (
             f"amqp://guest:guest@{HOST}/%2F?connection_attempts=3",
             "reliable-amqp publish: error: broker URL amqp://guest:***@127.0.0.1:5672/%2F?"
-            "connection_attempts=***: the URL parameter 'connection_attempts' is not accepted; "
+            "connection_attempts=3: the URL parameter 'connection_attempts' is not accepted; "
             "use the publisher option connect_policy instead",
         ),
     ],

@@ -95,13 +95,16 @@ def redact_url(url: str) -> str:
     return _redact_query(head + rest[at + 1 :], len(head))
 
 
-#: Query parameters whose values :func:`redact_url` shows; every other value is hidden, since
-#: some hold secrets (pika's ``ssl_options`` may carry a key password).
+#: Query parameters whose values :func:`redact_url` shows: ``heartbeat`` and the client
+#: libraries' parameters that a publisher option replaces (``connection_attempts=3`` says what
+#: was meant; only a password is secret there). Every other value is hidden: a TLS parameter may
+#: hold one (pika's ``ssl_options`` carries a key password), and so may an unknown one.
 _SHOWN_QUERY_VALUES = frozenset({"heartbeat"})
 
 
 def _redact_query(url: str, authority_start: int) -> str:
-    """``url`` with the value of each query parameter but ``heartbeat`` replaced by ``***``."""
+    """``url`` with the value of each query parameter not in :data:`_SHOWN_QUERY_VALUES` or
+    :data:`_PARAMETER_OPTIONS` replaced by ``***``."""
     tail = url[authority_start:]
     query_at = tail.find("?")
     fragment_at = tail.find("#")
@@ -111,7 +114,8 @@ def _redact_query(url: str, authority_start: int) -> str:
     pairs = []
     for pair in re.split("([&;])", tail[query_at + 1 : end]):
         key, equals, _value = pair.partition("=")
-        hidden = equals and unquote(key).strip().lower() not in _SHOWN_QUERY_VALUES
+        name = unquote(key).strip().lower()
+        hidden = equals and name not in _SHOWN_QUERY_VALUES and name not in _PARAMETER_OPTIONS
         pairs.append(f"{key}=***" if hidden else pair)
     return url[: authority_start + query_at + 1] + "".join(pairs) + tail[end:]
 
