@@ -5,8 +5,8 @@ Three situations, each with what the failure carries and one sensible reaction:
 1. A full queue (``x-max-length`` with ``x-overflow=reject-publish``) nacks what does not fit.
    After the nack retry policy is spent the future fails with ``MessageNacked``; the exception
    carries the message, so it can be kept and published again once there is room.
-2. A ``mandatory`` message no queue is bound for comes back: ``MessageReturned`` (312 NO_ROUTE).
-   Without ``mandatory`` the broker would confirm it and drop it, silently.
+2. A message no queue is bound for comes back: ``MessageReturned`` (312 NO_ROUTE), since
+   messages are mandatory by default. With ``mandatory=False`` the broker confirms it and drops it.
 3. A message to an exchange that does not exist makes the broker close the channel (404):
    ``MessageRejected`` fails that message alone; the others go on, on a new channel. (One sent
    just before it whose confirm was lost with the channel is sent again: it may reach its queue
@@ -89,8 +89,8 @@ def main() -> int:
 
             print("2. mandatory messages to an exchange bound to no queue")
             publisher.declare_exchange(exchange, "direct")
-            returned = publisher.publish(exchange, "nowhere", b"lost?", mandatory=True)
-            dropped = publisher.publish(exchange, "nowhere", b"lost!")  # not mandatory
+            returned = publisher.publish(exchange, "nowhere", b"lost?")  # mandatory by default
+            dropped = publisher.publish(exchange, "nowhere", b"lost!", mandatory=False)
             print(f"   mandatory:     {outcome(returned)}")
             print(f"   not mandatory: {outcome(dropped)}  <- confirmed, but no queue has it")
             ok &= isinstance(returned.exception(), MessageReturned)

@@ -39,7 +39,7 @@ class Defaults:
 
     exchange: str = ""
     routing_key: str | None = None
-    mandatory: bool = False
+    mandatory: bool = True
     properties: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -90,8 +90,10 @@ def add_publish_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mandatory",
-        action="store_true",
-        help="unroutable messages fail as returned instead of being dropped by the broker",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="unroutable messages fail as returned (the default); --no-mandatory lets the "
+        "broker confirm and drop them",
     )
     parser.add_argument("--content-type", help="content type of every message without its own")
     parser.add_argument(
