@@ -254,7 +254,11 @@ def test_unreachable_broker_exits_3_and_keeps_every_message(tmp_path: Path) -> N
     )
     assert result.returncode == 3, result.stderr
     assert "s3cret-pw" not in result.stdout + result.stderr
-    assert "someone:***@127.0.0.1:1" in result.stderr
+    # the error once, one line with the cause, no class names (the unsent are in --failed)
+    assert result.stderr.splitlines() == [
+        "reliable-amqp: cannot connect to amqp://someone:***@127.0.0.1:1/%2F: gave up connecting "
+        "after 1 attempts: connection refused at 127.0.0.1:1"
+    ]
     records = [json.loads(line) for line in failed.read_text().splitlines()]
     assert [r["body"] for r in records] == ["a", "b"]
     assert all(r["error"]["type"] == "NotPublished" for r in records)
@@ -416,7 +420,37 @@ def test_connection_lost_for_good_exits_3_and_keeps_every_unconfirmed_message(
     out, err = process.communicate(timeout=60)
     assert process.returncode == 3, err
     assert "guest:guest" not in out + err
+    # the cause once (the 18 messages are in --failed, each with it)
+    assert err.count("gave up connecting") == 1, err
+    assert err.startswith(
+        f"reliable-amqp: the connection to {proxy.url()}".replace("guest:guest", "guest:***")
+    )
     records = [json.loads(line) for line in failed.read_text().splitlines()]
     assert [r["body"] for r in records] == [str(i) for i in range(3, 21)]
     assert {r["error"]["type"] for r in records} == {"PublisherClosed"}
     assert "not confirmed" in out
+
+
+def test_with_a_spool_an_unreachable_broker_is_named_once(tmp_path: Path) -> None:
+    # Nothing raises with a spool (the messages wait in it): the reason is still said, once.
+    result = run_cli(
+        "publish",
+        "--routing-key",
+        "q",
+        "--spool",
+        str(tmp_path / "spool"),
+        "--connect-retries",
+        "1",
+        "-o",
+        "connect_policy.initial_delay=0.05",
+        url="amqp://guest:guest@127.0.0.1:1/%2F",
+        stdin=b"a\nb\n",
+    )
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines[0] == (
+        "reliable-amqp: cannot connect to amqp://guest:***@127.0.0.1:1/%2F: gave up connecting "
+        "after 2 attempts: connection refused at 127.0.0.1:1"
+    )
+    assert result.stderr.count("connection refused") == 1
+    assert "2 messages stay in the spool" in lines[1]

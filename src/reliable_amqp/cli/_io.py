@@ -309,10 +309,23 @@ class RetryStatus:
     given up, so the final error is the only one left; while the progress bar is drawn, a note
     on the bar instead. An ``on_event`` hook: runs on the publisher's I/O thread."""
 
-    def __init__(self, stream: IO[str], progress: Progress, max_attempts: int | None) -> None:
+    def __init__(
+        self,
+        stream: IO[str],
+        progress: Progress,
+        max_attempts: int | None,
+        *,
+        draw: bool = True,
+    ) -> None:
         self.stream = stream
         self.progress = progress
         self.max_attempts = max_attempts
+        #: False: nothing is drawn (not a terminal, --quiet, -v), what happened is still kept
+        self.draw = draw
+        #: why the publisher gave up connecting (RECOVERY_FAILED), if it did
+        self.gave_up: BaseException | None = None
+        #: a connection opened at least once
+        self.connected = False
         self._lock = threading.Lock()
         self._shown = False  # a status line is on the terminal
         self._lost = False  # a connection was open and is lost (not just failing to connect)
@@ -322,6 +335,12 @@ class RetryStatus:
     def on_event(self, event: PublisherEvent) -> None:
         """The publisher's ``on_event`` hook."""
         kind = event.kind
+        if kind is EventKind.RECOVERY_FAILED:
+            self.gave_up = event.error
+        elif kind is EventKind.CONNECTED:
+            self.connected = True
+        if not self.draw:
+            return
         if kind is EventKind.CONNECTION_LOST:
             self._lost = True
         elif kind is EventKind.RETRYING:

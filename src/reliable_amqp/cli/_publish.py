@@ -169,6 +169,8 @@ class _Tally:
         self.failures: list[tuple[Item, BaseException | str]] = []
         #: from the first publish until every outcome was in (for the rate in the summary)
         self.publishing = 0.0
+        #: the connection problem the run printed (once), if it printed one
+        self.said: str | None = None
 
     def watch(self, item: Item) -> Callable[[Future[Confirmation]], None]:
         def done(future: Future[Confirmation]) -> None:
@@ -207,9 +209,12 @@ def run_publish(args: argparse.Namespace) -> int:
         len(items), sys.stderr, sys.stderr.isatty() and not (args.quiet or args.no_progress)
     )
     # on a terminal, retries show as they happen (with -v the library's log says it)
-    status = None
-    if sys.stderr.isatty() and not args.quiet and not args.verbose:
-        status = RetryStatus(sys.stderr, progress, options.connect_policy.max_attempts)
+    status = RetryStatus(
+        sys.stderr,
+        progress,
+        options.connect_policy.max_attempts,
+        draw=sys.stderr.isatty() and not args.quiet and not args.verbose,
+    )
     started = time.monotonic()
     try:
         code = _publish_all(args, options, items, tally, progress, status=status)
@@ -234,10 +239,10 @@ def run_publish(args: argparse.Namespace) -> int:
                 f"reliable-amqp: cannot write {args.failed}: {exc.strerror or exc}",
                 file=sys.stderr,
             )
-            _list_failures(failures, sys.stderr, limit=None)
+            _list_failures(failures, sys.stderr, limit=None, said=tally.said)
             return max(code, EXIT_NOT_CONFIRMED)
     elif failures:
-        _list_failures(failures, sys.stderr, limit=20)
+        _list_failures(failures, sys.stderr, limit=20, said=tally.said)
     if not args.quiet:
         _summary(
             args,
@@ -347,6 +352,7 @@ def _publish_all(
         if status is not None:
             status.clear()
         print(f"reliable-amqp: {problem}", file=sys.stderr)  # the one place it is said
+        tally.said = problem
         code = EXIT_CONNECTION
         tally.add(items[published:], f"not sent: {_unsent(exc)}")
         published = len(items)
@@ -357,6 +363,16 @@ def _publish_all(
             publisher.close()
         except KeyboardInterrupt:
             publisher.close(timeout=0)
+    if status is not None and status.gave_up is not None and tally.said is None:
+        # the publisher gave up while nothing raised (the messages in flight failed, or wait in
+        # the spool): the reason is said here, once
+        status.clear()
+        if status.connected:
+            urls = ", ".join(redact_url(u) for u in options.urls)
+            tally.said = printable(f"the connection to {urls} was given up: {status.gave_up}")
+        else:
+            tally.said = printable(_connection_problem(options, status.gave_up))
+        print(f"reliable-amqp: {tally.said}", file=sys.stderr)
     if options.spool is not None:
         left = inspect_spool(options.spool).pending
         if left:
@@ -399,14 +415,26 @@ def _label(error: BaseException | str) -> str:
 
 
 def _list_failures(
-    failures: list[tuple[Item, BaseException | str]], stream: IO[str], limit: int | None
+    failures: list[tuple[Item, BaseException | str]],
+    stream: IO[str],
+    limit: int | None,
+    *,
+    said: str | None = None,
 ) -> None:
-    """Print failures, one line each; messages never sent are grouped by reason."""
+    """Print failures, one line each; messages never sent, and those the closed publisher
+    failed (all for one reason), are grouped by reason: the reason is said once, and not again
+    when it is the connection problem the run printed already (``said``)."""
     unsent: dict[str, list[int]] = {}
     shown = 0
     for item, error in failures:
-        if isinstance(error, str):
-            unsent.setdefault(error, []).append(item.line)
+        group = error if isinstance(error, str) else None
+        if isinstance(error, PublisherClosed):
+            reason = printable(error.reason or "the publisher closed")
+            if said is not None and reason in said:
+                reason = "no connection to the broker"
+            group = f"not confirmed: {reason}"
+        if group is not None:
+            unsent.setdefault(group, []).append(item.line)
         elif limit is None or shown < limit:
             print(f"line {item.line}: {_label(error)}: {printable(error)}", file=stream)
             shown += 1
