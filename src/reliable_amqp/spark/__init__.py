@@ -33,6 +33,7 @@ from reliable_amqp.spark._datasource import (
     CommitTotals,
     register,
 )
+from reliable_amqp.spark._interrupt import TaskInterrupted
 from reliable_amqp.spark._mapping import KNOWN_COLUMNS, ColumnPlan
 from reliable_amqp.spark._publish import (
     PartitionResult,
@@ -57,6 +58,7 @@ __all__ = [
     "RowsNotConfirmed",
     "SinkConfig",
     "SinkTotals",
+    "TaskInterrupted",
     "WriteSummary",
     "close_cached_publishers",
     "publish_partition",

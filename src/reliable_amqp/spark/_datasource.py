@@ -13,8 +13,6 @@ unless ``RELIABLE_AMQP_SPARK_LOG`` or a handler says otherwise.
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,8 +29,9 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from reliable_amqp import ConfigurationError
+from reliable_amqp.spark._logging import driver_log
 from reliable_amqp.spark._mapping import ColumnPlan
-from reliable_amqp.spark._publish import LOG_ENV, SinkConfig
+from reliable_amqp.spark._publish import SinkConfig
 from reliable_amqp.spark._sink import publish_arrow
 from reliable_amqp.spark._trace import capture
 
@@ -86,19 +85,6 @@ def commit_totals(messages: Sequence[WriterCommitMessage | None], job: str) -> C
     publishers = len({m.publisher for m in done})
     failed = len(messages) - len(done)
     return CommitTotals(sum(m.rows for m in done), len(done), job, publishers, failed)
-
-
-def _driver_log() -> logging.Logger:
-    """The logger, with a stderr handler at INFO when nothing in this process configures one:
-    ``commit`` and ``abort`` run in a Python worker Spark starts on the driver, where nobody
-    configures logging, and their totals should show by default."""
-    if not log.handlers and not logging.getLogger().handlers and not os.environ.get(LOG_ENV):
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
-        if log.level == logging.NOTSET:
-            log.setLevel(logging.INFO)
-    return log
 
 
 class AmqpDataSource(DataSource):
@@ -155,11 +141,11 @@ class AmqpBatchWriter(DataSourceArrowWriter):
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         """Log the totals of the write (on the driver, once every task succeeded)."""
-        _driver_log().info("amqp: %s", commit_totals(messages, self.job))
+        driver_log().info("amqp: %s", commit_totals(messages, self.job))
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         """Log what was confirmed before the write failed (those rows stay published)."""
-        _driver_log().warning(
+        driver_log().warning(
             "amqp: write %s failed: %s (at least once: a rerun with the same id_prefix "
             "republishes the same message ids)",
             self.job,
@@ -202,14 +188,14 @@ class AmqpStreamWriter(DataSourceStreamArrowWriter):
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Log the micro-batch's totals."""
         jobs = {m.job for m in messages if isinstance(m, AmqpCommitMessage)}
-        _driver_log().info(
+        driver_log().info(
             "amqp: micro-batch %d: %s", batchId, commit_totals(messages, "/".join(jobs))
         )
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         """Log a failed micro-batch (Spark replays it with the same batch id and message ids)."""
         jobs = {m.job for m in messages if isinstance(m, AmqpCommitMessage)}
-        _driver_log().warning(
+        driver_log().warning(
             "amqp: micro-batch %d failed; %s; Spark replays it with the same ids",
             batchId,
             commit_totals(messages, "/".join(jobs) or "?"),

@@ -5,7 +5,8 @@ A :class:`ColumnPlan` is built once on the driver from a DataFrame's schema (or,
 it turns a chunk of rows, an Arrow ``RecordBatch`` or a list of ``Row`` objects, into a
 :class:`Chunk`: one Python list per message part, ready for ``Publisher.publish``.
 
-Column mapping (names are exact; the body and routing key columns may be renamed by option):
+Column mapping (names are exact; the body and routing key columns may be renamed by option; a
+``value`` column is the body when there is no ``body`` column, as in Spark's Kafka sink):
 
 ========================  ==========================================================  =========
 column                    Spark type                                                  becomes
@@ -90,6 +91,30 @@ KNOWN_COLUMNS: tuple[str, ...] = (
     "expiration",
     "timestamp",
 )
+
+#: Spark's Kafka sink takes the payload from ``value``: it is the body when the DataFrame has no
+#: ``body`` column and ``body_column`` is left at its default.
+KAFKA_VALUE = "value"
+#: Kafka sink columns that have no column of the same name here, and what to use instead.
+_KAFKA_HINTS: dict[str, str] = {
+    "key": "Kafka's key: alias it routing_key (topic or direct exchange) or message_id",
+    "topic": "Kafka's topic: alias it routing_key (default exchange: the queue) or exchange",
+    "partition": "Kafka's partition has no AMQP counterpart: drop it",
+}
+
+
+def body_column_for(names: Sequence[str], body_column: str) -> str:
+    """The body column of a DataFrame with columns ``names``: ``body_column``, or Kafka's
+    ``value`` when the body column is left at ``"body"`` and there is none of that name."""
+    if body_column == "body" and "body" not in names and KAFKA_VALUE in names:
+        return KAFKA_VALUE
+    return body_column
+
+
+def _unknown(name: str) -> str:
+    hint = _KAFKA_HINTS.get(name)
+    return f"unknown column {name!r}" + (f" ({hint})" if hint else "")
+
 
 # How a column's values are converted (set from its Spark type on the driver).
 AS_IS = "as_is"  # already what publish() takes
@@ -185,16 +210,19 @@ def plan_for_schema(
     problems: list[str] = []
     columns: list[Column] = []
     names = [f.name for f in schema.fields]
+    body_column = body_column_for(names, body_column)
     for index, field in enumerate(schema.fields):
         role = _role_of(field.name, body_column, routing_key_column)
         if role is None:
-            problems.append(f"unknown column {field.name!r}")
+            problems.append(_unknown(field.name))
             continue
         kind = _kind_for_type(role, field.dataType)
         if kind is None:
+            kafka = role == "headers" and isinstance(field.dataType, ArrayType)
             problems.append(
                 f"column {field.name!r} ({role}) has type {field.dataType.simpleString()}; "
                 f"expected {_EXPECTED[_expected_key(role)]}"
+                + (" (Kafka-style headers: F.map_from_entries('headers'))" if kafka else "")
             )
             continue
         columns.append(Column(field.name, index, role, kind, field.dataType))
@@ -217,10 +245,11 @@ def plan_for_row(
         )
     problems: list[str] = []
     columns: list[Column] = []
+    body_column = body_column_for(list(fields), body_column)
     for index, name in enumerate(fields):
         role = _role_of(name, body_column, routing_key_column)
         if role is None:
-            problems.append(f"unknown column {name!r}")
+            problems.append(_unknown(name))
             continue
         value = row[index]
         if value is not None and not _value_fits(role, value):
@@ -251,7 +280,8 @@ def _finish(
     has_routing_key: bool,
 ) -> ColumnPlan:
     if body_column not in names:
-        problems.append(f"no body column {body_column!r} (set body_column= to use another)")
+        kafka = f"nor Kafka's {KAFKA_VALUE!r}; " if body_column == "body" else ""
+        problems.append(f"no body column {body_column!r} ({kafka}set body_column= to use another)")
     if not has_routing_key and routing_key_column not in names:
         problems.append(
             f"no routing key: give routing_key= or a {routing_key_column!r} column "

@@ -12,9 +12,9 @@ import atexit
 import logging
 import math
 import os
-import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,29 +40,14 @@ from reliable_amqp import (
     State,
 )
 from reliable_amqp._otel import check_provider_options
+from reliable_amqp.spark._interrupt import TaskInterrupted, TaskLink
+from reliable_amqp.spark._logging import log_from_env
 from reliable_amqp.spark._mapping import Chunk, ColumnPlan, plan_for_row, plan_for_schema
 from reliable_amqp.spark._trace import attached
 
 log = logging.getLogger("reliable_amqp.spark")
 
-#: Set to a level name (``INFO``) to log this package to stderr in every process that imports it:
-#: the driver, the executors' Python workers, and the worker where a data source's ``commit``
-#: runs. Spark's Python workers configure no logging of their own.
-LOG_ENV = "RELIABLE_AMQP_SPARK_LOG"
-
-
-def _log_from_env() -> None:
-    level = os.environ.get(LOG_ENV, "").strip().upper()
-    if not level or log.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    known = isinstance(logging.getLevelName(level), int)
-    log.setLevel(level if known else "INFO")
-
-
-_log_from_env()
+log_from_env()
 
 #: Options of the sink itself; every other option is a publisher option.
 SINK_OPTIONS: tuple[str, ...] = (
@@ -76,9 +61,22 @@ SINK_OPTIONS: tuple[str, ...] = (
     "flush_timeout",
 )
 #: Options Spark passes to a data source that are not ours to interpret.
-SPARK_OPTIONS: frozenset[str] = frozenset({"path", "checkpointlocation"})
+SPARK_OPTIONS: frozenset[str] = frozenset(
+    {
+        "path",  # save(path), start(path)
+        "paths",  # DataSourceUtils: several paths (readers; never ours either)
+        "checkpointlocation",  # writeStream.option("checkpointLocation", ...)
+        "queryname",  # writeStream.queryName(...), start(queryName=...)
+        "__partition_columns",  # partitionBy(...) (DataSourceUtils.PARTITIONING_COLUMNS_KEY)
+        "__clustering_columns",  # clusterBy(...) (DataSourceUtils.CLUSTERING_COLUMNS_KEY)
+    }
+)
 #: Rows per chunk on the Row path (the Arrow path uses Spark's Arrow batches).
 ROW_CHUNK = 1000
+#: Rows handed to the publisher between two looks at whether Spark still wants the task.
+SLICE = 1000
+#: Futures kept before a sweep reads every settled one (not only those at the front).
+_SWEEP_ALL = 50_000
 _FLUSH_SLACK = 30.0
 _SAMPLE_IDS = 3
 
@@ -309,14 +307,33 @@ def failure_reason(exc: BaseException) -> str:
 
 
 class _Outcome:
-    """Failures of one partition, grouped; fed from the publisher's I/O thread."""
+    """Failures of one partition, grouped; read from its futures in the task's own thread.
+
+    The futures are swept as the task goes (the confirmed ones from the front, in order), not
+    through done-callbacks, which would run on the publisher's I/O thread, once per message.
+    """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
         self.reasons: dict[str, int] = {}
         self.sample_ids: list[str] = []
+        self.pending: deque[Future[Confirmation]] = deque()
 
-    def on_done(self, future: Future[Confirmation]) -> None:
+    def sweep(self, everything: bool = False) -> None:
+        """Count the failures of the settled futures: those at the front (in order), or
+        every settled one when ``everything`` (then the unsettled ones stay)."""
+        pending = self.pending
+        while pending and pending[0].done():
+            self._read(pending.popleft())
+        if everything and pending:
+            left: deque[Future[Confirmation]] = deque()
+            for future in pending:
+                if future.done():
+                    self._read(future)
+                else:
+                    left.append(future)
+            self.pending = left
+
+    def _read(self, future: Future[Confirmation]) -> None:
         exc = future.exception()
         if exc is not None:
             message = getattr(exc, "message", None)
@@ -324,10 +341,9 @@ class _Outcome:
 
     def add(self, exc: BaseException, message_id: str) -> None:
         reason = failure_reason(exc)
-        with self.lock:
-            self.reasons[reason] = self.reasons.get(reason, 0) + 1
-            if len(self.sample_ids) < _SAMPLE_IDS:
-                self.sample_ids.append(message_id)
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        if len(self.sample_ids) < _SAMPLE_IDS:
+            self.sample_ids.append(message_id)
 
 
 # --- the partition-publishing function ------------------------------------------------------------
@@ -355,42 +371,32 @@ def _publish_partition(
     config: SinkConfig, chunks: Iterable[Chunk], id_base: str, partition: int
 ) -> PartitionResult:
     started = time.perf_counter()
+    link = TaskLink()
     publisher = cached_publisher(config.publisher)
     outcome = _Outcome()
-    on_done = outcome.on_done
-    publish = publisher.publish
-    default_exchange = config.exchange
-    default_key = config.routing_key or ""
-    mandatory = config.mandatory
     position = 0
     try:
         for chunk in chunks:
-            bodies = chunk.bodies
-            exchanges = chunk.exchanges
-            keys = chunk.routing_keys
-            ids = chunk.message_ids
-            properties = chunk.properties
-            for i in range(chunk.size):
-                message_id = (ids[i] if ids is not None else None) or f"{id_base}:{position + i}"
-                body = bodies[i]
-                if body is None:
-                    outcome.add(InvalidMessage("body", "is null"), message_id)
-                    continue
-                extra = {name: values[i] for name, values in properties if values[i] is not None}
-                try:
-                    future = publish(
-                        (exchanges[i] if exchanges is not None else None) or default_exchange,
-                        (keys[i] if keys is not None else None) or default_key,
-                        body,
-                        mandatory=mandatory,
-                        message_id=message_id,
-                        **extra,
-                    )
-                except InvalidMessage as exc:
-                    outcome.add(exc, message_id)
-                    continue
-                future.add_done_callback(on_done)
+            for start in range(0, chunk.size, SLICE):
+                if link.ended():
+                    raise TaskInterrupted(partition, position + start)
+                _publish_slice(
+                    publisher,
+                    config,
+                    chunk,
+                    start,
+                    min(chunk.size, start + SLICE),
+                    position,
+                    id_base,
+                    outcome,
+                )
+                outcome.sweep(len(outcome.pending) > _SWEEP_ALL)
             position += chunk.size
+    except TaskInterrupted as exc:
+        # Nobody reads this task's result any more: leave what is in flight to the publisher
+        # (its window bounds it) and stop, without waiting for confirms.
+        log.warning("reliable-amqp: %s", exc)
+        raise
     except BaseException as exc:
         _settle_after_error(config, publisher, exc)
         raise
@@ -401,6 +407,7 @@ def _publish_partition(
             "reliable-amqp: %d confirms still missing after %g s", left, config.flush_deadline
         )
         retire_publisher(config.publisher, publisher)
+    outcome.sweep(everything=True)
     if outcome.reasons:
         raise RowsNotConfirmed(partition, position, outcome.reasons, outcome.sample_ids)
     seconds = time.perf_counter() - started
@@ -412,6 +419,69 @@ def _publish_partition(
         id_base,
     )
     return PartitionResult(partition, position, seconds, publisher_tag(config.publisher, publisher))
+
+
+def _publish_slice(  # noqa: PLR0917
+    publisher: Publisher,
+    config: SinkConfig,
+    chunk: Chunk,
+    start: int,
+    end: int,
+    position: int,
+    id_base: str,
+    outcome: _Outcome,
+) -> None:
+    """Hand rows ``start:end`` of ``chunk`` to the publisher (``position``: the chunk's first
+    row in the partition); their futures join ``outcome``."""
+    publish = publisher.publish
+    append = outcome.pending.append
+    bodies = chunk.bodies
+    exchanges = chunk.exchanges
+    keys = chunk.routing_keys
+    ids = chunk.message_ids
+    properties = chunk.properties
+    exchange = config.exchange
+    key = config.routing_key or ""
+    mandatory = config.mandatory
+    if exchanges is None and keys is None and ids is None and not properties:
+        for i in range(start, end):  # only the body and the id differ: the common case
+            body = bodies[i]
+            if body is None:
+                outcome.add(InvalidMessage("body", "is null"), f"{id_base}:{position + i}")
+                continue
+            try:
+                append(
+                    publish(
+                        exchange,
+                        key,
+                        body,
+                        mandatory=mandatory,
+                        message_id=f"{id_base}:{position + i}",
+                    )
+                )
+            except InvalidMessage as exc:
+                outcome.add(exc, f"{id_base}:{position + i}")
+        return
+    for i in range(start, end):
+        message_id = (ids[i] if ids is not None else None) or f"{id_base}:{position + i}"
+        body = bodies[i]
+        if body is None:
+            outcome.add(InvalidMessage("body", "is null"), message_id)
+            continue
+        extra = {name: values[i] for name, values in properties if values[i] is not None}
+        try:
+            append(
+                publish(
+                    (exchanges[i] if exchanges is not None else None) or exchange,
+                    (keys[i] if keys is not None else None) or key,
+                    body,
+                    mandatory=mandatory,
+                    message_id=message_id,
+                    **extra,
+                )
+            )
+        except InvalidMessage as exc:
+            outcome.add(exc, message_id)
 
 
 def _settle_after_error(config: SinkConfig, publisher: Publisher, exc: BaseException) -> None:
