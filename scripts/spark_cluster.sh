@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# A Spark standalone cluster from the venv's PySpark: a master and two workers on loopback
+# (1 core, 1 GiB each; own ports and work directories), in the foreground; Ctrl-C stops them by
+# their pids. Prints the master URL to give SparkSession.builder.master(...).
+#
+#   bash scripts/spark_cluster.sh
+#
+# The same cluster the tests use (tests/spark_cluster.py; tests/spark/test_cluster.py).
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${RELIABLE_AMQP_VENV:-$HOME/.cache/reliable-amqp/venv}
+exec "$VENV/bin/python" "$ROOT/tests/spark_cluster.py" "$@"

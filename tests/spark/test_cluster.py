@@ -1,0 +1,263 @@
+"""The sink on a Spark standalone cluster (a master and two 1-core workers, tests/spark_cluster.py),
+driven by its own driver process (cluster_driver.py) as users run it: the three ways in, kill -9
+of an executor JVM mid-job, kill -9 of a whole worker mid-job, a named streaming query stopped
+mid-batch and restarted from its checkpoint.
+
+Each test checks by message id that every row arrived, and that every duplicate carries its first
+copy's message_id (at least once, duplicates droppable by id), and prints rows / distinct /
+duplicates / same-id duplicates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pika
+import pytest
+
+from spark_cluster import SparkCluster
+from spark_support import Received, read_all, unique_name
+
+pytestmark = [pytest.mark.spark, pytest.mark.broker]
+
+DRIVER = Path(__file__).with_name("cluster_driver.py")
+ROWS = 40_000
+PARTITIONS = 8
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SparkCluster]:
+    """One standalone cluster for this module; a test that killed a worker gets it back."""
+    with SparkCluster() as running:
+        yield running
+
+
+@pytest.fixture
+def workers(cluster: SparkCluster) -> SparkCluster:
+    """The cluster with both workers up (restarted if an earlier test killed one)."""
+    cluster.restart_dead_workers()
+    return cluster
+
+
+def start_driver(mode: str, config: dict[str, Any], log: Path) -> subprocess.Popen[str]:
+    """Run cluster_driver.py in its own process (a Spark application's driver)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_"))}
+    env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+    with log.open("w") as err:
+        return subprocess.Popen(
+            [sys.executable, str(DRIVER), mode, json.dumps(config)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+        )
+
+
+def finish(driver: subprocess.Popen[str], log: Path, timeout: float = 300) -> dict[str, Any]:
+    """Wait for the driver; its last stdout line is its JSON result."""
+    try:
+        out, _ = driver.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        driver.communicate()
+        raise
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+    assert driver.returncode == 0, f"driver failed ({driver.returncode}):\n{tail}"
+    lines = out.strip().splitlines()
+    assert lines, f"driver printed nothing:\n{tail}"
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def depth(url: str, queue: str) -> int:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        connection.close()
+
+
+def wait_for_depth(url: str, queue: str, at_least: int, driver: subprocess.Popen[str]) -> int:
+    """Poll the queue until it holds ``at_least`` messages (mid-job)."""
+    deadline = time.monotonic() + 240
+    while (now := depth(url, queue)) < at_least:
+        assert driver.poll() is None, "the driver ended before the job was under way"
+        assert time.monotonic() < deadline, f"only {now} messages after 240 s"
+        time.sleep(0.05)
+    return now
+
+
+@dataclass
+class Tally:
+    """What a queue holds, by id: every row, and what the duplicates look like."""
+
+    rows: int
+    received: int
+    distinct: int
+    duplicates: int
+    same_id_duplicates: int
+
+    def line(self, what: str) -> str:
+        return (
+            f"{what}: rows={self.rows} received={self.received} distinct={self.distinct} "
+            f"duplicates={self.duplicates} same-id duplicates={self.same_id_duplicates}"
+        )
+
+
+def tally(received: list[Received], expected: dict[str, int]) -> Tally:
+    """Check ``received`` against ``expected`` (message id -> row number n of body ``row {n}``).
+
+    Every expected id arrived with its row's body and nothing else arrived; every duplicate of a
+    row carries the id of that row's first copy.
+    """
+    first: dict[int, str] = {}
+    same = 0
+    for m in received:
+        n = int(m.body.decode().split()[1])
+        assert m.message_id is not None
+        assert expected.get(m.message_id) == n, f"{m.message_id!r} carries row {n}"
+        if n in first:
+            same += first[n] == m.message_id
+        else:
+            first[n] = m.message_id
+    ids = {m.message_id for m in received}
+    assert ids == set(expected), f"missing ids: {len(set(expected) - ids)}"
+    duplicates = len(received) - len(ids)
+    return Tally(len(expected), len(received), len(ids), duplicates, same)
+
+
+def range_ids(prefix: str, rows: int = ROWS, partitions: int = PARTITIONS) -> dict[str, int]:
+    """The ids the sink derives for ``spark.range(rows, numPartitions=partitions)``."""
+    per = rows // partitions
+    return {f"{prefix}:{p}:{i}": p * per + i for p in range(partitions) for i in range(per)}
+
+
+def check(received: list[Received], expected: dict[str, int], what: str) -> Tally:
+    counts = tally(received, expected)
+    print(counts.line(what))
+    assert counts.same_id_duplicates == counts.duplicates
+    return counts
+
+
+def test_three_ways_in_deliver_every_row(
+    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path
+) -> None:
+    ways = ("foreach", "write", "format")
+    queues = {w: broker.queue(unique_name(f"cl-{w}")) for w in ways}
+    prefixes = {w: unique_name(w) for w in ways}
+    rows = ROWS // 2
+    driver = start_driver(
+        "ways",
+        {
+            "master": workers.url,
+            "url": amqp_url,
+            "rows": rows,
+            "partitions": PARTITIONS,
+            "queues": queues,
+            "prefixes": prefixes,
+        },
+        tmp_path / "driver.log",
+    )
+    result = finish(driver, tmp_path / "driver.log")
+    assert result["write"]["rows"] == rows
+    for way in ways:
+        received = read_all(amqp_url, queues[way], expected=rows)
+        counts = check(received, range_ids(prefixes[way], rows), f"{way} ({result[way]})")
+        assert counts.duplicates == 0  # nothing failed: no task ran twice
+
+
+def _write_while(
+    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path, kill: Any
+) -> tuple[Tally, dict[str, Any], list[int]]:
+    queue = broker.queue(unique_name("cl-kill"))
+    prefix = unique_name("kill")
+    log = tmp_path / "driver.log"
+    config = {
+        "master": workers.url,
+        "url": amqp_url,
+        "rows": ROWS,
+        "partitions": PARTITIONS,
+        "queue": queue,
+        "prefix": prefix,
+    }
+    driver = start_driver("write", config, log)
+    seen = wait_for_depth(amqp_url, queue, ROWS // 4, driver)
+    killed = kill()
+    print(f"killed {killed} with {seen} of {ROWS} rows in the queue")
+    result = finish(driver, log)
+    assert result["rows"] == ROWS  # the job succeeded: every row confirmed once counted
+    received = read_all(amqp_url, queue, expected=ROWS)
+    return check(received, range_ids(prefix), "after kill -9"), result, killed
+
+
+def test_kill_9_of_an_executor_mid_job(
+    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path
+) -> None:
+    def kill_executor() -> list[int]:
+        executors = workers.executors()
+        assert executors, "no executor JVM runs under the workers"
+        os.kill(executors[0], signal.SIGKILL)
+        return executors[:1]
+
+    _write_while(workers, broker, amqp_url, tmp_path, kill_executor)
+
+
+def test_kill_9_of_a_worker_mid_job(
+    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path
+) -> None:
+    def kill_worker() -> list[int]:
+        busy = [w for w in workers.workers if workers.executors(w)]
+        assert busy, "no worker runs an executor"
+        return workers.kill_worker(busy[0])
+
+    _, _, killed = _write_while(workers, broker, amqp_url, tmp_path, kill_worker)
+    assert len(killed) >= 2  # the worker and its executor (and its Python workers)
+
+
+def test_named_streaming_query_stopped_mid_batch_resumes_from_its_checkpoint(
+    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path
+) -> None:
+    queue = broker.queue(unique_name("cl-stream"))
+    source = tmp_path / "in"
+    source.mkdir()
+    files, per_file = 3, 10_000
+    for f in range(files):  # oldest first: one file per micro-batch, in this order
+        lines = [json.dumps({"n": f * per_file + i}) for i in range(per_file)]
+        (source / f"part-{f}.json").write_text("\n".join(lines) + "\n")
+        os.utime(source / f"part-{f}.json", (1_000_000 + f, 1_000_000 + f))
+    log = tmp_path / "driver.log"
+    driver = start_driver(
+        "stream",
+        {
+            "master": workers.url,
+            "url": amqp_url,
+            "queue": queue,
+            "source": str(source),
+            "checkpoint": str(tmp_path / "checkpoint"),
+            "query_name": f"orders_{os.getpid()}",
+            "stop_at": per_file + per_file // 4,  # a quarter into the second batch
+        },
+        log,
+    )
+    result = finish(driver, log)
+    print(f"stream: {result}")
+    assert result["restarted_id"] == result["query_id"]  # the checkpoint kept the query's id
+    received = read_all(amqp_url, queue, expected=files * per_file)
+    query = result["query_id"]
+    # ids: {query id}:b{batch}:{partition}:{position}; one file, one partition per batch
+    expected = {
+        f"{query}:b{b}:0:{i}": b * per_file + i for b in range(files) for i in range(per_file)
+    }
+    counts = check(received, expected, "stream stopped mid-batch and restarted")
+    assert counts.duplicates > 0  # the stopped batch was replayed, with the same ids
+    tail = result["depth_5s_later"] - result["depth_when_stop_returned"]
+    print(f"stream: {tail} messages reached the queue after query.stop() returned")
