@@ -1,0 +1,59 @@
+"""Connection failures in words (issue 20): the cause and where, in one line; a refused login
+names the user and vhost, never a password."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from reliable_amqp import AmqpConnectionError, AuthenticationFailed
+from reliable_amqp._core.errors import connection_failure, unreachable
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "text"),
+    [
+        (("127.0.0.1", 5699, errno.ECONNREFUSED), {}, "connection refused at 127.0.0.1:5699"),
+        (("::1", 5672, errno.ECONNREFUSED), {}, "connection refused at [::1]:5672"),
+        (("h", 5672, errno.ETIMEDOUT), {}, "timed out connecting to h:5672"),
+        (("h", 5672, errno.EHOSTUNREACH), {}, "no route to h:5672 (host unreachable)"),
+        (
+            ("nope.invalid", 5672, -2, "Name or service not known"),
+            {"resolving": True},
+            "cannot resolve the host name 'nope.invalid' (Name or service not known)",
+        ),
+        (("h", 5672, None, "odd"), {}, "cannot connect to h:5672: odd"),
+        (("h", 5672, 9999, "odd"), {}, "cannot connect to h:5672: odd"),
+    ],
+)
+def test_unreachable_says_the_cause_and_where(
+    args: tuple[object, ...], kwargs: dict[str, bool], text: str
+) -> None:
+    error = unreachable(*args, **kwargs)  # type: ignore[arg-type]
+    assert type(error) is AmqpConnectionError and error.retriable and str(error) == text
+
+
+@pytest.mark.parametrize(
+    ("args", "text"),
+    [
+        (
+            ("credentials", "ACCESS_REFUSED - Login was refused"),
+            "the broker refused the credentials of user 'orders' on virtual host 'prod' (wrong "
+            "user or password): ACCESS_REFUSED - Login was refused",
+        ),
+        (
+            ("vhost", "NOT_ALLOWED"),
+            "the broker refused user 'orders' access to the virtual host 'prod' (missing vhost "
+            "or no permission)",
+        ),
+        (
+            ("closed", "closed", 403, "ACCESS_REFUSED - no access"),
+            "the broker refused the connection of user 'orders' to virtual host 'prod': 403 "
+            "ACCESS_REFUSED - no access",
+        ),
+    ],
+)
+def test_a_refused_login_names_the_user_and_vhost(args: tuple[object, ...], text: str) -> None:
+    error = connection_failure(*args, login=("orders", "prod"))  # type: ignore[arg-type]
+    assert type(error) is AuthenticationFailed and not error.retriable and str(error) == text
