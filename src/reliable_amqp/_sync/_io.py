@@ -132,8 +132,9 @@ class IOThread:
                 loop.start()
             except Exception as exc:
                 # pika lets some socket errors escape its loop (a peer reset right after
-                # connect: "getpeername() failed"); that is a lost connection, not a crash.
-                log.warning("reliable-amqp: I/O loop failed: %r", exc, exc_info=True)
+                # connect: "getpeername() failed"); that is a lost connection, not a crash,
+                # reported (once) as such by the retry that follows: the detail at DEBUG.
+                log.debug("reliable-amqp: I/O loop failed: %r", exc, exc_info=True)
                 if self._loss is None:
                     self._loss = translate_connection_error(exc)
             with self._handoff.lock:
