@@ -23,6 +23,7 @@ from broker_support import BrokerAdmin
 from harness.fixtures import ProxyFactory
 from reliable_amqp import AsyncPublisher, Publisher
 from reliable_amqp._spool import inspect
+from reliable_amqp._spool._feed import PACE_WAIT
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
 
@@ -230,18 +231,21 @@ def test_a_long_outage(
     with Publisher(proxy.url(), spool=tmp_path / "spool") as publisher:
         publisher.publish("", queue, body, message_id="warm-up")
         before = _rss()
-        slowest = 0.0
+        slowest = [0.0, 0.0]  # the two slowest
         for i in range(count):
             started = time.perf_counter()
             publisher.publish("", queue, body, message_id=f"m-{i}")  # the futures are dropped
-            slowest = max(slowest, time.perf_counter() - started)
+            slowest = sorted([*slowest, time.perf_counter() - started])[-2:]
         grown = _rss() - before
         print(
-            f"long outage: slowest publish() {slowest * 1000:.1f} ms, RSS +{grown / 2**20:.1f} MB"
+            f"long outage: slowest publish() {slowest[1] * 1000:.1f} ms, then "
+            f"{slowest[0] * 1000:.1f} ms; RSS +{grown / 2**20:.1f} MB"
         )
         assert publisher.persist(60) == 0
-        # never waited for the broker (a few ms at most for a lock or the GC)
-        assert slowest < 0.5, f"a publish() took {slowest:.3f} s"
+        # one publish() waited PACE_WAIT for the window (then the broker was taken for
+        # stalled); the others never waited for the broker (a few ms for a lock or the GC)
+        assert slowest[1] < PACE_WAIT + 0.5, f"a publish() took {slowest[1]:.3f} s"
+        assert slowest[0] < 0.5, f"two publish() calls took {slowest} s"
         assert grown < 60 * 1024 * 1024, f"RSS grew {grown / 2**20:.1f} MB"
         assert inspect(tmp_path / "spool").pending == count + 1
         proxy.accept()

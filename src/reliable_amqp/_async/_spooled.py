@@ -26,7 +26,7 @@ from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._spool import Spool
-from reliable_amqp._spool._feed import SpoolFeed
+from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
 
 log = logging.getLogger("reliable_amqp")
 
@@ -58,6 +58,10 @@ class AsyncSpooled:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._refill_due = False
         self._flush_waiters: list[asyncio.Future[None]] = []
+        self._room_waiters: list[asyncio.Future[None]] = []
+        #: set when the window stayed full for PACE_WAIT: publish() no longer waits for room
+        #: until something resolves (see _keep_pace)
+        self.stalled = False
         if self.spool.pending:
             log.warning(
                 "reliable-amqp: spool %s holds %d messages from before: they go out first, "
@@ -92,6 +96,9 @@ class AsyncSpooled:
         meta, size = spool.encode(message)  # InvalidMessage for what cannot be stored
         timeout = self.options.publish_timeout
         end = loop.time() + timeout
+        body_size = len(message.body)
+        if not self.stalled:
+            await self._keep_pace(body_size, loop)
         while True:
             check(message)
             if spool.writer_behind:  # the disk is slower than the producer: wait off the loop
@@ -114,7 +121,6 @@ class AsyncSpooled:
             # only confirms make room: wait for them off the loop (which settles them)
             await loop.run_in_executor(None, spool.wait_for_room, size, min(left, 1.0))
         future: asyncio.Future[Confirmation] = loop.create_future()
-        body_size = len(message.body)
         window = self._window
         feed = self.feed
         if feed.direct(seq) and not queued() and window.fits(body_size):
@@ -127,6 +133,32 @@ class AsyncSpooled:
             if window.free_slots() > 0:
                 self.schedule_refill()
         return future
+
+    async def _keep_pace(self, size: int, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait (a little) while the window has no room for this message and those ahead of it
+        on disk: while the broker confirms, publish() keeps its pace, and its messages go
+        straight to the engine rather than being read back (as the sync publisher's
+        ``SpooledPublishing._keep_pace``, which says why). A window that frees no room within
+        PACE_WAIT makes it stop waiting until something resolves (:attr:`stalled`)."""
+        window = self._window
+        feed = self.feed
+        end = 0.0
+        while not (window.fits(size) and window.free_slots() > feed.ahead(window.max_count)):
+            if self.stalled:
+                return
+            now = loop.time()
+            if not end:
+                end = now + PACE_WAIT
+            elif now >= end:
+                self.stalled = True
+                return
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._room_waiters.append(waiter)
+            try:
+                await asyncio.wait({waiter}, timeout=end - now)
+            finally:
+                if waiter in self._room_waiters:
+                    self._room_waiters.remove(waiter)
 
     async def flush(self, timeout: float | None) -> int:
         """Wait until every message published so far (and every recovered one) is resolved;
@@ -241,7 +273,11 @@ class AsyncSpooled:
                 f"table: {error}",
                 error=error,
             )
+        self.stalled = False  # confirms flow: publish() keeps pace again
         waiters, self._flush_waiters = self._flush_waiters, []
+        if self._room_waiters:
+            waiters += self._room_waiters
+            self._room_waiters = []
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)

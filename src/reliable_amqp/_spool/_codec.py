@@ -30,6 +30,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from reliable_amqp._core.message import (
+    DEFAULT_BASE,
     PERSISTENT,
     PROPERTY_ORDER,
     MessageProperties,
@@ -81,6 +82,8 @@ def _text(value: str) -> bytes:
 # holds them as ``base``). Both are encoded once and kept in small bounded caches.
 _routes: dict[tuple[str, str, bool], bytes] = {}
 _bases: dict[int, tuple[MessageProperties, int, bytes]] = {}
+#: (exchange, routing_key, mandatory, id(base)) -> (base, record up to the message id's length)
+_prefixes: dict[tuple[str, str, bool, int], tuple[MessageProperties, bytes]] = {}
 _CACHE_MAX = 1024
 
 
@@ -127,9 +130,20 @@ def encode(message: OutgoingMessage) -> bytes:
     through; a hand-made :class:`OutgoingMessage` might hold one).
     """
     mandatory = message.mandatory
+    base = getattr(message, "base", None)
+    given_id = message.message_id
+    if type(given_id) is str and given_id:
+        # the usual case: the record is a prefix shared by every message with this route and
+        # these properties (the base object), and the id
+        try:
+            cached = _prefixes.get((message.exchange, message.routing_key, mandatory, id(base)))
+        except TypeError:  # a hand-made message with an unhashable field: checked below
+            cached = None
+        if cached is not None and cached[0] is base:
+            data = given_id.encode("utf-8", "surrogatepass")
+            return cached[1] + _u32.pack(len(data)) + data
     if type(mandatory) is not bool:
         raise Unstorable("mandatory", f"must be a bool, not {type(mandatory).__name__}")
-    base = getattr(message, "base", None)
     if base is not None:  # properties held apart from the id ("" when there is none)
         mask, encoded = _base(base)
         message_id: object = message.message_id or None
@@ -147,13 +161,12 @@ def encode(message: OutgoingMessage) -> bytes:
         return (
             _head.pack(FORMAT, mandatory, mask | _MESSAGE_ID_BIT) + head + encoded + b"".join(tail)
         )
-    return (
-        _head.pack(FORMAT, mandatory, mask | _MESSAGE_ID_BIT)
-        + head
-        + encoded
-        + b"s"
-        + _text(message_id)
-    )
+    prefix = _head.pack(FORMAT, mandatory, mask | _MESSAGE_ID_BIT) + head + encoded + b"s"
+    if base is not None:
+        if len(_prefixes) >= _CACHE_MAX:
+            _prefixes.clear()
+        _prefixes[(message.exchange, message.routing_key, mandatory, id(base))] = (base, prefix)
+    return prefix + _text(message_id)
 
 
 def _check_str(name: str, value: object) -> str:
@@ -230,8 +243,19 @@ def decode(meta: bytes, body: bytes) -> OutgoingMessage:
         base_end = route_end + 4 + _u32_at(meta, route_end)[0]
         if base_end > size:
             raise CodecError("a length runs past the end of the record")
-        exchange = meta[8:at].decode("utf-8", "surrogatepass")
-        routing_key = meta[at + 4 : route_end].decode("utf-8", "surrogatepass")
+        # the same str objects for the same route: the frame encoder's fast path holds while
+        # messages share route and properties, compared by identity
+        raw_route = meta[8:route_end]
+        route = _decoded_routes.get(raw_route)
+        if route is None:
+            route = (
+                meta[8:at].decode("utf-8", "surrogatepass"),
+                meta[at + 4 : route_end].decode("utf-8", "surrogatepass"),
+            )
+            if len(_decoded_routes) >= _CACHE_MAX:
+                _decoded_routes.clear()
+            _decoded_routes[raw_route] = route
+        exchange, routing_key = route
         raw = meta[route_end + 4 : base_end]
         if mask & ~_MESSAGE_ID_BIT == _DELIVERY_MODE_BIT and raw == _PERSISTENT_ONLY:
             base = _DEFAULT_BASE  # the usual properties: persistent, nothing else
@@ -287,8 +311,9 @@ def _decode_base(mask: int, raw: bytes) -> MessageProperties:
 
 _ALL_BITS = sum(_BITS)
 _PERSISTENT_ONLY = b"i" + _i64.pack(PERSISTENT)
-_DEFAULT_BASE = MessageProperties()
+_DEFAULT_BASE = DEFAULT_BASE  # the very object publish() uses (see decode's route cache)
 _decoded_bases: dict[tuple[int, bytes], MessageProperties] = {}
+_decoded_routes: dict[bytes, tuple[str, str]] = {}
 
 
 class _Reader:

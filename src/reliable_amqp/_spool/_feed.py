@@ -35,8 +35,6 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
-from sortedcontainers import SortedList
-
 from reliable_amqp._core.errors import PublisherClosed, PublishError
 from reliable_amqp._core.message import new_outgoing
 from reliable_amqp._core.tracker import Entry
@@ -46,6 +44,9 @@ H = TypeVar("H")
 
 #: entries read back from the spool at a time, at most
 READ_CHUNK = 1000
+#: how long a spooled publish() waits for room in a full window before it takes the broker for
+#: stalled and leaves messages on disk without waiting (the adapters' ``_keep_pace``)
+PACE_WAIT = 1.0
 #: waiting futures are pruned of the dropped ones when there are this many more than after the
 #: last pruning (and at least this many): pruning costs O(1) a message, memory stays bounded
 PRUNE_MIN = 4096
@@ -76,10 +77,9 @@ class SpoolFeed(Generic[H]):
         #: docstring: pruned of those nobody else holds)
         self.waiting: dict[int, H] = {}
         self._prune_at = PRUNE_MIN
-        #: the seq of each message in memory, by its window index (``Entry.index``)
+        #: the seq of each message in memory, by its window index (``Entry.index``); messages
+        #: go to the engine in seq order, so the dict holds them in seq order too
         self._seqs: dict[int, int] = {}
-        #: the seqs in memory, in order (flush() counts those up to its mark)
-        self._held: SortedList[int] = SortedList()
         #: set when a read found fewer entries than the backlog holds: the rest are not
         #: committed yet, and the writer's next commit should wake the adapter
         self.want_commit = False
@@ -104,7 +104,6 @@ class SpoolFeed(Generic[H]):
     def track(self, index: int, seq: int) -> None:
         """The message ``seq`` goes to the engine now, with window index ``index``."""
         self._seqs[index] = seq
-        self._held.add(seq)
         self.fed = max(self.fed, seq)
 
     def park(self, handle: H, seq: int) -> None:
@@ -124,6 +123,13 @@ class SpoolFeed(Generic[H]):
             if count <= _UNREFERENCED and not watched(waiting[seq]):
                 del waiting[seq]
         self._prune_at = max(PRUNE_MIN, 2 * len(waiting))
+
+    def ahead(self, window_slots: int) -> int:
+        """How many messages wait on disk ahead of a new one, when the window (of
+        ``window_slots``) can take them all at once; 0 for a larger backlog (an outage's, read
+        back at the broker's pace while publish() leaves new messages behind it)."""
+        ahead = self.spool.last_seq - self.fed
+        return ahead if ahead < window_slots else 0
 
     # --- reading back ---------------------------------------------------------------------------
 
@@ -189,14 +195,12 @@ class SpoolFeed(Generic[H]):
         reports them through ``on_event``, outside its lock).
         """
         seqs = self._seqs
-        held = self._held
         removes: list[int] = []
         failed: list[PublishError] = []
         for entry in entries:
             seq = seqs.pop(entry.index, None)
             if seq is None:
                 continue
-            held.remove(seq)
             if entry.ok:  # (without building its Confirmation)
                 removes.append(seq)
                 continue
@@ -218,9 +222,11 @@ class SpoolFeed(Generic[H]):
         The part on disk is counted from seqs (exact but for gaps a recovered spool may have).
         """
         on_disk = max(0, min(mark, self.spool.last_seq) - self.fed)
-        return on_disk + self._held.bisect_right(mark)
+        if self.fed <= mark:  # every message in memory is up to the mark (the usual case)
+            return on_disk + len(self._seqs)
+        return on_disk + sum(1 for seq in self._seqs.values() if seq <= mark)
 
     @property
     def held(self) -> int:
         """Spooled messages in memory (in the engine)."""
-        return len(self._held)
+        return len(self._seqs)

@@ -220,14 +220,13 @@ class Spool:
         size = len(meta) + len(body)
         crc = _crc32(body, _crc32(meta))
         with self._lock:
-            if self._error is not None:
-                raise self._write_error(message)
-            if self._closing:
-                raise SpoolError(f"the spool {self.directory} is closed")
-            if self._bytes and self._bytes + size > self.max_bytes:
-                self._wait_for_room(size, timeout, message)
-            if self._queued_bytes > QUEUE_MAX_BYTES:
-                self._wait_for_writer(message)
+            if (
+                self._error is not None
+                or self._closing
+                or self._queued_bytes > QUEUE_MAX_BYTES
+                or (self._bytes and self._bytes + size > self.max_bytes)
+            ):
+                self._before_append(message, size, timeout)
             seq = self._next_seq
             self._next_seq = seq + 1
             self._appends.append((seq, size, crc, meta, body))
@@ -238,6 +237,17 @@ class Spool:
                 self._writer_idle = False
                 self._work.notify()
         return seq
+
+    def _before_append(self, message: OutgoingMessage, size: int, timeout: float | None) -> None:
+        """Under the lock, when append() cannot go ahead at once: raise, or wait."""
+        if self._error is not None:
+            raise self._write_error(message)
+        if self._closing:
+            raise SpoolError(f"the spool {self.directory} is closed")
+        if self._bytes and self._bytes + size > self.max_bytes:
+            self._wait_for_room(size, timeout, message)
+        if self._queued_bytes > QUEUE_MAX_BYTES:
+            self._wait_for_writer(message)
 
     def _wait_for_room(self, size: int, timeout: float | None, message: OutgoingMessage) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout

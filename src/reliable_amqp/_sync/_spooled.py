@@ -25,7 +25,7 @@ from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._spool import Spool
-from reliable_amqp._spool._feed import SpoolFeed
+from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
 from reliable_amqp._sync._future import PublishFuture
 
 if TYPE_CHECKING:
@@ -62,6 +62,9 @@ class SpooledPublishing:
                 self.spool.pending,
             )
         self.spool.on_commit = self._on_commit
+        #: set when the window stayed full for PACE_WAIT: publish() no longer waits for room
+        #: until something resolves (see _keep_pace)
+        self.stalled = False
 
     # --- the caller's side ----------------------------------------------------------------------
 
@@ -88,8 +91,12 @@ class SpooledPublishing:
                 handoff.check_wait("publish() into a full spool")
                 check(message)
                 spool.wait_for_room(size, max(0.0, end - time.monotonic()))
+            if spool.writer_behind:  # the disk is slower than the producer: wait for it
+                spool.wait_for_writer(max(0.0, end - time.monotonic()))
             with handoff.lock:
                 check(message)
+                if not self.stalled:
+                    self._keep_pace(body_size)
                 try:
                     seq = spool.append(message, 0, meta)
                 except PublishTimeout:
@@ -121,6 +128,38 @@ class SpooledPublishing:
             else:
                 handoff.idle.set()
             return future
+
+    def _keep_pace(self, size: int) -> bool:
+        """Under the handoff lock: wait (a little) while the window has no room for this message
+        and for those ahead of it on disk; False when the broker is taken for stalled.
+
+        While the broker confirms, a spooled publish() keeps its pace as without a spool: the
+        message goes straight to the engine and is never read back from disk (which costs more
+        than the append). A backlog the window can take at once (the start, a short stall)
+        counts against the room, so that it drains; a larger one (an outage's) does not: it is
+        read back as fast as the broker takes it while publish() leaves new messages behind it.
+        A window that frees no room within :data:`PACE_WAIT` means the broker is not confirming
+        (down, blocked, frozen): from then on, until a confirm frees room, messages go to disk
+        without waiting (:attr:`stalled`).
+        """
+        handoff = self._handoff
+        if handoff.on_io_thread():
+            return True  # a callback: only this thread frees room
+        window = handoff.window
+        feed = self.feed
+        end = 0.0
+        while True:
+            if window.fits(size) and window.free_slots() > feed.ahead(window.max_count):
+                return True
+            if self.stalled:
+                return False
+            now = time.monotonic()
+            if not end:
+                end = now + PACE_WAIT
+            elif now >= end:
+                self.stalled = True
+                return False
+            handoff.room.wait(end - now)
 
     def flush(self, timeout: float | None) -> int:
         """Wait until every message published so far (and every recovered one) is resolved;
@@ -181,6 +220,10 @@ class SpooledPublishing:
         handoff = self._handoff
         window = handoff.window
         with handoff.lock:
+            # publish() appends and feeds a message under this lock: seen outside it, a message
+            # being published straight to the engine would look like a backlog
+            if not feed.backlog:
+                return []
             room = window.free_slots()
         entries = feed.read(room)  # the disk, outside the lock
         if not entries:
@@ -205,6 +248,7 @@ class SpooledPublishing:
 
     def resolved_locked(self, resolutions: list[Entry[PublishFuture]]) -> list[PublishError]:
         """Called by :meth:`Handoff.resolve` under its lock, before flushes are woken."""
+        self.stalled = False  # confirms flow: publish() keeps pace again
         return self.feed.resolved(resolutions)
 
     def after_resolved(self, failed: list[PublishError]) -> None:

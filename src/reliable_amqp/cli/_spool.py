@@ -142,8 +142,7 @@ def failed_record(entry: FailedEntry) -> dict[str, Any]:
         record["body_encoding"] = "base64"
     record["exchange"] = message.exchange
     record["routing_key"] = message.routing_key
-    if message.mandatory:
-        record["mandatory"] = True
+    record["mandatory"] = message.mandatory  # explicit: what reading it back defaults to varies
     record.update(set_properties(message))
     record[ERROR_FIELD] = {
         "type": "SpoolFailed",
