@@ -11,8 +11,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
+
+from broker_support import BrokerAdmin
 
 
 def refused_port() -> int:
@@ -110,3 +113,58 @@ def test_a_refused_port_shows_each_retry_then_the_error_once(
     assert not [line for line in lines if "attempt 3 of 3" in line or "Error" in line]
     assert "2 messages (lines 1 to 2) not sent: no connection to the broker" in lines
     assert "s3cret-pw" not in final
+
+
+@pytest.mark.faults
+def test_a_connection_lost_mid_run_shows_on_the_progress_bar_then_the_error_once(
+    terminal: Terminal, tmp_path: Path, broker: BrokerAdmin, make_proxy: Any
+) -> None:
+    # a queue that takes 2 and nacks the rest: the run keeps retrying them until the cut
+    queue = broker.queue(
+        **cast(dict[str, Any], {"x-max-length": 2, "x-overflow": "reject-publish"})
+    )
+    proxy = make_proxy(5672)
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{i}\n" for i in range(1, 21)))
+    argv = [
+        sys.executable,
+        "-m",
+        "reliable_amqp",
+        "publish",
+        str(source),
+        "--routing-key",
+        queue,
+        "--nack-retries",
+        "1000",
+        "--retry-initial-delay",
+        "0.2",
+        "--retry-max-delay",
+        "0.2",
+        "--url",
+        proxy.url(),
+        "--connect-retries",
+        "2",
+        "-o",
+        "connect_policy.initial_delay=0.8",
+        "-o",
+        "connect_policy.max_delay=0.8",
+        "-o",
+        "connect_policy.jitter=0",
+    ]
+    terminal.run(f"{shlex.join(argv)}; echo EXIT=$?")
+    deadline = time.monotonic() + 30
+    while broker.count(queue) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    terminal.wait_for("2/20 confirmed")
+    proxy.refuse()
+    proxy.cut()
+    during = terminal.wait_for("reconnecting: attempt 2 of 3, next in 0.8 s")
+    bar = [line for line in during.splitlines() if line.startswith("[")]
+    assert len(bar) == 1 and "(reconnecting: attempt 2 of 3, next in 0.8 s; " in bar[0], during
+    final = terminal.wait_for("EXIT=")
+    assert "EXIT=3" in final, final
+    text = final.replace("\n", "")  # the error line may wrap on the terminal
+    assert text.count("gave up connecting after 3 attempts") == 1, final
+    assert "reliable-amqp: the connection to " in final
+    assert len([line for line in final.splitlines() if line.startswith("[")]) == 1, final
+    assert "18 messages (lines 3 to 20) not confirmed: no connection to the broker" in final

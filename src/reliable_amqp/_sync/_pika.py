@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import socket
 import ssl
 from collections.abc import Callable
@@ -142,12 +143,24 @@ def translate_connection_error(error: Any, params: Any = None) -> ReliableAmqpEr
 
 
 def _describe(error: object) -> str:
-    """pika's error in one line, its class named once (``StreamLostError: Stream connection
-    lost: ...``), pika's wrappers of a failed connect left out."""
+    """pika's error in one line, in words where pika has a usual one (``connection lost
+    (connection reset by peer)``), else its class named once; pika's wrappers of a failed
+    connect left out."""
     error = _innermost(error)
     text = str(error)
+    # pika keeps only the repr of the socket error inside these: its last quoted text is what
+    # the system said ("Connection reset by peer", "Transport indicated EOF")
+    quoted = _QUOTED.findall(text)
+    said = quoted[-1][1] if quoted else text
+    if isinstance(error, pika.exceptions.StreamLostError) and said:
+        return f"connection lost ({said})"
+    if isinstance(error, pika.exceptions.IncompatibleProtocolError) and said:
+        return f"connection closed during the AMQP handshake ({said})"
     name = type(error).__name__
     return f"{name}: {text}" if text and not text.startswith(name) else text or name
+
+
+_QUOTED = re.compile(r"""(['"])([^'"]+)\1""")
 
 
 def _innermost(error: object) -> object:

@@ -12,6 +12,7 @@ import base64
 import binascii
 import datetime as dt
 import json
+import os
 import shutil
 import threading
 import time
@@ -273,7 +274,7 @@ class Progress:
         self._drawn = now
         elapsed = max(now - self.started, 1e-6)
         done = confirmed + failed
-        width = max(10, min(40, shutil.get_terminal_size((80, 20)).columns - 60))
+        width = max(10, min(40, columns(self.stream) - 60))
         filled = int(width * done / self.total)
         bar = "#" * filled + "-" * (width - filled)
         text = f"\r[{bar}] {confirmed:,}/{self.total:,} confirmed  {confirmed / elapsed:,.0f} msg/s"
@@ -281,7 +282,8 @@ class Progress:
             text += f"  {failed:,} failed"
         if self.note:
             text += f"  {self.note}"
-        self.stream.write(text + "\033[K")
+        # one terminal line at most: a wrapped line would not be redrawn in place by "\r"
+        self.stream.write(text[: columns(self.stream)] + "\033[K")
         self.stream.flush()
 
     @property
@@ -301,6 +303,14 @@ def set_properties(message: OutgoingMessage) -> dict[str, Any]:
     """The properties ``message`` sets (the ones not None), as ``publish()`` keywords."""
     props = message.properties
     return {f.name: value for f in fields(props) if (value := getattr(props, f.name)) is not None}
+
+
+def columns(stream: IO[str]) -> int:
+    """The width of the terminal ``stream`` draws on (else $COLUMNS, else 80)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return shutil.get_terminal_size((80, 20)).columns
 
 
 class RetryStatus:
@@ -351,10 +361,15 @@ class RetryStatus:
             cause = printable(event.error if event.error is not None else event.detail)
             note = f"{what}: attempt {event.attempt}{of}, next in {delay:.1f} s"
             if self.progress.drawn:
-                self.progress.note = f"({cause}; {note})"
+                self.progress.note = f"({note}; {cause})"  # the attempt first: it may be cut
                 return
+            line = f"reliable-amqp: {cause}; {note}"
+            if len(line) >= (width := columns(self.stream)):
+                # one terminal line at most (a wrapped one is not replaced in place): the
+                # attempt first, then as much of the cause as fits
+                line = f"reliable-amqp: {note}; {cause}"[: width - 1]
             with self._lock:
-                self.stream.write(f"\rreliable-amqp: {cause}; {note}\033[K")
+                self.stream.write(f"\r{line}\033[K")
                 self.stream.flush()
                 self._shown = True
         elif kind in (EventKind.CONNECTED, EventKind.RECOVERED):
@@ -366,9 +381,10 @@ class RetryStatus:
             self.clear()
 
     def clear(self) -> None:
-        """Take the status line off the terminal (before anything else is written there)."""
+        """Take the status line (or the progress bar: finish() draws it again) off the
+        terminal, before anything else is written there."""
         with self._lock:
-            if self._shown:
+            if self._shown or (self.draw and self.progress.drawn):
                 self.stream.write("\r\033[K")
                 self.stream.flush()
                 self._shown = False
