@@ -1,24 +1,22 @@
-"""Spark benchmark rows: the sink (Arrow batches and Row objects) against the Publisher alone.
+"""Spark benchmark rows: the sink's ways in against the standalone Publisher, in one run.
 
-    python benchmarks/rows_spark.py                  # 200,000 rows, 256 B bodies, 2 partitions
+    python benchmarks/rows_spark.py                  # 200,000 rows of 100 B and of 1 KiB
     python benchmarks/rows_spark.py --repeat 3       # best of three runs of each row
+    python benchmarks/rows_spark.py --sizes 100 --rows 50000
 
-In one run, on the local broker ($AMQP_URL), each row publishes the same 200,000 persistent,
-mandatory messages (256 B bodies, derived message ids) to a durable queue:
+For each body size, on the local broker ($AMQP_URL), each row publishes the same number of
+persistent, mandatory messages to one durable queue:
 
-- ``reliable_amqp.Publisher alone``: one process, ``publish()`` in a loop, then ``flush()``;
-- ``spark sink (arrow)``: ``AmqpSink.write(df)``, 2 partitions (``local[2]``), rows handed to
+- ``Publisher.publish_many alone``: one process, ``publish_many()`` in calls of 10,000 bodies
+  (Spark's Arrow batch size), then ``flush()``: the standalone figure the sink is compared to;
+- ``sink.write (arrow)``: ``AmqpSink.write(df)``, 2 partitions (``local[2]``), rows handed to
   Python as Arrow record batches (``mapInArrow``);
-- ``spark sink (rows)``: the same through ``Row`` objects (``df.rdd.mapPartitions``), which is
-  also what ``df.foreachPartition(sink)`` does.
+- ``foreachPartition``: ``df.foreachPartition(sink)``, rows handed to Python as ``Row`` objects.
 
 The DataFrame is cached and both sink paths are warmed up first (Python workers started,
 publishers connected), so the rows compare steady-state throughput; each sink row is timed on
-the driver from job submission to the last confirm. The queue is purged between rows, untimed.
-
-Each sink row also carries ``convert_rate``: rows/s of the same job turning rows into message
-parts without publishing (Spark to Python, then the column mapping): the part of the cost where
-Arrow batches and Row objects differ.
+the driver from job submission to the last confirm. The queue is checked and purged between
+rows, untimed. Targets (docs/spark.md): sink.write >= 0.85x, foreachPartition >= 0.7x.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import pika
 
@@ -37,11 +35,13 @@ from reliable_amqp import Publisher
 
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 ROWS = 200_000
-BODY_BYTES = 256
+SIZES = (100, 1024)
 PARTITIONS = 2
-PUBLISHER_ROW = "reliable_amqp.Publisher alone (1 process)"
-ARROW_ROW = "spark sink (arrow)"
-ROWS_ROW = "spark sink (rows)"
+BATCH = 10_000  # spark.sql.execution.arrow.maxRecordsPerBatch's default
+PUBLISHER_ROW = "Publisher.publish_many alone (1 process)"
+ARROW_ROW = "sink.write (arrow)"
+FOREACH_ROW = "df.foreachPartition(sink)"
+TARGETS = {ARROW_ROW: 0.85, FOREACH_ROW: 0.7}
 
 Row = dict[str, Any]
 
@@ -76,21 +76,13 @@ def _wait_for(channel: Any, queue: str, count: int) -> None:
     channel.queue_purge(queue)
 
 
-def _row(name: str, count: int, seconds: float, **extra: Any) -> Row:
-    return {"name": name, "msgs": count, "seconds": seconds, "rate": count / seconds, **extra}
-
-
-def _publisher_alone(url: str, queue: str, count: int) -> float:
-    body = b"x" * BODY_BYTES
-    job = uuid.uuid4().hex
-    half = count // PARTITIONS
+def _publisher_alone(url: str, queue: str, count: int, size: int) -> float:
+    body = b"x" * size
     with Publisher(url) as publisher:
         publisher.publish("", queue, body, mandatory=True).result(30)  # connected and warm
         started = time.perf_counter()
-        for i in range(count):
-            publisher.publish(
-                "", queue, body, mandatory=True, message_id=f"{job}:{i // half}:{i % half}"
-            )
+        for start in range(0, count, BATCH):
+            publisher.publish_many("", queue, [body] * min(BATCH, count - start), mandatory=True)
         left = publisher.flush(300)
         seconds = time.perf_counter() - started
     if left:
@@ -98,11 +90,13 @@ def _publisher_alone(url: str, queue: str, count: int) -> float:
     return seconds
 
 
-def rows(url: str = URL, count: int = ROWS, repeat: int = 1) -> list[Row]:
-    """Benchmark rows for the Publisher alone and the Spark sink (Arrow and Row paths).
+def rows(
+    url: str = URL, count: int = ROWS, repeat: int = 1, sizes: tuple[int, ...] = SIZES
+) -> list[Row]:
+    """Benchmark rows for the standalone Publisher and the sink's ways in, per body size.
 
     Every row is the best of ``repeat`` runs; sink rows carry ``vs_publisher``, their rate over
-    the standalone Publisher's in this run.
+    the standalone ``publish_many`` of the same size in this run.
     """
     from pyspark.sql import functions as F
 
@@ -113,46 +107,60 @@ def rows(url: str = URL, count: int = ROWS, repeat: int = 1) -> list[Row]:
     channel = connection.channel()
     queue = f"ra-bench-spark-{uuid.uuid4().hex[:10]}"
     channel.queue_declare(queue, durable=True)
+    result: list[Row] = []
     try:
-        df = spark.range(0, count, numPartitions=PARTITIONS).select(
-            F.expr(f"repeat('x', {BODY_BYTES})").cast("binary").alias("body")
-        )
-        df.cache().count()
         sink = AmqpSink(url, routing_key=queue)
-        warm = df.limit(2000).repartition(PARTITIONS)
-        for via in ("arrow", "rows"):
-            sink.write(warm, via=via)
-        channel.queue_purge(queue)
+        for size in sizes:
+            df = spark.range(0, count, numPartitions=PARTITIONS).select(
+                F.expr(f"repeat('x', {size})").cast("binary").alias("body")
+            )
+            df.cache().count()
+            warm = df.limit(2000).repartition(PARTITIONS)
+            sink.write(warm)
+            warm.foreachPartition(sink)
+            channel.queue_purge(queue)
 
-        def timed_sink(via: Literal["arrow", "rows"]) -> Callable[[], float]:
-            def run() -> float:
-                summary = sink.write(df, via=via)
+            def write_arrow(df: Any = df) -> float:
+                summary = sink.write(df)
                 if summary.rows != count:
                     raise RuntimeError(f"sink confirmed {summary.rows} of {count} rows")
                 return summary.seconds
 
-            return run
+            def foreach(df: Any = df) -> float:
+                started = time.perf_counter()
+                df.foreachPartition(sink)
+                return time.perf_counter() - started
 
-        runs: list[tuple[str, Callable[[], float]]] = [
-            (PUBLISHER_ROW, lambda: _publisher_alone(url, queue, count)),
-            (ARROW_ROW, timed_sink("arrow")),
-            (ROWS_ROW, timed_sink("rows")),
-        ]
-        best: dict[str, float] = {}
-        for _ in range(repeat):
-            for name, run in runs:
-                seconds = run()
-                _wait_for(channel, queue, count)
-                best[name] = min(seconds, best.get(name, seconds))
-        result = [
-            _row(name, count, best[name], body_bytes=BODY_BYTES, partitions=PARTITIONS)
-            for name, _ in runs
-        ]
-        publisher_rate = result[0]["rate"]
-        converted = _conversion_rates(sink, df, count, repeat)
-        for row, via in zip(result[1:], ("arrow", "rows"), strict=True):
-            row["vs_publisher"] = row["rate"] / publisher_rate
-            row["convert_rate"] = converted[via]
+            def alone(size: int = size) -> float:
+                return _publisher_alone(url, queue, count, size)
+
+            runs: list[tuple[str, Callable[[], float]]] = [
+                (PUBLISHER_ROW, alone),
+                (ARROW_ROW, write_arrow),
+                (FOREACH_ROW, foreach),
+            ]
+            best: dict[str, float] = {}
+            for _ in range(repeat):
+                for name, run in runs:
+                    seconds = run()
+                    _wait_for(channel, queue, count)
+                    best[name] = min(seconds, best.get(name, seconds))
+            base = count / best[PUBLISHER_ROW]
+            for name, _ in runs:
+                rate = count / best[name]
+                result.append(
+                    {
+                        "name": f"{name}, {size} B",
+                        "way": name,
+                        "msgs": count,
+                        "seconds": best[name],
+                        "rate": rate,
+                        "body_bytes": size,
+                        "partitions": PARTITIONS,
+                        "vs_publisher": rate / base,
+                    }
+                )
+            df.unpersist()
         return result
     finally:
         channel.queue_delete(queue)
@@ -161,48 +169,15 @@ def rows(url: str = URL, count: int = ROWS, repeat: int = 1) -> list[Row]:
             spark.stop()
 
 
-def _conversion_rates(sink: Any, df: Any, count: int, repeat: int) -> dict[str, float]:
-    """Rows/s from Spark to message parts, without publishing, for both paths (best of runs)."""
-    import pyarrow as pa
-
-    from reliable_amqp.spark._publish import chunk_rows
-
-    config = sink.config
-    plan = sink.check(df.schema)
-
-    def arrow_parts(batches: Any) -> Any:
-        n = sum(plan.chunk_from_arrow(batch).size for batch in batches)
-        yield pa.record_batch([pa.array([n], pa.int64())], names=["n"])
-
-    def row_parts(rows: Any) -> Any:
-        yield sum(chunk.size for chunk in chunk_rows(plan, config, rows))
-
-    jobs: dict[str, Callable[[], int]] = {
-        "arrow": lambda: sum(r.n for r in df.mapInArrow(arrow_parts, "n long").collect()),
-        "rows": lambda: sum(df.rdd.mapPartitions(row_parts).collect()),
-    }
-    best: dict[str, float] = {}
-    for _ in range(max(repeat, 2)):  # the first run of each also starts its workers
-        for via, job in jobs.items():
-            started = time.perf_counter()
-            if job() != count:
-                raise RuntimeError(f"{via}: conversion lost rows")
-            best[via] = max(count / (time.perf_counter() - started), best.get(via, 0.0))
-    return best
-
-
 def table(result: list[Row]) -> str:
-    """The rows as a text table with each rate's ratio to the standalone Publisher."""
-    base = next(r["rate"] for r in result if r["name"] == PUBLISHER_ROW)
-    lines = [
-        f"{'row':<44} {'seconds':>8} {'rows/s':>10} {'vs Publisher':>13} "
-        f"{'convert only rows/s':>20}"
-    ]
+    """The rows as a text table with each rate's ratio to the standalone publish_many."""
+    lines = [f"{'row':<44} {'body':>6} {'seconds':>8} {'rows/s':>10} {'vs publish_many':>16}"]
     for r in result:
-        convert = f"{r['convert_rate']:>20,.0f}" if "convert_rate" in r else f"{'-':>20}"
+        target = TARGETS.get(r["way"])
+        verdict = "" if target is None else f"  (target {target:.2f}x)"
         lines.append(
-            f"{r['name']:<44} {r['seconds']:>8.2f} {r['rate']:>10,.0f} "
-            f"{r['rate'] / base:>12.2f}x {convert}"
+            f"{r['way']:<44} {r['body_bytes']:>4} B {r['seconds']:>8.2f} {r['rate']:>10,.0f} "
+            f"{r['vs_publisher']:>15.2f}x{verdict}"
         )
     return "\n".join(lines)
 
@@ -213,16 +188,16 @@ def main() -> int:
     )
     parser.add_argument("--rows", type=int, default=ROWS)
     parser.add_argument("--repeat", type=int, default=1, help="best of this many runs per row")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="body sizes, bytes")
     parser.add_argument("--url", default=URL)
     args = parser.parse_args()
-    result = rows(args.url, args.rows, args.repeat)
+    sizes = tuple(int(s) for s in args.sizes.split(","))
+    result = rows(args.url, args.rows, args.repeat, sizes)
     print(
-        f"\n{args.rows:,} rows of {BODY_BYTES} B, {PARTITIONS} partitions "
-        f"(persistent, mandatory, confirmed), best of {args.repeat}:"
+        f"\n{args.rows:,} rows per row, {PARTITIONS} partitions (persistent, mandatory, "
+        f"confirmed), best of {args.repeat}:"
     )
     print(table(result))
-    arrow = next(r for r in result if r["name"] == ARROW_ROW)
-    print(f"\nsink (arrow) / Publisher alone: {arrow['vs_publisher']:.2f}x (target >= 0.7x)")
     return 0
 
 

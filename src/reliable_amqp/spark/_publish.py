@@ -38,6 +38,7 @@ from reliable_amqp import (
     PublishTimeout,
     ReliableAmqpError,
     State,
+    Stats,
 )
 from reliable_amqp._otel import check_provider_options
 from reliable_amqp.spark._interrupt import TaskInterrupted, TaskLink
@@ -306,38 +307,51 @@ def failure_reason(exc: BaseException) -> str:
     return f"{name} ({exc})"
 
 
+def _failures(stats: Stats) -> int:
+    return stats.failed_nacked + stats.returned + stats.rejected + stats.timed_out + stats.closed
+
+
 class _Outcome:
     """Failures of one partition, grouped; read from its futures in the task's own thread.
 
-    The futures are swept as the task goes (the confirmed ones from the front, in order), not
+    The futures are swept as the task goes (the settled ones from the front, in order), not
     through done-callbacks, which would run on the publisher's I/O thread, once per message.
+    A settled future's outcome is read only when the publisher's failure counters say that
+    something failed and was not read yet: the engine counts a failure before it settles the
+    future, so a future seen settled before the counters were read, while they show nothing
+    new, was confirmed. (A publisher serves one task at a time in a Spark Python worker; when
+    it serves several threads at once, their failures only make this read more futures.)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, publisher: Publisher) -> None:
         self.reasons: dict[str, int] = {}
         self.sample_ids: list[str] = []
         self.pending: deque[Future[Confirmation]] = deque()
+        self._stats = publisher.stats
+        #: the publisher's failure count that the failures read so far account for
+        self._accounted = _failures(publisher.stats())
 
     def sweep(self, everything: bool = False) -> None:
-        """Count the failures of the settled futures: those at the front (in order), or
-        every settled one when ``everything`` (then the unsettled ones stay)."""
+        """Take the settled futures: those at the front (in order), or every settled one when
+        ``everything`` (the unsettled ones stay); read the outcome of those that may have
+        failed."""
         pending = self.pending
+        settled: list[Future[Confirmation]] = []
         while pending and pending[0].done():
-            self._read(pending.popleft())
+            settled.append(pending.popleft())
         if everything and pending:
             left: deque[Future[Confirmation]] = deque()
             for future in pending:
-                if future.done():
-                    self._read(future)
-                else:
-                    left.append(future)
+                (settled if future.done() else left).append(future)
             self.pending = left
-
-    def _read(self, future: Future[Confirmation]) -> None:
-        exc = future.exception()
-        if exc is not None:
-            message = getattr(exc, "message", None)
-            self.add(exc, getattr(message, "message_id", "?"))
+        if not settled or _failures(self._stats()) == self._accounted:
+            return
+        for future in settled:
+            exc = future.exception()
+            if exc is not None:
+                self._accounted += 1
+                message = getattr(exc, "message", None)
+                self.add(exc, getattr(message, "message_id", "?"))
 
     def add(self, exc: BaseException, message_id: str) -> None:
         reason = failure_reason(exc)
@@ -373,7 +387,7 @@ def _publish_partition(
     started = time.perf_counter()
     link = TaskLink()
     publisher = cached_publisher(config.publisher)
-    outcome = _Outcome()
+    outcome = _Outcome(publisher)
     position = 0
     try:
         for chunk in chunks:
