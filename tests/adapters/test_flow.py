@@ -98,7 +98,7 @@ def test_messages_never_acked_fail_with_delivery_timeout(
     assert (stats.timed_out, stats.confirmed, stats.in_flight) == (5, 0, 0)
 
 
-@pytest.mark.parametrize("kind", ["sync"], indirect=True)
+@pytest.mark.parametrize("kind", ["sync", "async"], indirect=True)
 def test_a_stalled_link_is_noticed_by_the_heartbeat_and_recovered(
     make_peer: Peers, make_publisher: PublisherFactory, events: list[PublisherEvent]
 ) -> None:
@@ -114,14 +114,15 @@ def test_a_stalled_link_is_noticed_by_the_heartbeat_and_recovered(
     assert [f.result(0) for f in futures] == [Confirmation(f"s{i}", 2) for i in range(3)]
     assert 1.5 <= noticed < 6  # about 2 heartbeats of silence, then a reconnect
     assert [m.message_id for m in peer.received(connection=2)] == ["s0", "s1", "s2"]
-    assert kinds(events)[:3] == [
+    assert kinds(events)[:4] == [
         EventKind.CONNECTED,
         EventKind.CONNECTION_LOST,
+        EventKind.RETRYING,
         EventKind.RECOVERED,
     ]
 
 
-@pytest.mark.parametrize("kind", ["sync"], indirect=True)
+@pytest.mark.parametrize("kind", ["sync", "async"], indirect=True)
 def test_a_quiet_link_kept_alive_by_heartbeats_is_not_dropped(
     make_peer: Peers, make_publisher: PublisherFactory, events: list[PublisherEvent]
 ) -> None:
@@ -210,7 +211,7 @@ def test_events_follow_the_connection_through_channel_and_connection_loss(
     assert stats.recoveries == 1  # a channel recovery is not a connection recovery
 
 
-@pytest.mark.parametrize("kind", ["sync"], indirect=True)  # aiormq watches heartbeats itself
+@pytest.mark.parametrize("kind", ["sync", "async"], indirect=True)
 def test_heartbeat_zero_in_the_url_means_no_liveness_watchdog(
     make_peer: Peers, make_publisher: PublisherFactory, events: list[PublisherEvent]
 ) -> None:

@@ -207,7 +207,7 @@ def test_kwargs_names_every_option_but_the_urls() -> None:
         "publish_timeout": 60.0,
         "delivery_timeout": 120.0,
         "connect_timeout": 10.0,
-        "heartbeat": 30,
+        "heartbeat": 5,
         "close_timeout": 30.0,
         "exit_timeout": 10.0,
         "mandatory": True,
@@ -436,7 +436,7 @@ def test_url_heartbeat_reads_the_query_only(url: str, heartbeat: int | None) -> 
 
 def test_the_url_heartbeat_is_the_heartbeat_option() -> None:
     assert PublisherOptions.create("amqp://h/?heartbeat=0").heartbeat == 0
-    assert PublisherOptions.create("amqp://u:heartbeat@h/").heartbeat == 30
+    assert PublisherOptions.create("amqp://u:heartbeat@h/").heartbeat == 5
     assert PublisherOptions.create("amqp://h/?heartbeat=5", heartbeat=5).heartbeat == 5
     with pytest.raises(ConfigurationError) as info:
         PublisherOptions.create("amqp://h/?heartbeat=5", heartbeat=10)

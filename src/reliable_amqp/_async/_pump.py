@@ -29,7 +29,10 @@ from reliable_amqp._compat.aiormq import (
     ConfirmChannel,
     close_reason,
     connection_close_reply,
+    drop_silent,
     frame_max,
+    last_frame_time,
+    negotiated_heartbeat,
     open_confirm_channel,
     translate_connection_error,
     wait_writable,
@@ -81,6 +84,9 @@ class Pump(Generic[H]):
         self._task: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._channel: ConfirmChannel | None = None
+        #: the connection being served, for the liveness check, and why it was dropped (silent)
+        self._watched: aiormq.abc.AbstractConnection | None = None
+        self._silent: ReliableAmqpError | None = None
 
     @property
     def fatal(self) -> ReliableAmqpError | None:
@@ -147,7 +153,15 @@ class Pump(Generic[H]):
 
     def _on_timer(self) -> None:
         self._timer = None
-        self.settle(self.supervisor.tick(time.monotonic()))
+        now = time.monotonic()
+        watched = self._watched
+        if watched is not None and self._silent is None and not watched.is_closed:
+            silent = self.supervisor.check_liveness(last_frame_time(watched), now)
+            if silent is not None:  # a frozen broker closes nothing: drop the link ourselves
+                log.warning("reliable-amqp: %s", silent)
+                self._silent = silent
+                drop_silent(watched)
+        self.settle(self.supervisor.tick(now))
         if self.engine.has_sendable():
             self._wakeup.set()
         self.schedule()
@@ -259,14 +273,25 @@ class Pump(Generic[H]):
 
     async def _serve(self, connection: aiormq.abc.AbstractConnection) -> ReliableAmqpError:
         """Open channels on ``connection`` until it is lost; returns the loss."""
-        # aiormq watches the heartbeat itself: no liveness checks from the supervisor here.
-        unusable = self.supervisor.connection_opened(frame_max(connection), 0, 0, time.monotonic())
+        # The supervisor's liveness check (two heartbeats of silence) runs ahead of aiormq's own
+        # watchdog (three heartbeats and three seconds).
+        self._silent = None
+        unusable = self.supervisor.connection_opened(
+            frame_max(connection),
+            negotiated_heartbeat(connection),
+            last_frame_time(connection),
+            time.monotonic(),
+        )
         if unusable is not None:
             return unusable
+        self._watched = connection
+        self.schedule()
         unwatch = watch_blocked(connection, self._on_blocked)
         try:
-            return await self._serve_channels(connection)
+            loss = await self._serve_channels(connection)
+            return self._silent or loss
         finally:
+            self._watched = None
             if unwatch is not None:
                 unwatch()
 
@@ -309,7 +334,7 @@ class Pump(Generic[H]):
                     await _close_quietly(channel)
                 break
             code, text = close_reason(channel)
-            if connection.is_closed:  # reported as the connection's loss
+            if connection.is_closed or self._silent is not None:  # the connection's loss
                 return AmqpConnectionError(f"connection lost: {text}")
             resolutions, delay = supervisor.channel_closed(code, text, time.monotonic())
             self.settle(resolutions)

@@ -24,7 +24,10 @@ What this module relies on, and checks when it is imported:
   ``Connection.connection_tune.frame_max``;
 - aio-pika's ``Connection.transport.connection`` (the aiormq connection underneath) and its
   ``close_called`` (``_close_called`` before aio-pika 9.5);
-- pamqp's ``Basic.Ack``/``Nack``/``Return``, ``Channel.Close``, ``ContentHeader``, ``ContentBody``.
+- pamqp's ``Basic.Ack``/``Nack``/``Return``, ``Channel.Close``, ``ContentHeader``, ``ContentBody``;
+- the liveness check: ``Connection.__last_frame_time`` (name-mangled; aiormq stamps it with the
+  loop's time on every frame it reads) and ``Connection._reader_task``, which aiormq's own
+  heartbeat watchdog cancels to drop a stuck link (:func:`drop_silent` does the same, sooner).
 """
 
 from __future__ import annotations
@@ -62,7 +65,10 @@ __all__ = [
     "close_called",
     "close_connection",
     "close_reason",
+    "drop_silent",
     "frame_max",
+    "last_frame_time",
+    "negotiated_heartbeat",
     "open_confirm_channel",
     "probe",
     "translate_connection_error",
@@ -84,6 +90,10 @@ _FRAME_BUFFER = 256
 _UNBLOCKED_EVENT = "_Connection__connection_unblocked"
 _BLOCKED_HANDLER = "_Connection__handle_connection_blocked"
 _UNBLOCKED_HANDLER = "_Connection__handle_connection_unblocked"
+# The liveness check: when aiormq last read a frame, and the task whose cancellation drops the link
+# (what aiormq's heartbeat watchdog, ``__heartbeat``, does with a stuck one).
+_LAST_FRAME_TIME = "_Connection__last_frame_time"
+_HEARTBEAT_WATCHDOG = "_Connection__heartbeat"
 
 
 def probe(aiormq_module: Any = aiormq, aio_pika_module: Any = aio_pika) -> None:
@@ -108,6 +118,14 @@ def probe(aiormq_module: Any = aiormq, aio_pika_module: Any = aio_pika) -> None:
         [_BLOCKED_HANDLER, _UNBLOCKED_HANDLER],
         "its Connection",
     )
+    for method, name in ((aiormq_module.Connection.__init__, _LAST_FRAME_TIME),
+                         (getattr(aiormq_module.Connection, _HEARTBEAT_WATCHDOG, None),
+                          "_reader_task")):  # fmt: skip
+        code = getattr(method, "__code__", None)
+        if code is None or name not in code.co_names:
+            raise IncompatibleDependency(
+                "aiormq", f"its Connection no longer keeps {name} (the liveness check reads it)"
+            )
     frame_type = getattr(abc, "ChannelFrame", None)
     fields = (
         {field.name for field in dataclasses.fields(frame_type)}
@@ -489,6 +507,25 @@ def connection_close_reply(connection: aiormq.abc.AbstractConnection) -> tuple[i
 def frame_max(connection: aiormq.abc.AbstractConnection) -> int:
     """The largest frame the broker accepts on ``connection`` (0: no limit was negotiated)."""
     return int(connection.connection_tune.frame_max or 0)
+
+
+def negotiated_heartbeat(connection: aiormq.abc.AbstractConnection) -> int:
+    """The heartbeat interval negotiated on ``connection`` (0: none)."""
+    return int(connection.connection_tune.heartbeat or 0)
+
+
+def last_frame_time(connection: aiormq.abc.AbstractConnection) -> float:
+    """When aiormq last read a frame on ``connection`` (its loop's clock): it changes whenever
+    the broker sends anything, heartbeats included."""
+    return float(getattr(connection, _LAST_FRAME_TIME))
+
+
+def drop_silent(connection: aiormq.abc.AbstractConnection) -> None:
+    """Take down a connection whose broker went silent, as aiormq's own heartbeat watchdog does:
+    cancel its reader; the writer then closes the socket without waiting for a close-ok."""
+    reader: asyncio.Task[Any] | None = getattr(connection, "_reader_task", None)
+    if reader is not None:
+        reader.cancel()
 
 
 # --- aio-pika ---------------------------------------------------------------------------------

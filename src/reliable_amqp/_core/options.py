@@ -292,8 +292,10 @@ class PublisherOptions:
     delivery_timeout: float = 120.0
     #: one connection attempt (TCP + AMQP handshake) may take this long
     connect_timeout: float = 10.0
-    #: AMQP heartbeat in seconds (0 disables it; a stalled link is noticed after about 2x this)
-    heartbeat: int = 30
+    #: AMQP heartbeat in seconds (0 disables it). A link with no byte from the broker for two
+    #: heartbeats is taken as dead: with 5, a frozen node is left within 10 to 15 s
+    #: (docs/brokers.md#a-frozen-node)
+    heartbeat: int = 5
     #: how ``close()`` waits for outstanding confirms when no timeout is given
     close_timeout: float = 30.0
     #: a sync ``Publisher`` still open when the interpreter exits is closed then, waiting this

@@ -99,7 +99,9 @@ class Supervisor(Generic[H]):
         self._first_failure = 0.0
         self._round_opened = False
         self._channel_failures = 0
-        self._rx = (-1, 0.0)  # (bytes received, when that count last changed)
+        # (bytes received, or the time of the last frame read: anything that changes whenever the
+        # broker sends something; when it last changed)
+        self._rx: tuple[float, float] = (-1, 0.0)
         self._check_at: float | None = None  # next liveness check, while a connection is up
         self._blocked = False  # connection.blocked without unblocked, on this connection
         #: the frame_max the broker negotiated on the current (or last) connection; 0: unknown
@@ -124,9 +126,10 @@ class Supervisor(Generic[H]):
         return redact_url(self.options.urls[url_index])
 
     def connection_opened(
-        self, frame_max: int, heartbeat: int, received: int, now: float
+        self, frame_max: int, heartbeat: int, received: float, now: float
     ) -> ReliableAmqpError | None:
-        """The AMQP handshake is done: what the broker negotiated, and the bytes received.
+        """The AMQP handshake is done: what the broker negotiated, and ``received`` as
+        :meth:`check_liveness` takes it.
 
         ``heartbeat`` is the negotiated interval (0: the adapter's client library watches the
         link itself, or nobody does). Returns an error when the broker's values are unusable
@@ -371,13 +374,18 @@ class Supervisor(Generic[H]):
             due = check if due is None else min(due, check)
         return due
 
-    def check_liveness(self, received: int, now: float) -> AmqpConnectionError | None:
-        """Watch the byte count of an open connection; an error once the link is silent.
+    def check_liveness(self, received: float, now: float) -> AmqpConnectionError | None:
+        """Watch what the broker sends on an open connection; an error once the link is silent.
 
-        Call it when the connection opens and whenever :meth:`next_wakeup` comes due.
+        ``received`` is anything that changes whenever the broker sends something: pika's byte
+        count, the time aiormq read its last frame. Call it when the connection opens and
+        whenever :meth:`next_wakeup` comes due.
 
         A broker sends heartbeats, so more than two heartbeat intervals without a byte means
-        the link is dead, although no socket error says so (pika alone waits 2x(hb+5) s).
+        the link is dead, although no socket error says so: a frozen node (SIGSTOP, a long GC
+        pause, a partition that drops packets) closes nothing. Checked every half heartbeat, so
+        the loss is reported 2 to 3 heartbeats after the last byte (pika alone waits
+        2 x (heartbeat + 5) s, aiormq 3 x (heartbeat + 1) s).
         """
         heartbeat = self._heartbeat
         if not heartbeat:

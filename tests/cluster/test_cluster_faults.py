@@ -1,0 +1,263 @@
+"""A three-node RabbitMQ 4 cluster with quorum queues: what users run in production.
+
+Each test runs both publishers at once (a sync ``Publisher`` and an ``AsyncPublisher``, each with
+its own quorum queue), given every node's URL, publishing steadily while one fault happens:
+
+- kill -9 of the node both publishers are connected to;
+- kill -9 of the node holding the queues' leaders, the publishers on another node;
+- a rolling restart of all three nodes, one after another;
+- two of three nodes down (no majority): every message published meanwhile fails explicitly
+  with ``DeliveryTimeout`` within ``delivery_timeout``, nothing hangs, and once the nodes are back
+  the publishers go on;
+- the connected node frozen with SIGSTOP (sockets open, nothing answers): with default options
+  the longest gap between confirms stays under 20 s.
+
+Afterwards every message is held against the queue by id: confirmed but missing must be 0; the
+counts (confirmed, failed, duplicates, failed but stored anyway) are printed per publisher and in
+the run's summary. The cluster starts once for the module (about 10 s); the whole module takes
+about three minutes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pika
+import pytest
+
+from broker_support import unique
+from harness.rabbitmq4 import Rabbitmq4Cluster, Rabbitmq4Node
+from harness.rabbitmq4_fixtures import add_summary
+from harness.rabbitmq4_load import PublishLoad, Tally, drain_ids
+
+pytestmark = [pytest.mark.broker, pytest.mark.faults, pytest.mark.slow]
+
+KINDS = ("sync", "async")
+#: messages a second per publisher: thousands per test, not tens of thousands
+RATE = 250.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Rabbitmq4Cluster]:
+    """Three RabbitMQ 4 nodes in one cluster, for the whole module."""
+    with Rabbitmq4Cluster(3) as started:
+        yield started
+
+
+@pytest.fixture
+def healthy(cluster: Rabbitmq4Cluster) -> Iterator[Rabbitmq4Cluster]:
+    """The cluster with every node running and joined, before and after the test."""
+    _heal(cluster)
+    yield cluster
+    _heal(cluster)
+
+
+def _heal(cluster: Rabbitmq4Cluster) -> None:
+    for node in cluster.nodes:
+        node.thaw()
+        if not node.is_running():
+            node.start()
+    cluster.await_members()
+
+
+class Case:
+    """Both publishers on their own quorum queues, and the check afterwards."""
+
+    def __init__(self, cluster: Rabbitmq4Cluster, leader: int, **options: Any) -> None:
+        self.cluster = cluster
+        # client-local: the leader goes to the node the declaring connection is on. Deleted
+        # by check(), from a node that is up then.
+        connection = pika.BlockingConnection(pika.URLParameters(cluster.nodes[leader].url))
+        try:
+            channel = connection.channel()
+            self.queues = {kind: unique(f"cluster-{kind}") for kind in KINDS}
+            for queue in self.queues.values():
+                channel.queue_declare(
+                    queue,
+                    durable=True,
+                    arguments={"x-queue-type": "quorum", "x-queue-leader-locator": "client-local"},
+                )
+        finally:
+            connection.close()
+        for queue in self.queues.values():
+            assert cluster.leader(queue) is cluster.nodes[leader]
+        self.loads = {
+            kind: PublishLoad(kind, cluster.urls, self.queues[kind], rate=RATE, **options)
+            for kind in KINDS
+        }
+
+    def start(self) -> None:
+        for load in self.loads.values():
+            load.start()
+
+    def stop(self) -> None:
+        errors = []
+        for load in self.loads.values():
+            try:
+                load.stop()
+            except BaseException as exc:  # stop both before reporting
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def check(self, request: pytest.FixtureRequest, case: str) -> dict[str, Tally]:
+        """Drain each queue (all nodes up) and tally; confirmed-but-missing must be 0."""
+        node = next(n for n in self.cluster.nodes if n.is_running() and not n.frozen)
+        tallies = {}
+        for kind, queue in self.queues.items():
+            present = drain_ids(node.url, queue)
+            _delete(node.url, queue)
+            tallies[kind] = tally = self.loads[kind].tally(present)
+            add_summary(request.config, tally.line(case))
+        for kind, tally in tallies.items():
+            assert tally.published > 0, kind
+            assert tally.unresolved == 0 and self.loads[kind].unresolved == 0, tally.line(case)
+            assert not tally.missing, f"confirmed but missing: {tally.missing[:10]}"
+            assert tally.strangers == 0, tally.line(case)
+        return tallies
+
+
+def _delete(url: str, queue: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        connection.channel().queue_delete(queue)
+    finally:
+        connection.close()
+
+
+def _during(case: Case, before: float, fault: Callable[[], None], after: float) -> float:
+    """Publish ``before`` s, run ``fault`` (publishing goes on), publish ``after`` s more.
+
+    Returns when the fault started (time.monotonic()).
+    """
+    case.start()
+    try:
+        time.sleep(before)
+        began = time.monotonic()
+        fault()
+        time.sleep(after)
+    finally:
+        case.stop()
+    return began
+
+
+def test_kill_of_the_connected_node(
+    healthy: Rabbitmq4Cluster, request: pytest.FixtureRequest
+) -> None:
+    nodes = healthy.nodes
+    case = Case(healthy, leader=1)  # the publishers are on node 0 (first URL)
+
+    def fault() -> None:
+        nodes[0].kill()
+        time.sleep(3)
+        nodes[0].start()
+
+    began = _during(case, 3, fault, 3)
+    tallies = case.check(request, "kill -9 of the connected node")
+    for kind, tally in tallies.items():
+        assert tally.failed == Counter(), tally.line(kind)
+        assert case.loads[kind].confirmed_between(began + 0.5) > 0
+
+
+def test_kill_of_the_leader_node_while_publishing_through_another(
+    healthy: Rabbitmq4Cluster, request: pytest.FixtureRequest
+) -> None:
+    nodes = healthy.nodes
+    case = Case(healthy, leader=1)
+
+    def fault() -> None:
+        nodes[1].kill()
+        time.sleep(3)
+
+    began = _during(case, 3, fault, 2)
+    # A new leader was elected among the two left.
+    assert {healthy.leader(q) for q in case.queues.values()} <= {nodes[0], nodes[2]}
+    nodes[1].start()
+    healthy.await_members()
+    tallies = case.check(request, "kill -9 of the leader's node")
+    for kind, tally in tallies.items():
+        assert tally.failed == Counter(), tally.line(kind)
+        assert case.loads[kind].confirmed_between(began + 0.5) > 0
+
+
+def test_rolling_restart_of_all_three_nodes(
+    healthy: Rabbitmq4Cluster, request: pytest.FixtureRequest
+) -> None:
+    case = Case(healthy, leader=2)
+
+    def fault() -> None:
+        for node in healthy.nodes:
+            node.restart()
+            healthy.await_members()
+
+    began = _during(case, 2, fault, 2)
+    tallies = case.check(request, "rolling restart")
+    for kind, tally in tallies.items():
+        assert tally.failed == Counter(), tally.line(kind)
+        assert case.loads[kind].confirmed_between(began + 1) > 0
+
+
+def test_majority_down_fails_explicitly_and_resumes(
+    healthy: Rabbitmq4Cluster, request: pytest.FixtureRequest
+) -> None:
+    nodes = healthy.nodes
+    delivery_timeout = 6.0
+    case = Case(healthy, leader=0, delivery_timeout=delivery_timeout)
+    marks: dict[str, float] = {}
+
+    def fault() -> None:
+        killers = [threading.Thread(target=node.kill) for node in nodes[1:]]
+        for thread in killers:
+            thread.start()
+        for thread in killers:
+            thread.join()
+        time.sleep(delivery_timeout + 6)  # messages of the outage run out of time
+        marks["back"] = time.monotonic()
+        starters = [threading.Thread(target=node.start) for node in nodes[1:]]
+        for thread in starters:
+            thread.start()
+        for thread in starters:
+            thread.join()
+        marks["up"] = time.monotonic()
+
+    began = _during(case, 2, fault, 6)
+    healthy.await_members()
+    tallies = case.check(request, "majority down")
+    for kind, tally in tallies.items():
+        load = case.loads[kind]
+        # Explicit failures, each within its deadline (plus the timer's slack), nothing else.
+        assert set(tally.failed) == {"DeliveryTimeout"}, tally.line(kind)
+        assert load.slowest_failure() < delivery_timeout + 2, load.slowest_failure()
+        # Messages of the outage did not come through while it lasted ...
+        assert load.confirmed_between(began + delivery_timeout, marks["back"]) == 0
+        # ... and once a majority is back, the publisher goes on.
+        assert load.confirmed_between(marks["up"]) > 0, tally.line(kind)
+
+
+def test_frozen_connected_node_is_left_within_20_s_with_default_options(
+    healthy: Rabbitmq4Cluster, request: pytest.FixtureRequest
+) -> None:
+    nodes = healthy.nodes
+    case = Case(healthy, leader=1)  # default options: only the URLs are given
+    frozen: list[Rabbitmq4Node] = []
+
+    def fault() -> None:
+        nodes[0].freeze()
+        frozen.append(nodes[0])
+        time.sleep(24)
+        nodes[0].thaw()
+
+    try:
+        began = _during(case, 3, fault, 3)
+    finally:
+        for node in frozen:
+            node.thaw()
+    tallies = case.check(request, "SIGSTOP of the connected node")
+    for kind, tally in tallies.items():
+        assert tally.failed == Counter(), tally.line(kind)
+        assert case.loads[kind].confirmed_between(began + 1, began + 24) > 0, tally.line(kind)
+        assert tally.longest_gap < 20, tally.line(kind)
