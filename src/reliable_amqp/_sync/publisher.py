@@ -17,6 +17,7 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -299,7 +300,7 @@ class Publisher(PublisherSurface[None, str]):
         wait = self.options.connect_timeout if timeout is None else timeout
         try:
             return future.result(wait)
-        except TimeoutError:
+        except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
             raise OperationTimeout(f"declaring {op.describe()} took over {wait:g} s") from None
 
     # --- publishing --------------------------------------------------------------------------
