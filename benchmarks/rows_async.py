@@ -122,9 +122,13 @@ async def aio_pika_confirms(url: str, count: int, body: bytes) -> Row:
     return _row(CONFIRMS, count, seconds, cpu)
 
 
-async def async_publisher(url: str, count: int, body: bytes) -> Row:
-    """reliable_amqp.AsyncPublisher: streaming confirms, every future checked."""
-    async with fresh_queue(url) as (_connection, queue), AsyncPublisher(url) as publisher:
+async def async_publisher(url: str, count: int, body: bytes, mandatory: bool = True) -> Row:
+    """reliable_amqp.AsyncPublisher: streaming confirms, every future checked (mandatory, the
+    default; ``mandatory=False``: what the default cost before it was mandatory)."""
+    async with (
+        fresh_queue(url) as (_connection, queue),
+        AsyncPublisher(url, mandatory=mandatory) as publisher,
+    ):
         started, cpu = time.perf_counter(), time.process_time()
         futures = [await publisher.publish("", queue, body) for _ in range(count)]
         left = await publisher.flush(timeout=120)
@@ -132,7 +136,13 @@ async def async_publisher(url: str, count: int, body: bytes) -> Row:
         confirmed = sum(1 for f in futures if f.done() and f.exception() is None)
     if left or confirmed != count:
         raise RuntimeError(f"AsyncPublisher confirmed {confirmed} of {count} ({left} pending)")
-    return _row(ASYNC_PUBLISHER, count, seconds, cpu)
+    name = ASYNC_PUBLISHER if mandatory else f"{ASYNC_PUBLISHER}, mandatory=False"
+    return _row(name, count, seconds, cpu)
+
+
+async def async_publisher_not_mandatory(url: str, count: int, body: bytes) -> Row:
+    """The AsyncPublisher row with ``mandatory=False``: the cost of mandatory, side by side."""
+    return await async_publisher(url, count, body, mandatory=False)
 
 
 MANY = 1_000
@@ -158,6 +168,7 @@ ROWS: dict[str, Callable[[str, int, bytes], Awaitable[Row]]] = {
     "aio-pika-noconfirm": aio_pika_no_confirms,
     "aio-pika-confirm": aio_pika_confirms,
     "async-publisher": async_publisher,
+    "async-publisher-not-mandatory": async_publisher_not_mandatory,
     "async-publisher-many": async_publisher_many,
 }
 

@@ -92,9 +92,10 @@ def pika_transactions(url: str, count: int, body: bytes) -> Row:
     return _row("pika, transaction per message", count, seconds, cpu)
 
 
-def reliable_publisher(url: str, count: int, body: bytes) -> Row:
-    """reliable_amqp.Publisher: streaming confirms, every future checked."""
-    with fresh_queue(url) as (_connection, queue), Publisher(url) as publisher:
+def reliable_publisher(url: str, count: int, body: bytes, mandatory: bool = True) -> Row:
+    """reliable_amqp.Publisher: streaming confirms, every future checked (mandatory, the
+    default; ``mandatory=False``: what the default cost before it was mandatory)."""
+    with fresh_queue(url) as (_connection, queue), Publisher(url, mandatory=mandatory) as publisher:
         started, cpu = time.perf_counter(), time.process_time()
         futures = [publisher.publish("", queue, body) for _ in range(count)]
         left = publisher.flush(timeout=120)
@@ -102,7 +103,13 @@ def reliable_publisher(url: str, count: int, body: bytes) -> Row:
         confirmed = sum(1 for f in futures if f.exception() is None)
     if left or confirmed != count:
         raise RuntimeError(f"Publisher confirmed {confirmed} of {count} ({left} pending)")
-    return _row("reliable_amqp.Publisher (streaming confirms)", count, seconds, cpu)
+    name = "reliable_amqp.Publisher (streaming confirms)"
+    return _row(name if mandatory else f"{name}, mandatory=False", count, seconds, cpu)
+
+
+def reliable_publisher_not_mandatory(url: str, count: int, body: bytes) -> Row:
+    """The Publisher row with ``mandatory=False``: the cost of mandatory, side by side."""
+    return reliable_publisher(url, count, body, mandatory=False)
 
 
 MANY = 1_000
@@ -142,6 +149,7 @@ ROWS: dict[str, Callable[[str, int, bytes], Row]] = {
     "pika-blocking-confirm": pika_blocking_confirms,
     "pika-tx": pika_transactions,
     "publisher": reliable_publisher,
+    "publisher-not-mandatory": reliable_publisher_not_mandatory,
     "publisher-many": reliable_publisher_many,
     "ceiling": broker_ceiling,
 }

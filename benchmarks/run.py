@@ -114,6 +114,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     publisher = by_name.get("reliable_amqp.Publisher (streaming confirms)")
     async_publisher = by_name.get("reliable_amqp.AsyncPublisher (streaming confirms)")
     for r in rows:
+        if r["name"].endswith(", mandatory=False"):
+            default = by_name.get(r["name"].removesuffix(", mandatory=False"))
+            if default:
+                lines.append(
+                    f"  {r['name'].removesuffix(', mandatory=False')} (mandatory, the "
+                    f"default): {default / r['rate']:.2f}x the rate with mandatory=False"
+                )
+    for r in rows:
         if "spool" in r["name"]:
             plain = async_publisher if "Async" in r["name"] else publisher
             if plain:
