@@ -219,4 +219,5 @@ def test_authentication_failed_names_the_user_and_vhost_never_the_password(
         async_error = asyncio.run(connect_async())
         for error in (sync_error.value, async_error):
             assert str(error).startswith(text), str(error)
+            assert "Error" not in str(error)  # no client-library class names
             assert "wrong-pw-77" not in str(error) and "guest:guest" not in str(error)

@@ -150,6 +150,11 @@ def _describe(error: object) -> str:
     text = str(error)
     # pika keeps only the repr of the socket error inside these: its last quoted text is what
     # the system said ("Connection reset by peer", "Transport indicated EOF")
+    if isinstance(
+        error,
+        (pika.exceptions.ProbableAuthenticationError, pika.exceptions.ProbableAccessDeniedError),
+    ) and (reply := _REPLY.search(text)):
+        return f"{reply.group(1)} {reply.group(3)}"  # the broker's close: "403 ACCESS_REFUSED ..."
     quoted = _QUOTED.findall(text)
     said = quoted[-1][1] if quoted else text
     if isinstance(error, pika.exceptions.StreamLostError) and said:
@@ -161,6 +166,8 @@ def _describe(error: object) -> str:
 
 
 _QUOTED = re.compile(r"""(['"])([^'"]+)\1""")
+#: the broker's connection.close inside pika's "probable" errors: (403) 'ACCESS_REFUSED - ...'
+_REPLY = re.compile(r"""\((\d+)\) (['"])(.*)\2""")
 
 
 def _innermost(error: object) -> object:

@@ -112,10 +112,11 @@ def run_bench(args: argparse.Namespace) -> int:
     shown = redact_url(url)
     queue = args.queue or f"reliable-amqp-bench-{uuid.uuid4().hex[:12]}"
     body = b"x" * args.body_size
+    parameters = _parameters(url, options)
     try:
-        connection = pika.BlockingConnection(_parameters(url, options))
+        connection = pika.BlockingConnection(parameters)
     except (pika.exceptions.AMQPError, OSError) as exc:
-        problem = printable(translate_connection_error(exc))
+        problem = printable(translate_connection_error(exc, parameters))  # names host:port
         print(f"reliable-amqp: cannot connect to {shown}: {problem}", file=sys.stderr)
         return EXIT_CONNECTION
     if _queue_exists(connection, queue):
