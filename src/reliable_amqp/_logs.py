@@ -13,7 +13,10 @@ pika's host name resolver thread for one of the library's I/O loops), and a
 :class:`logging.Filter` on those loggers drops a record emitted there, and only there. What it
 drops is passed on at DEBUG to the ``reliable_amqp.client`` logger, so ``-vv`` (or a DEBUG
 configuration of ``reliable_amqp``) still shows it. A connection the caller lends to an
-``AsyncPublisher`` is the caller's: its records are left alone.
+``AsyncPublisher`` is the caller's: its records are left alone. Code of the caller's that runs
+in a marked context (an ``on_event`` hook, a future's done-callback on the sync I/O thread) and
+logs through those libraries' loggers itself is taken for the library's: a corner not worth a
+per-call context switch.
 """
 
 from __future__ import annotations
@@ -42,12 +45,15 @@ class OwnedConnectionFilter(logging.Filter):
         if not OWNED.get() and not _owned_resolver():
             return True
         if relay.isEnabledFor(logging.DEBUG):
-            copy = logging.makeLogRecord(record.__dict__)
-            copy.name = relay.name
-            copy.levelno, copy.levelname = logging.DEBUG, "DEBUG"
-            copy.msg = f"{record.name}: {record.getMessage()}"
-            copy.args = None
-            relay.handle(copy)
+            try:
+                copy = logging.makeLogRecord(record.__dict__)
+                copy.name = relay.name
+                copy.levelno, copy.levelname = logging.DEBUG, "DEBUG"
+                copy.msg = f"{record.name}: {record.getMessage()}"
+                copy.args = None
+                relay.handle(copy)
+            except Exception:  # a filter that raises would raise inside pika's own call
+                pass
         return False
 
 
