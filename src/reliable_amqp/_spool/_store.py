@@ -49,6 +49,8 @@ DEFAULT_MAX_BYTES = 1024**3
 _RETRY_MAX = 2.0
 #: how many rows one read of pending entries returns at most
 READ_LIMIT_MAX = 100_000
+#: free pages (16 KiB) at which the writer gives them back to the file system: 16 MiB
+GIVE_BACK_PAGES = 1024
 #: bytes queued for the writer at most: beyond, append() waits for the disk (a producer faster
 #: than the disk would otherwise hold the difference in memory)
 QUEUE_MAX_BYTES = 8 * 1024 * 1024
@@ -119,6 +121,9 @@ class Spool:
             raise
         self._sync_full = False
         self._set_synchronous(fsync == "commit")
+        #: the file gives freed pages back as it goes (spools made before this are compacted
+        #: when closed empty)
+        self._incremental = self._conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the writer waits on it
         self._changed = threading.Condition(self._lock)  # callers wait on it (room, persist)
@@ -493,6 +498,8 @@ class Spool:
                         on_commit()
                     except Exception:
                         log.exception("spool %s: on_commit failed", self.path)
+                if freed_count and self._incremental:
+                    self._give_back()
                 if done:
                     self._shutdown()
                     return
@@ -570,11 +577,25 @@ class Spool:
         conn.execute("COMMIT")
         return freed, freed_count
 
+    def _give_back(self) -> None:
+        """Return the pages confirms freed to the file system once there are GIVE_BACK_PAGES of
+        them: the file shrinks as the backlog drains (SQLite moves the pages still in use from
+        the end of the file into the free ones, then truncates it)."""
+        try:
+            (free,) = self._conn.execute("PRAGMA freelist_count").fetchone()
+            if free >= GIVE_BACK_PAGES:
+                # through sqlite3_exec: it frees one page a step, and execute() steps once
+                self._conn.executescript(f"PRAGMA incremental_vacuum({free});")
+        except sqlite3.Error as exc:  # the next commit says it if the file is in trouble
+            log.debug("spool %s: cannot give pages back: %s", self.path, exc)
+
     def _shutdown(self) -> None:
         """Give the pages freed by confirms back to the file system, fold the WAL in, close.
 
         Only an empty spool is compacted (``VACUUM`` copies what is left, the failed table): a
-        spool the broker emptied after an outage would otherwise keep its peak size on disk.
+        spool the broker emptied after an outage would otherwise keep its peak size on disk. A
+        spool made before pages were given back as it drains (``auto_vacuum`` off) is switched
+        to that then, which takes a ``VACUUM`` too.
         """
         try:
             if self._count == 0:
@@ -582,7 +603,10 @@ class Spool:
                     self._conn.execute("PRAGMA freelist_count").fetchone()[0],
                     self._conn.execute("PRAGMA page_count").fetchone()[0],
                 )
-                if free * 2 > total > 64:
+                if not self._incremental:
+                    self._conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
+                    self._conn.execute("VACUUM")
+                elif free * 2 > total > 64:
                     self._conn.execute("VACUUM")
             self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         except sqlite3.Error as exc:
