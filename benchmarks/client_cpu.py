@@ -14,7 +14,9 @@ every thread, the I/O thread included) divided by the confirmed messages, median
 runs, the rows interleaved. CPU per message is far steadier than msgs/s on a shared machine.
 Rows: ``Publisher.publish()`` in a loop, the same from ``--threads`` threads sharing one
 Publisher, ``Publisher.publish_many()`` with ``--batch`` bodies a call, and the same two for
-``AsyncPublisher``; each with its rate (msgs/s, first publish to last confirm). ``--node`` adds
+``AsyncPublisher``; with ``--spool``, ``publish()`` of both through ``spool=DIR`` (``persist()``
+every 10,000: issue 21's measure, ``--only publish,async --spool`` for the side by side); each
+with its rate (msgs/s, first publish to last confirm). ``--node`` adds
 the issue's reference, Node amqplib's ``ConfirmChannel`` with 10,000 unconfirmed at most
 (``benchmarks/node/confirm_cpu.js``); ``--compare SRC`` adds the same rows measured with another
 tree's package in a child process, so a change and its baseline are measured in one run.
@@ -30,6 +32,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -136,10 +139,63 @@ def async_row(url: str, count: int, body: bytes, batch: int, threads: int = 1) -
         _drop(url, queue)
 
 
+#: the spool rows call persist() after every this many messages (issue 21's measure)
+PERSIST_EVERY = 10_000
+
+
+def spool_row(url: str, count: int, body: bytes, batch: int, threads: int = 1) -> Measured:
+    """``sync_row`` through ``Publisher(spool=DIR)`` (a fresh spool in $TMPDIR), ``publish()``
+    in a loop with ``persist()`` every 10,000 messages."""
+    queue = _queue(url)
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="ra-cpu-spool-") as directory,
+            Publisher(url, spool=directory) as publisher,
+        ):
+            publish = publisher.publish
+            wall, started = time.perf_counter(), time.process_time()
+            for i in range(1, count + 1):
+                publish("", queue, body)
+                if not i % PERSIST_EVERY:
+                    publisher.persist()
+            assert publisher.persist() == 0
+            assert publisher.flush() == 0
+            spent, wall = time.process_time() - started, time.perf_counter() - wall
+            assert publisher.stats().confirmed == count
+    finally:
+        _drop(url, queue)
+    return spent, wall
+
+
+def async_spool_row(url: str, count: int, body: bytes, batch: int, threads: int = 1) -> Measured:
+    """``async_row`` through ``AsyncPublisher(spool=DIR)``, ``persist()`` every 10,000."""
+    queue = _queue(url)
+
+    async def run(directory: str) -> Measured:
+        async with AsyncPublisher(url, spool=directory) as publisher:
+            publish = publisher.publish
+            wall, started = time.perf_counter(), time.process_time()
+            for i in range(1, count + 1):
+                await publish("", queue, body)
+                if not i % PERSIST_EVERY:
+                    await publisher.persist()
+            assert await publisher.persist() == 0
+            assert await publisher.flush() == 0
+            spent, wall = time.process_time() - started, time.perf_counter() - wall
+            assert publisher.stats().confirmed == count
+            return spent, wall
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="ra-cpu-spool-") as directory:
+            return asyncio.run(run(directory))
+    finally:
+        _drop(url, queue)
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE = os.path.join(HERE, "node")
 #: --only names of the in-process rows
-ROW_KEYS = ("publish", "threads", "many", "async", "async-many")
+ROW_KEYS = ("publish", "threads", "many", "async", "async-many", "spool", "async-spool")
 
 
 def node_row(url: str, count: int, size: int) -> Measured:
@@ -179,7 +235,13 @@ def main() -> int:
     )
     parser.add_argument("--url", default=URL)
     parser.add_argument(
-        "--only", default=",".join(ROW_KEYS), help=f"rows to run, of {','.join(ROW_KEYS)}"
+        "--only", default=",".join(ROW_KEYS[:5]), help=f"rows to run, of {','.join(ROW_KEYS)}"
+    )
+    parser.add_argument(
+        "--spool",
+        action="store_true",
+        help="add the spool rows (spool, async-spool: publish() through spool=DIR, persist()\n"
+        "every 10,000) to the rows --only names",
     )
     parser.add_argument(
         "--node",
@@ -200,6 +262,8 @@ def main() -> int:
     if args.count % args.batch or args.count % args.threads:
         parser.error("--count must be a multiple of --batch and of --threads")
     only = [key for key in args.only.split(",") if key]
+    if args.spool:
+        only += [key for key in ("spool", "async-spool") if key not in only]
     if unknown := set(only) - set(ROW_KEYS):
         parser.error(f"--only: unknown rows {sorted(unknown)}; known: {', '.join(ROW_KEYS)}")
     if args.node and not os.path.isdir(os.path.join(NODE, "node_modules", "amqplib")):
@@ -211,6 +275,13 @@ def main() -> int:
         "many": (f"Publisher.publish_many({args.batch})", sync_row, args.batch, 1),
         "async": ("AsyncPublisher.publish()", async_row, 0, 1),
         "async-many": (f"AsyncPublisher.publish_many({args.batch})", async_row, args.batch, 1),
+        "spool": ("Publisher.publish(), spool, persist() every 10,000", spool_row, 0, 1),
+        "async-spool": (
+            "AsyncPublisher.publish(), spool, persist() every 10,000",
+            async_spool_row,
+            0,
+            1,
+        ),
     }
     if not hasattr(Publisher, "publish_many"):  # an older tree, measured for comparison
         only = [key for key in only if not table[key][2]]
