@@ -1,0 +1,73 @@
+"""The RabbitMQ 4 node runs beside the machine's broker without touching it.
+
+Its AMQP, distribution and epmd ports are its own; it registers with its own epmd, not the
+machine's (4369); kill -9 and restart keep its durable queue; SIGSTOP freezes it (its port stays
+open, nothing answers) and SIGCONT thaws it. About 10 s.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from pathlib import Path
+
+import pika
+import pytest
+
+from harness.rabbitmq4 import Rabbitmq4Node, versions
+
+pytestmark = [pytest.mark.broker, pytest.mark.faults]
+
+MACHINE_PORTS = {5672, 25672, 4369}
+
+
+def _epmd_names(root: Path | None, port: int) -> str:
+    if root is None:  # the machine's epmd
+        epmd = sorted(Path("/usr/lib/erlang").glob("erts-*/bin/epmd"))[-1]
+        cmd = [str(epmd)]
+    else:
+        epmd = sorted((root / "usr/lib/erlang").glob("erts-*/bin/epmd"))[-1]
+        cmd = ["chroot", str(root), "/" + str(epmd.relative_to(root))]
+    run = subprocess.run(
+        [*cmd, "-port", str(port), "-names"], capture_output=True, text=True, check=False
+    )
+    return run.stdout
+
+
+def _cluster_name(url: str) -> object:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return connection._impl.server_properties.get("cluster_name")
+    finally:
+        connection.close()
+
+
+def test_a_rabbitmq4_node_has_ports_and_epmd_of_its_own(amqp_url: str) -> None:
+    assert versions()["rabbitmq-server"].startswith("4.")
+    with Rabbitmq4Node() as node:
+        ports = {node.port, node.dist_port, node.epmd_port}
+        assert len(ports) == 3 and not ports & MACHINE_PORTS
+        short = node.nodename.split("@")[0]
+        assert f"name {short} at port {node.dist_port}" in _epmd_names(node.root, node.epmd_port)
+        assert short not in _epmd_names(None, 4369)
+        # The shared broker answers, and is another cluster than the node.
+        assert _cluster_name(amqp_url) != _cluster_name(node.url)
+
+        connection = pika.BlockingConnection(pika.URLParameters(node.url))
+        connection.channel().queue_declare("kept", durable=True)
+        connection.close()
+        node.kill()
+        node.start()
+        connection = pika.BlockingConnection(pika.URLParameters(node.url))
+        assert connection.channel().queue_declare("kept", passive=True).method.queue == "kept"
+        connection.close()
+
+        node.freeze()
+        with socket.create_connection(("127.0.0.1", node.port), timeout=2) as sock:
+            sock.sendall(b"AMQP\x00\x00\x09\x01")
+            sock.settimeout(1.0)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)  # the kernel accepted the connection; the frozen node says nothing
+        node.thaw()
+        connection = pika.BlockingConnection(pika.URLParameters(node.url))
+        connection.close()
