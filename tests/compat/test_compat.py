@@ -128,6 +128,26 @@ def test_aiormq_channel_frame_without_a_drain_future_is_refused() -> None:
     _assert_names_package(info.value, "aiormq", "drain_future")
 
 
+def test_aiormq_connection_that_keeps_no_last_frame_time_is_refused() -> None:
+    # The async liveness check reads when aiormq last read a frame, and drops a silent link by
+    # cancelling the reader task, as aiormq's own heartbeat watchdog does.
+    class Connection(aiormq.Connection):
+        def __init__(self) -> None:  # stamps no frame time
+            pass
+
+    with pytest.raises(IncompatibleDependency) as info:
+        compat_aiormq.probe(_fake_aiormq(Connection=Connection))
+    _assert_names_package(info.value, "aiormq", "_Connection__last_frame_time")
+
+    class Watchdogless(aiormq.Connection):
+        async def _Connection__heartbeat(self) -> None:  # never touches the reader task
+            return None
+
+    with pytest.raises(IncompatibleDependency) as info:
+        compat_aiormq.probe(_fake_aiormq(Connection=Watchdogless))
+    _assert_names_package(info.value, "aiormq", "_reader_task")
+
+
 def test_aio_pika_without_a_transport_is_refused() -> None:
     class Connection:
         pass
