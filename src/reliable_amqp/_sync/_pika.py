@@ -134,7 +134,7 @@ def translate_connection_error(error: Any, params: Any = None) -> ReliableAmqpEr
     ):
         result = connection_failure("timeout", f"{_where(params)}{detail}")
     elif isinstance(getattr(params, "host", None), str):
-        result = connection_failure("lost", f"{_where(params)}{detail}")
+        result = connection_failure("lost", _lost_at(error, detail, params))
     else:
         result = connection_failure("lost", detail)
     if isinstance(error, BaseException):
@@ -163,6 +163,26 @@ def _describe(error: object) -> str:
         return f"connection closed during the AMQP handshake ({said})"
     name = type(error).__name__
     return f"{name}: {text}" if text and not text.startswith(name) else text or name
+
+
+def _lost_at(error: object, detail: str, params: Any) -> str:
+    """A lost stream said with where: ``connection reset by 127.0.0.1:5672``, ``connection
+    closed by 127.0.0.1:5672 during the AMQP handshake``, else ``host:port: detail``."""
+    where = _where(params).removesuffix(": ")
+    inner = _innermost(error)
+    handshake = isinstance(inner, pika.exceptions.IncompatibleProtocolError)
+    if handshake or isinstance(inner, pika.exceptions.StreamLostError):
+        text = str(inner)
+        words = (
+            "connection reset by"
+            if "Connection reset by peer" in text
+            else "connection closed by"
+            if "Transport indicated EOF" in text
+            else None
+        )
+        if words is not None:
+            return f"{words} {where}" + (" during the AMQP handshake" if handshake else "")
+    return f"{where}: {detail}"
 
 
 _QUOTED = re.compile(r"""(['"])([^'"]+)\1""")
