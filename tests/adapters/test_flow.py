@@ -197,6 +197,7 @@ def test_events_follow_the_connection_through_channel_and_connection_loss(
         EventKind.CHANNEL_LOST,
         EventKind.RECOVERED,
         EventKind.CONNECTION_LOST,
+        EventKind.RETRYING,
         EventKind.RECOVERED,
         EventKind.CLOSED,
     ]

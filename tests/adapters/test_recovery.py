@@ -116,6 +116,7 @@ def test_a_lost_connection_is_recovered_and_the_unconfirmed_republished_in_order
     assert kinds(events) == [
         EventKind.CONNECTED,
         EventKind.CONNECTION_LOST,
+        EventKind.RETRYING,
         EventKind.RECOVERED,
         EventKind.CLOSED,
     ]
@@ -192,7 +193,13 @@ def test_a_spent_connect_policy_raises_recovery_failed(
         publisher.connect()
     publisher.close(timeout=1)
     assert peer.attempts == peer.refused == 3
-    assert kinds(events) == [EventKind.RECOVERY_FAILED, EventKind.CLOSED]
+    assert kinds(events) == [
+        EventKind.RETRYING,  # attempt 2
+        EventKind.RETRYING,  # attempt 3
+        EventKind.RECOVERY_FAILED,
+        EventKind.CLOSED,
+    ]
+    assert [e.attempt for e in events[:2]] == [2, 3]
 
 
 def test_pending_messages_fail_with_publisher_closed_when_recovery_gives_up(
@@ -216,6 +223,7 @@ def test_pending_messages_fail_with_publisher_closed_when_recovery_gives_up(
     assert kinds(events) == [
         EventKind.CONNECTED,
         EventKind.CONNECTION_LOST,
+        EventKind.RETRYING,
         EventKind.RECOVERY_FAILED,
         EventKind.CLOSED,
     ]

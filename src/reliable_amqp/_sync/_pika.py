@@ -107,7 +107,13 @@ def translate_connection_error(error: Any, params: Any = None) -> ReliableAmqpEr
     if tls is not None:
         result = connection_failure("tls", f"{_where(params)}{tls}")
     elif _lost_mid_login(error):
-        result = connection_failure("lost", f"the connection was lost while logging in: {detail}")
+        words = _ended_by(str(error), params)
+        result = connection_failure(
+            "lost",
+            f"{words} while logging in"
+            if words
+            else f"the connection ended while logging in: {detail}",
+        )
     elif isinstance(
         error,
         (pika.exceptions.ProbableAuthenticationError, pika.exceptions.AuthenticationError),
@@ -168,21 +174,26 @@ def _describe(error: object) -> str:
 def _lost_at(error: object, detail: str, params: Any) -> str:
     """A lost stream said with where: ``connection reset by 127.0.0.1:5672``, ``connection
     closed by 127.0.0.1:5672 during the AMQP handshake``, else ``host:port: detail``."""
-    where = _where(params).removesuffix(": ")
     inner = _innermost(error)
     handshake = isinstance(inner, pika.exceptions.IncompatibleProtocolError)
     if handshake or isinstance(inner, pika.exceptions.StreamLostError):
-        text = str(inner)
-        words = (
-            "connection reset by"
-            if "Connection reset by peer" in text
-            else "connection closed by"
-            if "Transport indicated EOF" in text
-            else None
-        )
-        if words is not None:
-            return f"{words} {where}" + (" during the AMQP handshake" if handshake else "")
-    return f"{where}: {detail}"
+        words = _ended_by(str(inner), params)
+        if words:
+            return words + (" during the AMQP handshake" if handshake else "")
+    return f"{_where(params)}{detail}"
+
+
+def _ended_by(text: str, params: Any) -> str:
+    """``connection reset by host:port`` (or ``closed by``) when pika's text of a lost stream
+    says so; "" otherwise."""
+    where = _where(params).removesuffix(": ")
+    if not where:
+        return ""
+    if "Connection reset by peer" in text:
+        return f"connection reset by {where}"
+    if "Transport indicated EOF" in text:
+        return f"connection closed by {where}"
+    return ""
 
 
 _QUOTED = re.compile(r"""(['"])([^'"]+)\1""")
