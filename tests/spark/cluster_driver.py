@@ -131,7 +131,7 @@ def stream(spark: SparkSession, c: dict[str, Any]) -> dict[str, Any]:
     progress = query.lastProgress
     query.stop()
     at_stop = queue_depth(c["url"], c["queue"])
-    time.sleep(c.get("settle", 5.0))
+    time.sleep(c.get("settle", 4.0))
     settled = queue_depth(c["url"], c["queue"])
     again = start(available_now=True)
     again.awaitTermination(240)
@@ -142,7 +142,7 @@ def stream(spark: SparkSession, c: dict[str, Any]) -> dict[str, Any]:
         "restarted_id": str(again.id),
         "stopped_at_depth": depth,
         "depth_when_stop_returned": at_stop,
-        "depth_5s_later": settled,
+        "depth_settled": settled,
         "last_batch_before_stop": None if progress is None else progress.get("batchId"),
     }
 

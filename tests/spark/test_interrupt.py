@@ -9,7 +9,7 @@ connection, under a frame of a ``pyspark.*`` module as in a worker, with the rea
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -92,7 +92,7 @@ def test_tasks_find_their_link(spark: SparkSession) -> None:
     if not hasattr(df, "rdd"):
         return
 
-    def rows(items: Iterator[Any]) -> Iterator[tuple[bool, bool]]:
+    def rows(items: Iterable[Any]) -> Iterator[tuple[bool, bool]]:
         link = TaskLink()
         for _ in items:
             pass
