@@ -22,7 +22,7 @@ def test_sync_benchmark_runs_every_row_and_reports_medians(amqp_url: str) -> Non
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         env={**os.environ, "AMQP_URL": amqp_url},
         check=False,
     )
@@ -34,10 +34,11 @@ def test_sync_benchmark_runs_every_row_and_reports_medians(amqp_url: str) -> Non
         "pika, BlockingChannel.confirm_delivery()",
         "pika, transaction per message",
         "reliable_amqp.Publisher (streaming confirms)",
+        "reliable_amqp.Publisher (streaming confirms), mandatory=False",
         "reliable_amqp.Publisher.publish_many (1,000 a call)",
         "raw frames, no client work (broker ceiling)",
     ]
-    assert len(rows) == 12
+    assert len(rows) == 14
     for row in rows:
         assert len(row["runs"]) == 2 and all(rate > 0 for rate in row["runs"])
         assert 0 < row["cpu_us"] < 100_000  # the client-CPU column, us per message
