@@ -17,6 +17,7 @@ import pytest
 from reliable_amqp import ConfigurationError, PublishTimeout, SpoolError
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._spool import Spool, drop_failed, failed_entries, inspect
+from reliable_amqp._spool._store import read_entries
 from spool_support import messages
 
 OpenSpool = Callable[..., Spool]
@@ -314,13 +315,21 @@ def test_a_damaged_entry_is_named_and_left_in_place(
     conn.execute(f"UPDATE pending SET {column} = ? WHERE seq = 3", (damaged,))
     conn.commit()
     conn.close()
-    spool = open_spool()
-    assert [e.seq for e in spool.read(0, 2)] == [1, 2]
+    # opening checks every pending entry: it refuses, rather than send the ones before
     with pytest.raises(SpoolError) as info:
-        spool.read(2, 10)
+        open_spool()
     assert "entry 3 is damaged" in str(info.value)
     assert "spool.db" in str(info.value)
-    assert spool.pending == 5  # nothing dropped
+    assert inspect(tmp_path / "spool").pending == 5  # nothing dropped
+    # reading it back (as --check does) names it the same way
+    conn = sqlite3.connect(tmp_path / "spool" / "spool.db")
+    lock = threading.Lock()
+    path = str(tmp_path / "spool" / "spool.db")
+    assert [e.seq for e in read_entries(conn, lock, path, after=0, limit=2)] == [1, 2]
+    with pytest.raises(SpoolError) as again:
+        read_entries(conn, lock, path, after=2, limit=10)
+    conn.close()
+    assert str(again.value) == str(info.value)
 
 
 def test_an_unreadable_directory_is_named(tmp_path: Path) -> None:

@@ -114,9 +114,12 @@ class Spool:
             self._conn = _db.connect(self.directory, create=True)
             self._reader = _db.connect(self.directory, create=False)
             counts = self._read_counts(self._conn)
+            if counts[1]:
+                verify_pending(self._reader, self.path)
         except BaseException:
-            with contextlib.suppress(Exception):
-                self._conn.close()
+            for name in ("_reader", "_conn"):
+                with contextlib.suppress(Exception):
+                    getattr(self, name).close()
             self._lock_file.release()
             raise
         self._sync_full = False
@@ -654,15 +657,40 @@ def read_entries(
     return [_entry(path, table, row) for row in rows]
 
 
+def damaged(path: str, table: str, seq: int) -> SpoolError:
+    """The error for an entry whose checksum or size does not match (``--check`` lists the
+    same words)."""
+    return SpoolError(
+        f"{path}: {table} entry {seq} is damaged (its checksum or size does not match what was "
+        "written); it was left in place"
+    )
+
+
+def verify_pending(conn: sqlite3.Connection, path: str) -> None:
+    """Check every pending entry's checksum and size; raise :func:`damaged`'s error for the
+    first that does not match. Opening a spool does this, so that a damaged message stops the
+    publisher before anything is sent, rather than when its turn comes."""
+    try:
+        rows = conn.execute("SELECT seq, size, crc, meta, body FROM pending ORDER BY seq")
+        crc32 = zlib.crc32
+        for seq, size, crc, meta, body in rows:
+            if (
+                type(meta) is not bytes
+                or type(body) is not bytes
+                or crc32(body, crc32(meta)) != crc
+                or len(meta) + len(body) != size
+            ):
+                raise damaged(path, "pending", seq)
+    except sqlite3.Error as exc:
+        raise SpoolError(f"{path} cannot be read: {_db.describe(exc)}") from exc
+
+
 def _entry(path: str, table: str, row: tuple[int, int, int, bytes, bytes]) -> SpoolEntry:
     seq, size, crc, meta, body = row
     if not isinstance(meta, bytes) or not isinstance(body, bytes):
         raise SpoolError(f"{path}: {table} entry {seq} is damaged (a record is not a blob)")
     if zlib.crc32(body, zlib.crc32(meta)) != crc or len(meta) + len(body) != size:
-        raise SpoolError(
-            f"{path}: {table} entry {seq} is damaged (its checksum or size does not match "
-            "what was written); it was left in place"
-        )
+        raise damaged(path, table, seq)
     try:
         message = _codec.decode(meta, body)
     except _codec.CodecError as exc:
