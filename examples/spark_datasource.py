@@ -4,7 +4,7 @@ Runs against the local RabbitMQ (or $AMQP_URL) on a local SparkSession:
 
 1. ``df.write.format("amqp").mode("append")`` writes 1,000 rows (``id_prefix`` makes the message
    ids ``{id_prefix}:{partition}:{position}``, the same if the job is run again);
-2. ``writeStream.format("amqp")`` reads three JSON files as three micro-batches
+2. ``writeStream.format("amqp").queryName(...)`` reads three JSON files as three micro-batches
    (``maxFilesPerTrigger=1``, ``availableNow``) with a checkpoint; message ids carry the query id
    and the batch id, so a batch replayed after a failure republishes the same ids.
 
@@ -89,13 +89,15 @@ def main() -> int:
         source = Path(tmp, "in")
         source.mkdir()
         for f in range(3):
-            rows = [json.dumps({"body": f"file {f} line {i}"}) for i in range(100)]
+            # "value", as a DataFrame for Spark's Kafka sink has it: it is the body here too
+            rows = [json.dumps({"value": f"file {f} line {i}"}) for i in range(100)]
             (source / f"part-{f}.json").write_text("\n".join(rows) + "\n")
         query = (
-            spark.readStream.schema("body string")
+            spark.readStream.schema("value string")
             .option("maxFilesPerTrigger", 1)
             .json(str(source))
             .writeStream.format("amqp")
+            .queryName("files_to_amqp")  # Spark adds it to the options: the sink ignores it
             .options(**options)
             .option("checkpointLocation", str(Path(tmp, "checkpoint")))
             .trigger(availableNow=True)

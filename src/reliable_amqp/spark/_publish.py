@@ -458,23 +458,17 @@ def _publish_slice(  # noqa: PLR0917
     key = config.routing_key or ""
     mandatory = config.mandatory
     if exchanges is None and keys is None and ids is None and not properties:
-        for i in range(start, end):  # only the body and the id differ: the common case
-            body = bodies[i]
+        # only the body and the id differ: the common case
+        prefix = f"{id_base}:"
+        ids_here = [f"{prefix}{n}" for n in range(position + start, position + end)]
+        for body, message_id in zip(bodies[start:end], ids_here, strict=True):
             if body is None:
-                outcome.add(InvalidMessage("body", "is null"), f"{id_base}:{position + i}")
+                outcome.add(InvalidMessage("body", "is null"), message_id)
                 continue
             try:
-                append(
-                    publish(
-                        exchange,
-                        key,
-                        body,
-                        mandatory=mandatory,
-                        message_id=f"{id_base}:{position + i}",
-                    )
-                )
+                append(publish(exchange, key, body, mandatory=mandatory, message_id=message_id))
             except InvalidMessage as exc:
-                outcome.add(exc, f"{id_base}:{position + i}")
+                outcome.add(exc, message_id)
         return
     for i in range(start, end):
         message_id = (ids[i] if ids is not None else None) or f"{id_base}:{position + i}"
