@@ -33,8 +33,9 @@ from reliable_amqp import (
 )
 from reliable_amqp._core.message import MessageProperties
 from reliable_amqp.spark import AmqpSink, RowsNotConfirmed, SinkConfig
+from reliable_amqp.spark._cache import cached_publisher, retire_publisher
 from reliable_amqp.spark._mapping import JSON, _json
-from reliable_amqp.spark._publish import cached_publisher, failure_reason, retire_publisher
+from reliable_amqp.spark._publish import failure_reason
 
 pytestmark = pytest.mark.spark
 

@@ -25,6 +25,7 @@ except ImportError as exc:  # pragma: no cover - exercised without the extra ins
         "pip install 'reliable-amqp[spark]'"
     ) from exc
 
+from reliable_amqp.spark._cache import close_cached_publishers
 from reliable_amqp.spark._datasource import (
     AmqpBatchWriter,
     AmqpCommitMessage,
@@ -39,7 +40,6 @@ from reliable_amqp.spark._publish import (
     PartitionResult,
     RowsNotConfirmed,
     SinkConfig,
-    close_cached_publishers,
     publish_partition,
 )
 from reliable_amqp.spark._sink import AmqpSink, WriteSummary
