@@ -33,7 +33,6 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
@@ -45,6 +44,7 @@ from .node import (
     TlsListener,
     _pick_ports,
     _port_open,
+    _reap_stale_nodes,
     _wait_until,
 )
 
@@ -169,6 +169,7 @@ class Rabbitmq4Node(DisposableBroker):
         self._own_epmd: _Epmd | None = None
         self._epmd_port = epmd_port or 0
         self.frozen = False
+        self._began = 0.0
 
     @property
     def epmd_port(self) -> int:
@@ -183,6 +184,36 @@ class Rabbitmq4Node(DisposableBroker):
                 self._epmd_port = self._own_epmd.port
             self.frozen = False
             super().start(timeout)
+
+    def launch(self) -> None:
+        """Spawn the node and return at once; :meth:`wait_started` waits for it. ``start()`` is
+        the two together. Several nodes launched before any is awaited boot in parallel."""
+        with self._lock:
+            if not self._epmd_port:
+                self._own_epmd = _Epmd(self.root)
+                self._epmd_port = self._own_epmd.port
+            self.frozen = False
+            if self.is_running():
+                return
+            self._began = time.monotonic()
+            if not self._created:
+                _reap_stale_nodes(self._base_dir)
+                self._create_layout()
+            self._reap()
+            with contextlib.suppress(FileNotFoundError):
+                (self.dir / "rabbit.pid").unlink()
+            self._spawn()
+
+    def wait_started(self, timeout: float = 90.0) -> None:
+        """Wait until a launched node accepts AMQP connections and ``await_startup`` passes."""
+        with self._lock:
+            try:
+                self._await_startup(self._began + timeout)
+            except BaseException:
+                self._kill_process()
+                raise
+            self._changed_limits.clear()
+            self.last_start_seconds = time.monotonic() - self._began
 
     def kill(self, timeout: float = 30.0, *, sync_metadata: bool = False) -> None:
         """SIGKILL the beam process. RabbitMQ 4 keeps its metadata in Khepri (a Raft log written
@@ -338,9 +369,14 @@ class Rabbitmq4Cluster:
             )
             for name in names
         ]
-        with ThreadPoolExecutor(len(self.nodes)) as pool:
-            for future in [pool.submit(node.start, timeout) for node in self.nodes]:
-                future.result()
+        # Launched from this thread (a node launched from a helper thread would get no
+        # parent-death signal: it fires when the spawning thread ends), then awaited: they boot
+        # at once and find each other through classic peer discovery (one at a time, the first
+        # would wait about 100 s for its peers before forming a cluster alone).
+        for node in self.nodes:
+            node.launch()
+        for node in self.nodes:
+            node.wait_started(timeout)
         self.await_members(timeout=max(10.0, timeout - (time.monotonic() - began)))
         self.last_start_seconds = time.monotonic() - began
 
