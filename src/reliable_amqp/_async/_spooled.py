@@ -23,7 +23,7 @@ from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.supervisor import Supervisor
-from reliable_amqp._core.tracker import Entry
+from reliable_amqp._core.tracker import Entry, new_entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._spool import Spool
 from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
@@ -238,7 +238,8 @@ class AsyncSpooled:
         loop = self._loop
         if loop is None or not feed.backlog or self._supervisor.stopping:
             return
-        entries = feed.read(window.free_slots())  # at most READ_CHUNK: a few ms of the loop
+        # at most READ_CHUNK: a few ms of the loop; each message built as the engine's entry
+        entries = feed.read(window.free_slots(), new_entry)
         if not entries:
             return
         items: list[tuple[OutgoingMessage, Handle]] = []

@@ -25,7 +25,7 @@ import dataclasses
 import datetime as _dt
 import struct
 import zoneinfo
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -226,8 +226,17 @@ def _value(parts: list[bytes], value: Any, path: str, depth: int) -> None:
         raise Unstorable(path, f"a {type(value).__name__} has no stored form")
 
 
-def decode(meta: bytes, body: bytes) -> OutgoingMessage:
-    """The message a record (and its body) stands for; raises :class:`CodecError` if corrupt."""
+#: what :func:`decode` builds a message with, from checked parts (``new_outgoing``'s signature)
+Build = Callable[[str, str, bytes, MessageProperties, bool, str], OutgoingMessage]
+
+
+def decode(meta: bytes, body: bytes, build: Build = new_outgoing) -> OutgoingMessage:
+    """The message a record (and its body) stands for; raises :class:`CodecError` if corrupt.
+
+    ``build`` makes it from its parts (a publisher passes what makes its engine's entries, so
+    that a message read back is one object, not a message copied into an entry); a message
+    whose id is not a str is always a plain :class:`OutgoingMessage`.
+    """
     try:
         version, flags, mask = _head.unpack_from(meta)
         if version != FORMAT:
@@ -284,9 +293,7 @@ def decode(meta: bytes, body: bytes) -> OutgoingMessage:
             raise CodecError(f"the record is {size} bytes, its fields {id_end}")
         mandatory = bool(flags & 1)
         if message_id is None or type(message_id) is str:
-            return new_outgoing(
-                exchange, routing_key, bytes(body), base, mandatory, message_id or ""
-            )
+            return build(exchange, routing_key, bytes(body), base, mandatory, message_id or "")
         if message_id is not None:
             base = dataclasses.replace(base, message_id=message_id)
         return OutgoingMessage(exchange, routing_key, bytes(body), base, mandatory)

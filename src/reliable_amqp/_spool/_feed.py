@@ -38,6 +38,7 @@ from typing import Generic, TypeVar
 from reliable_amqp._core.errors import PublisherClosed, PublishError
 from reliable_amqp._core.message import new_outgoing
 from reliable_amqp._core.tracker import Entry
+from reliable_amqp._spool._codec import Build
 from reliable_amqp._spool._store import Spool, SpoolEntry
 
 H = TypeVar("H")
@@ -138,8 +139,9 @@ class SpoolFeed(Generic[H]):
         """Whether messages wait on disk to be read back now (not while held)."""
         return self.fed < self.spool.last_seq and not self.holding
 
-    def read(self, room: int) -> list[SpoolEntry]:
-        """The next backlog entries, in order, at most ``room`` (and :data:`READ_CHUNK`).
+    def read(self, room: int, build: Build = new_outgoing) -> list[SpoolEntry]:
+        """The next backlog entries, in order, at most ``room`` (and :data:`READ_CHUNK`), each
+        message made by ``build`` (the adapter's engine entries: see :func:`_codec.decode`).
 
         Reads the disk: the sync adapter calls it outside its lock (nothing else moves
         :attr:`fed` meanwhile: only the reading side does, and a publish goes to the backlog
@@ -149,7 +151,7 @@ class SpoolFeed(Generic[H]):
             return []
         spool = self.spool
         top = spool.last_seq  # before committed_seq: both only grow
-        entries = spool.read(self.fed, min(room, READ_CHUNK))
+        entries = spool.read(self.fed, min(room, READ_CHUNK), build)
         if not entries and spool.committed_seq >= top:
             # everything up to top is committed and none of it waits: the seqs between are
             # gone (confirmed before a crash, or in the failed table)
@@ -170,6 +172,9 @@ class SpoolFeed(Generic[H]):
         rather than being confirmed into nowhere."""
         message = entry.message
         if message.mandatory:
+            return entry
+        if isinstance(message, Entry) and not message.adopted:  # built by the adapter's build
+            message.mandatory = True
             return entry
         mandatory = new_outgoing(
             message.exchange,

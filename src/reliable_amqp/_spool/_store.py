@@ -32,7 +32,7 @@ from reliable_amqp._core.errors import (
     SpoolFull,
     SpoolWriteError,
 )
-from reliable_amqp._core.message import OutgoingMessage
+from reliable_amqp._core.message import OutgoingMessage, new_outgoing
 from reliable_amqp._core.options import SPOOL_FSYNC_POLICIES
 from reliable_amqp._spool import _codec, _db
 from reliable_amqp._spool._lock import DirectoryLock
@@ -377,12 +377,16 @@ class Spool:
     def _done_seq(self) -> int:
         return self._committed_seq if self.fsync == "never" else self._synced_seq
 
-    def read(self, after: int = 0, limit: int = 1000) -> list[SpoolEntry]:
+    def read(
+        self, after: int = 0, limit: int = 1000, build: _codec.Build = new_outgoing
+    ) -> list[SpoolEntry]:
         """Committed pending entries with a seq above ``after``, in order, at most ``limit``.
 
         Raises :class:`SpoolError` naming the file and the entry when one cannot be read back.
         """
-        return read_entries(self._reader, self._read_lock, self.path, after=after, limit=limit)
+        return read_entries(
+            self._reader, self._read_lock, self.path, after=after, limit=limit, build=build
+        )
 
     def counts(self) -> SpoolCounts:
         """What the spool holds now (pending as the publisher counts it, failed from the file)."""
@@ -642,8 +646,10 @@ def read_entries(
     after: int,
     limit: int,
     table: str = "pending",
+    build: _codec.Build = new_outgoing,
 ) -> list[SpoolEntry]:
-    """Entries of ``table`` with a seq above ``after``, in order, checked (CRC) and decoded."""
+    """Entries of ``table`` with a seq above ``after``, in order, checked (CRC) and decoded (each
+    message made by ``build``: see :func:`_codec.decode`)."""
     limit = max(1, min(limit, READ_LIMIT_MAX))
     with lock:
         try:
@@ -654,7 +660,7 @@ def read_entries(
             ).fetchall()
         except sqlite3.Error as exc:
             raise SpoolError(f"{path} cannot be read: {_db.describe(exc)}") from exc
-    return [_entry(path, table, row) for row in rows]
+    return [_entry(path, table, row, build) for row in rows]
 
 
 def damaged(path: str, table: str, seq: int) -> SpoolError:
@@ -685,14 +691,19 @@ def verify_pending(conn: sqlite3.Connection, path: str) -> None:
         raise SpoolError(f"{path} cannot be read: {_db.describe(exc)}") from exc
 
 
-def _entry(path: str, table: str, row: tuple[int, int, int, bytes, bytes]) -> SpoolEntry:
+def _entry(
+    path: str,
+    table: str,
+    row: tuple[int, int, int, bytes, bytes],
+    build: _codec.Build = new_outgoing,
+) -> SpoolEntry:
     seq, size, crc, meta, body = row
     if not isinstance(meta, bytes) or not isinstance(body, bytes):
         raise SpoolError(f"{path}: {table} entry {seq} is damaged (a record is not a blob)")
     if zlib.crc32(body, zlib.crc32(meta)) != crc or len(meta) + len(body) != size:
         raise damaged(path, table, seq)
     try:
-        message = _codec.decode(meta, body)
+        message = _codec.decode(meta, body, build)
     except _codec.CodecError as exc:
         raise SpoolError(f"{path}: {table} entry {seq} cannot be decoded: {exc}") from None
     return SpoolEntry(seq, message, size)

@@ -26,7 +26,7 @@ from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._spool import Spool
 from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
-from reliable_amqp._sync._future import PublishFuture
+from reliable_amqp._sync._future import PublishFuture, future_factory
 
 if TYPE_CHECKING:
     from reliable_amqp._core.lifecycle import Lifecycle
@@ -62,6 +62,8 @@ class SpooledPublishing:
                 self.spool.pending,
             )
         self.spool.on_commit = self._on_commit
+        #: how a message read back is built: as its own future, like publish()'s
+        self._build = future_factory(handoff.futures, handoff)
         #: set when the window stayed full for PACE_WAIT: publish() no longer waits for room
         #: until something resolves (see _keep_pace)
         self.stalled = False
@@ -225,7 +227,7 @@ class SpooledPublishing:
             if not feed.backlog:
                 return []
             room = window.free_slots()
-        entries = feed.read(room)  # the disk, outside the lock
+        entries = feed.read(room, self._build)  # the disk, outside the lock
         if not entries:
             return []
         items: list[tuple[OutgoingMessage, PublishFuture] | PublishFuture] = []
@@ -238,10 +240,12 @@ class SpooledPublishing:
                 future = feed.take(entry.seq)
                 index = window.take(size)
                 feed.track(index, entry.seq)
-                if future is not None and not future.adopted:  # the caller's, its own message
+                if future is None:  # recovered, or the caller dropped its future
+                    future = entry.message  # type: ignore[assignment]  # built as one (_build)
+                if type(future) is PublishFuture and not future.adopted:  # message and future
                     future.index = index
                     items.append(future)
-                else:  # recovered, or the caller dropped its future: a handle of our own
+                else:  # a message decoded as a plain one (an id that is not a str)
                     handle = PublishFuture(condition, index, handoff)
                     items.append((entry.message, handle))
         return items
