@@ -97,10 +97,16 @@ class AsyncSpooled:
         timeout = self.options.publish_timeout
         end = loop.time() + timeout
         body_size = len(message.body)
-        if not self.stalled:
+        window = self._window
+        feed = self.feed
+        # the usual case, inline (a coroutine costs its own): nothing on disk ahead and room
+        if (not window.fits(body_size) or spool.last_seq != feed.fed) and not self.stalled:
             await self._keep_pace(body_size, loop)
         while True:
             check(message)
+            if spool.ready(size):
+                seq = spool.append(message, 0, meta)
+                break
             if spool.writer_behind:  # the disk is slower than the producer: wait off the loop
                 await loop.run_in_executor(None, spool.wait_for_writer, 1.0)
                 continue
@@ -121,8 +127,6 @@ class AsyncSpooled:
             # only confirms make room: wait for them off the loop (which settles them)
             await loop.run_in_executor(None, spool.wait_for_room, size, min(left, 1.0))
         future: asyncio.Future[Confirmation] = loop.create_future()
-        window = self._window
-        feed = self.feed
         if feed.direct(seq) and not queued() and window.fits(body_size):
             index = window.take(body_size)
             feed.track(index, seq)

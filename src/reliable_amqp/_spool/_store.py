@@ -285,6 +285,14 @@ class Spool:
                 self._work.notify()
             self._changed.wait(1.0)
 
+    def ready(self, size: int) -> bool:
+        """Whether :meth:`append` of a message of ``size`` bytes would not wait (room in the
+        spool, the writer not behind): :meth:`has_room` and not :attr:`writer_behind`."""
+        current = self._bytes
+        return (not current or current + size <= self.max_bytes) and (
+            self._queued_bytes <= QUEUE_MAX_BYTES
+        )
+
     @property
     def writer_behind(self) -> bool:
         """Whether :meth:`append` would wait for the writer (more than QUEUE_MAX_BYTES queued)."""

@@ -88,17 +88,22 @@ class SpooledPublishing:
         window = handoff.window
         feed = self.feed
         while True:
-            if not spool.has_room(size):
-                # only confirms make room, and only the I/O thread reads them
-                handoff.check_wait("publish() into a full spool")
-                check(message)
-                spool.wait_for_room(size, max(0.0, end - time.monotonic()))
-            if spool.writer_behind:  # the disk is slower than the producer: wait for it
-                spool.wait_for_writer(max(0.0, end - time.monotonic()))
+            if not spool.ready(size):
+                if not spool.has_room(size):
+                    # only confirms make room, and only the I/O thread reads them
+                    handoff.check_wait("publish() into a full spool")
+                    check(message)
+                    spool.wait_for_room(size, max(0.0, end - time.monotonic()))
+                if spool.writer_behind:  # the disk is slower than the producer: wait for it
+                    spool.wait_for_writer(max(0.0, end - time.monotonic()))
             with handoff.lock:
-                check(message)
-                if not self.stalled:
+                if handoff.fatal is not None or not handoff.accepting:
+                    check(message)
+                # the usual case, inline: nothing on disk ahead and room in the window
+                fits = window.fits(body_size)
+                if (not fits or spool.last_seq != feed.fed) and not self.stalled:
                     self._keep_pace(body_size)
+                    fits = window.fits(body_size)
                 try:
                     seq = spool.append(message, 0, meta)
                 except PublishTimeout:
@@ -112,7 +117,7 @@ class SpooledPublishing:
                     ) from None
                 # the message is its own future (as without a spool: see Publisher.publish)
                 future: PublishFuture = message  # type: ignore[assignment]
-                if feed.direct(seq) and window.fits(body_size):
+                if fits and feed.direct(seq):
                     future.index = index = window.take(body_size)
                     feed.track(index, seq)
                     handoff.outbox.append(future)
