@@ -93,7 +93,8 @@ class AmqpDataSource(DataSource):
     ``.mode("append")`` is the only save mode (messages cannot be overwritten). Options: ``url``
     (required), ``exchange``, ``routing_key``, ``routing_key_column``, ``body_column``,
     ``mandatory``, ``id_prefix``, ``flush_timeout``, and every publisher option as a string
-    (``delivery_timeout``, ``max_in_flight``, ``nack_policy.max_attempts``, ...).
+    (``delivery_timeout``, ``max_in_flight``, ``nack_policy.max_attempts``, ...). The options
+    Spark adds itself (``queryName``, ``checkpointLocation``, ``path``, ...) are ignored.
     """
 
     @classmethod
