@@ -59,13 +59,20 @@ def numbered(spark: SparkSession, rows: int, partitions: int) -> DataFrame:
     )
 
 
-def queue_depth(url: str, queue: str) -> int:
-    """Messages in ``queue`` now (a passive declare)."""
-    connection = pika.BlockingConnection(pika.URLParameters(url))
-    try:
-        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
-    finally:
-        connection.close()
+class QueueDepth:
+    """Messages in a queue now (a passive declare on one connection, so polls are quick)."""
+
+    def __init__(self, url: str, queue: str) -> None:
+        self.queue = queue
+        self.connection = pika.BlockingConnection(pika.URLParameters(url))
+        self.channel = self.connection.channel()
+
+    def __call__(self) -> int:
+        ok = self.channel.queue_declare(self.queue, passive=True)
+        return int(ok.method.message_count)
+
+    def close(self) -> None:
+        self.connection.close()
 
 
 def ways(spark: SparkSession, c: dict[str, Any]) -> dict[str, Any]:
@@ -123,16 +130,20 @@ def stream(spark: SparkSession, c: dict[str, Any]) -> dict[str, Any]:
         return writer.start()
 
     query = start(available_now=False)
-    deadline = time.monotonic() + 180
-    while (depth := queue_depth(c["url"], c["queue"])) < c["stop_at"]:
-        if query.exception() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the query stalled at {depth} messages: {query.exception()}")
-        time.sleep(0.05)
-    progress = query.lastProgress
-    query.stop()
-    at_stop = queue_depth(c["url"], c["queue"])
-    time.sleep(c.get("settle", 4.0))
-    settled = queue_depth(c["url"], c["queue"])
+    depth_now = QueueDepth(c["url"], c["queue"])
+    try:
+        deadline = time.monotonic() + 180
+        while (depth := depth_now()) < c["stop_at"]:
+            if query.exception() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the query stalled at {depth} messages: {query.exception()}")
+            time.sleep(0.01)
+        progress = query.lastProgress
+        query.stop()
+        at_stop = depth_now()
+        time.sleep(c.get("settle", 4.0))
+        settled = depth_now()
+    finally:
+        depth_now.close()
     again = start(available_now=True)
     again.awaitTermination(240)
     if again.exception() is not None:

@@ -244,7 +244,7 @@ def test_named_streaming_query_stopped_mid_batch_resumes_from_its_checkpoint(
             "source": str(source),
             "checkpoint": str(tmp_path / "checkpoint"),
             "query_name": f"orders_{os.getpid()}",
-            "stop_at": per_file + per_file // 4,  # a quarter into the second batch
+            "stop_at": per_file + per_file // 8,  # early in the second batch
         },
         log,
     )
