@@ -8,19 +8,28 @@ connection, under a frame of a ``pyspark.*`` module as in a worker, with the rea
 
 from __future__ import annotations
 
+import json
 import socket
+import sys
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
+from pyspark.cloudpickle import register_pickle_by_value
 from pyspark.sql import SparkSession
+from pyspark.sql.datasource import DataSource, DataSourceArrowWriter, WriterCommitMessage
 
 from reliable_amqp.spark import SinkConfig, TaskInterrupted, close_cached_publishers
 from reliable_amqp.spark._interrupt import TaskLink
 from reliable_amqp.spark._mapping import Chunk
 from reliable_amqp.spark._publish import SLICE, publish_partition
 from spark_support import unique_name
+
+# Workers cannot import this test module: ship its classes (the probe data source) by value.
+register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
 
 _WORKER_FRAME = '''
 def main(infile, run):
@@ -99,3 +108,45 @@ def test_tasks_find_their_link(spark: SparkSession) -> None:
         yield (link.watched, link.ended())
 
     assert df.rdd.mapPartitions(rows).collect() == [(True, False)] * 2
+
+
+@dataclass
+class _Found(WriterCommitMessage):
+    watched: bool
+    ended: bool
+
+
+class _LinkProbe(DataSource):
+    """A data source whose tasks report whether they find their link (as the amqp one's do)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "reliable_amqp_link_probe"
+
+    def writer(self, schema: Any, overwrite: bool) -> _LinkProbeWriter:
+        return _LinkProbeWriter(self.options["out"])
+
+
+class _LinkProbeWriter(DataSourceArrowWriter):
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def write(self, iterator: Iterator[Any]) -> _Found:
+        link = TaskLink()
+        for _ in iterator:
+            pass
+        return _Found(link.watched, link.ended())
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        found = [[m.watched, m.ended] for m in messages if isinstance(m, _Found)]
+        Path(self.out).write_text(json.dumps(found))
+
+
+@pytest.mark.spark
+def test_data_source_tasks_find_their_link(spark: SparkSession, tmp_path: Path) -> None:
+    spark.dataSource.register(_LinkProbe)
+    out = tmp_path / "found.json"
+    spark.range(0, 1000, numPartitions=2).write.format("reliable_amqp_link_probe").mode(
+        "append"
+    ).option("out", str(out)).save()
+    assert json.loads(out.read_text()) == [[True, False]] * 2
