@@ -152,6 +152,9 @@ def spool_row(url: str, count: int, body: bytes, batch: int, threads: int = 1) -
             tempfile.TemporaryDirectory(prefix="ra-cpu-spool-") as directory,
             Publisher(url, spool=directory) as publisher,
         ):
+            # it connects in the background: wait for it (as sync_row's `with` does) by
+            # declaring the queue again
+            publisher.declare_queue(queue)
             publish = publisher.publish
             wall, started = time.perf_counter(), time.process_time()
             for i in range(1, count + 1):
@@ -173,6 +176,7 @@ def async_spool_row(url: str, count: int, body: bytes, batch: int, threads: int 
 
     async def run(directory: str) -> Measured:
         async with AsyncPublisher(url, spool=directory) as publisher:
+            await publisher.declare_queue(queue)  # connected (see spool_row)
             publish = publisher.publish
             wall, started = time.perf_counter(), time.process_time()
             for i in range(1, count + 1):

@@ -44,6 +44,9 @@ def spooled_publisher(url: str, count: int, body: bytes) -> Row:
         fresh_queue(url) as (_connection, queue),
     ):
         with Publisher(url, spool=directory) as publisher:
+            # a spooled publisher connects in the background: wait for it, as the spool-less
+            # row's `with` does, by declaring the (existing) queue again
+            publisher.declare_queue(queue)
             publish = publisher.publish
             started, cpu = time.perf_counter(), time.process_time()
             futures = []
@@ -70,6 +73,7 @@ def spooled_async_publisher(url: str, count: int, body: bytes) -> Row:
 
     async def run(directory: str, queue: str) -> tuple[float, float, int, int]:
         async with AsyncPublisher(url, spool=directory) as publisher:
+            await publisher.declare_queue(queue)  # connected (see spooled_publisher)
             started, cpu = time.perf_counter(), time.process_time()
             futures = []
             for i in range(count):
