@@ -125,6 +125,31 @@ def test_publish_many_in_batches_every_message_in_order_with_its_own_id(
     assert {(p.content_type, p.delivery_mode) for p, _ in received} == {("text/plain", 2)}
 
 
+def test_publish_many_takes_the_callers_ids_one_per_body(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
+    queue = broker.queue()
+    with publisher_class(amqp_url) as publisher:
+        ids = [f"order-{i}" for i in range(500)]
+        futures = publisher.publish_many("", queue, [b"x"] * 500, message_ids=iter(ids))
+        # checked before anything is sent: a wrong count, a bad id (named), the keyword
+        bad: list[tuple[dict[str, Any], str]] = [
+            ({"message_ids": ["a", "b"]}, "message_ids"),
+            ({"message_ids": ["a", "", "c"]}, "message_ids[1]"),
+            ({"message_ids": ["a", None, "c"]}, "message_ids[1]"),
+            ({"message_ids": ["a", "b", "é" * 200]}, "message_ids[2]"),
+            ({"message_ids": "abc"}, "message_ids"),
+            ({"message_id": "a"}, "message_id"),
+        ]
+        for kwargs, field in bad:
+            with pytest.raises(InvalidMessage) as raised:
+                publisher.publish_many("", queue, [b"1", b"2", b"3"], **kwargs)
+            assert raised.value.field == field, raised.value
+        assert publisher.flush(timeout=30) == 0
+    assert [f.result(0).message_id for f in futures] == ids
+    assert [p.message_id for p, _ in broker.drain(queue)] == ids
+
+
 def test_properties_and_headers_arrive_intact(
     amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
 ) -> None:

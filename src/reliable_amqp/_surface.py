@@ -41,6 +41,35 @@ _ENGINE_HEADERS_MAX = 96
 #: routes and property sets remembered as checked, per publisher (then forgotten at once)
 _CACHE_MAX = 1024
 
+
+def _ids(given: Iterable[str], count: int) -> list[str]:
+    """The caller's ``message_ids`` for ``count`` bodies, every one checked."""
+    if isinstance(given, (str, bytes)):
+        raise InvalidMessage(
+            "message_ids", f"must be an iterable of ids, not one {type(given).__name__}"
+        )
+    try:
+        ids = list(given)
+    except TypeError:
+        raise InvalidMessage(
+            "message_ids", f"must be an iterable of ids, not {type(given).__name__}"
+        ) from None
+    if len(ids) != count:
+        raise InvalidMessage("message_ids", f"has {len(ids)} ids for {count} bodies: give one each")
+    for i, message_id in enumerate(ids):
+        if message_id is None:
+            raise InvalidMessage(f"message_ids[{i}]", "is None: give every message its id")
+        try:
+            check_message_id(message_id)
+        except InvalidMessage as exc:
+            raise InvalidMessage(f"message_ids[{i}]", exc.problem) from None
+    return ids
+
+
+def _id_length(message: OutgoingMessage) -> int:
+    return len(message.message_id.encode("utf-8"))
+
+
 D = TypeVar("D")  # declare_exchange/bind_queue: None, or an awaitable of None
 Q = TypeVar("Q")  # declare_queue: the queue name, or an awaitable of it
 
@@ -105,16 +134,17 @@ class PublisherSurface(Generic[D, Q]):
             self._check_header_size(message)
         return message
 
-    def _messages(
+    def _messages(  # noqa: PLR0917
         self,
         exchange: str,
         routing_key: str,
         bodies: Iterable[bytes],
         mandatory: bool | None,
         properties: dict[str, Any],
+        message_ids: Iterable[str] | None,
     ) -> list[OutgoingMessage]:
         """The validated messages of a ``publish_many()`` call: the shared arguments checked
-        once, every body checked before any message is built."""
+        once, every body (and every given id) checked before any message is built."""
         if (exchange, routing_key) not in self._routes:
             self._check_route(exchange, routing_key)
         if mandatory is None:
@@ -124,8 +154,8 @@ class PublisherSurface(Generic[D, Q]):
         if "message_id" in properties:
             raise InvalidMessage(
                 "message_id",
-                "publish_many() gives every message its own id: publish messages with ids "
-                "of your own one by one with publish()",
+                "publish_many() gives every message its own id: pass message_ids=[...], one "
+                "per body, for ids of your own",
             )
         if isinstance(bodies, (bytes, bytearray, memoryview, str)):
             raise InvalidMessage(
@@ -143,14 +173,17 @@ class PublisherSurface(Generic[D, Q]):
                     data[i] = check_body(body)
                 except InvalidMessage as exc:
                     raise InvalidMessage(f"bodies[{i}]", exc.problem) from None
+        ids = new_message_ids(len(data)) if message_ids is None else _ids(message_ids, len(data))
         base = self._base(properties) if properties else DEFAULT_BASE
         new = self._new_entry
         messages: list[OutgoingMessage] = [
             new(exchange, routing_key, body, base, mandatory, message_id)
-            for body, message_id in zip(data, new_message_ids(len(data)), strict=True)
+            for body, message_id in zip(data, ids, strict=True)
         ]
         if base.headers and self._supervisor.frame_max and messages:
-            self._check_header_size(messages[-1])  # the last id is the longest
+            # the longest id makes the largest header (a generated one: the last)
+            longest = messages[-1] if message_ids is None else max(messages, key=_id_length)
+            self._check_header_size(longest)
         return messages
 
     def _check_route(self, exchange: str, routing_key: str) -> None:

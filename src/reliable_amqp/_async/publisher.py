@@ -311,21 +311,24 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         bodies: Iterable[bytes],
         *,
         mandatory: bool | None = None,
+        message_ids: Iterable[str] | None = None,
         **properties: Any,
     ) -> list[asyncio.Future[Confirmation]]:
         """Send many messages to one route with the same properties; one future per body.
 
         Each message is as if published alone by :meth:`publish` (its own generated
-        ``message_id``, its own outcome and retries), in the order of ``bodies``; the shared
+        ``message_id``, or the one ``message_ids`` gives it, one per body; its own outcome and
+        retries), in the order of ``bodies``; the shared
         arguments are checked once, and the whole call takes the window and wakes the writer
-        once. ``message_id`` cannot be given (each message has its own). Raises
-        :class:`InvalidMessage` (naming ``bodies[i]`` for a bad body) before sending any.
+        once. The ``message_id`` keyword cannot be given (each message has its own: use
+        ``message_ids``). Raises :class:`InvalidMessage` (naming ``bodies[i]`` or
+        ``message_ids[i]`` for a bad one) before sending any.
 
         Waits only as :meth:`publish` does, while the window is full; when the window stays full
         for ``publish_timeout``, :class:`PublishTimeout` is raised if no message of the call was
         taken yet, else the futures of the messages left over fail with it.
         """
-        messages = self._messages(exchange, routing_key, bodies, mandatory, properties)
+        messages = self._messages(exchange, routing_key, bodies, mandatory, properties, message_ids)
         if not messages:
             return []
         if self._spooled is not None:

@@ -399,10 +399,21 @@ def _publish_slice(  # noqa: PLR0917
     key = config.routing_key or ""
     mandatory = config.mandatory
     if exchanges is None and keys is None and ids is None and not properties:
-        # only the body and the id differ: the common case
+        # only the body and the id differ: the common case, one publish_many() call a slice
         prefix = f"{id_base}:"
         ids_here = [f"{prefix}{n}" for n in range(position + start, position + end)]
-        for body, message_id in zip(bodies[start:end], ids_here, strict=True):
+        slice_bodies = bodies[start:end]
+        if None not in slice_bodies:
+            try:
+                outcome.pending.extend(
+                    publisher.publish_many(
+                        exchange, key, slice_bodies, mandatory=mandatory, message_ids=ids_here
+                    )
+                )
+                return
+            except InvalidMessage:
+                pass  # nothing of the call was sent: one by one, to fail only the bad rows
+        for body, message_id in zip(slice_bodies, ids_here, strict=True):
             if body is None:
                 outcome.add(InvalidMessage("body", "is null"), message_id)
                 continue
