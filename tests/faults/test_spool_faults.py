@@ -28,7 +28,7 @@ from reliable_amqp._spool._feed import PACE_WAIT
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import spool_outage  # noqa: E402  (benchmarks/spool_outage.py: the 5,000,000-message run)
+import spool_outage  # type: ignore[import-not-found]  # noqa: E402  (benchmarks/: the 5M run)
 
 AMQP_PORT = int(os.environ.get("AMQP_TEST_PORT", "5672"))
 #: a URL nothing listens on (port 1 on loopback: refused at once)

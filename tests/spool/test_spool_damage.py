@@ -23,7 +23,7 @@ import pytest
 from reliable_amqp import SpoolError
 from reliable_amqp._spool import Spool, check
 from reliable_amqp._spool._db import PAGE_SIZE
-from reliable_amqp._spool._store import read_entries
+from reliable_amqp._spool._read import read_entries
 from spool_support import messages
 
 

@@ -17,7 +17,7 @@ import pytest
 from reliable_amqp import ConfigurationError, PublishTimeout, SpoolError
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._spool import Spool, drop_failed, failed_entries, inspect
-from reliable_amqp._spool._store import read_entries
+from reliable_amqp._spool._read import read_entries
 from spool_support import messages
 
 OpenSpool = Callable[..., Spool]

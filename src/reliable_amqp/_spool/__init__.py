@@ -14,13 +14,13 @@ from reliable_amqp._spool._inspect import (
     inspect,
 )
 from reliable_amqp._spool._lock import LOCK_NAME
+from reliable_amqp._spool._read import SpoolEntry
 from reliable_amqp._spool._store import (
     DEFAULT_FSYNC,
     DEFAULT_MAX_BYTES,
     FSYNC_POLICIES,
     Spool,
     SpoolCounts,
-    SpoolEntry,
 )
 
 __all__ = [

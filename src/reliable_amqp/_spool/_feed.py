@@ -39,7 +39,8 @@ from reliable_amqp._core.errors import PublisherClosed, PublishError
 from reliable_amqp._core.message import new_outgoing
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._spool._codec import Build
-from reliable_amqp._spool._store import Spool, SpoolEntry
+from reliable_amqp._spool._read import SpoolEntry
+from reliable_amqp._spool._store import Spool
 
 H = TypeVar("H")
 

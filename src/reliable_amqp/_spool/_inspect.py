@@ -19,7 +19,7 @@ from reliable_amqp._core.errors import SpoolError
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._spool import _db
 from reliable_amqp._spool._lock import DirectoryLock, in_use_by
-from reliable_amqp._spool._store import read_entries
+from reliable_amqp._spool._read import read_entries
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,11 @@ from reliable_amqp._core.message import OutgoingMessage, new_outgoing
 from reliable_amqp._core.options import SPOOL_FSYNC_POLICIES
 from reliable_amqp._spool import _codec, _db
 from reliable_amqp._spool._lock import DirectoryLock
+from reliable_amqp._spool._read import (
+    SpoolEntry,
+    read_entries,
+    verify_pending,
+)
 
 log = logging.getLogger("reliable_amqp.spool")
 _encode = _codec.encode
@@ -47,22 +52,11 @@ DEFAULT_FSYNC = "persist"
 DEFAULT_MAX_BYTES = 1024**3
 #: how long the writer waits before it tries a failed commit (a full disk) again, at most
 _RETRY_MAX = 2.0
-#: how many rows one read of pending entries returns at most
-READ_LIMIT_MAX = 100_000
 #: free pages (16 KiB) at which the writer gives them back to the file system: 16 MiB
 GIVE_BACK_PAGES = 1024
 #: bytes queued for the writer at most: beyond, append() waits for the disk (a producer faster
 #: than the disk would otherwise hold the difference in memory)
 QUEUE_MAX_BYTES = 8 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class SpoolEntry:
-    """One message in the spool: ``seq`` is its place in the append order."""
-
-    seq: int
-    message: OutgoingMessage
-    size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -644,74 +638,3 @@ def _runs(seqs: list[int]) -> list[tuple[int, int]]:
             low = high = seq
     runs.append((low, high))
     return runs
-
-
-def read_entries(
-    conn: sqlite3.Connection,
-    lock: threading.Lock,
-    path: str,
-    *,
-    after: int,
-    limit: int,
-    table: str = "pending",
-    build: _codec.Build = new_outgoing,
-) -> list[SpoolEntry]:
-    """Entries of ``table`` with a seq above ``after``, in order, checked (CRC) and decoded (each
-    message made by ``build``: see :func:`_codec.decode`)."""
-    limit = max(1, min(limit, READ_LIMIT_MAX))
-    with lock:
-        try:
-            rows = conn.execute(
-                f"SELECT seq, size, crc, meta, body FROM {table} WHERE seq > ? "
-                "ORDER BY seq LIMIT ?",
-                (after, limit),
-            ).fetchall()
-        except sqlite3.Error as exc:
-            raise SpoolError(f"{path} cannot be read: {_db.describe(exc)}") from exc
-    return [_entry(path, table, row, build) for row in rows]
-
-
-def damaged(path: str, table: str, seq: int) -> SpoolError:
-    """The error for an entry whose checksum or size does not match (``--check`` lists the
-    same words)."""
-    return SpoolError(
-        f"{path}: {table} entry {seq} is damaged (its checksum or size does not match what was "
-        "written); it was left in place"
-    )
-
-
-def verify_pending(conn: sqlite3.Connection, path: str) -> None:
-    """Check every pending entry's checksum and size; raise :func:`damaged`'s error for the
-    first that does not match. Opening a spool does this, so that a damaged message stops the
-    publisher before anything is sent, rather than when its turn comes."""
-    try:
-        rows = conn.execute("SELECT seq, size, crc, meta, body FROM pending ORDER BY seq")
-        crc32 = zlib.crc32
-        for seq, size, crc, meta, body in rows:
-            if (
-                type(meta) is not bytes
-                or type(body) is not bytes
-                or crc32(body, crc32(meta)) != crc
-                or len(meta) + len(body) != size
-            ):
-                raise damaged(path, "pending", seq)
-    except sqlite3.Error as exc:
-        raise SpoolError(f"{path} cannot be read: {_db.describe(exc)}") from exc
-
-
-def _entry(
-    path: str,
-    table: str,
-    row: tuple[int, int, int, bytes, bytes],
-    build: _codec.Build = new_outgoing,
-) -> SpoolEntry:
-    seq, size, crc, meta, body = row
-    if not isinstance(meta, bytes) or not isinstance(body, bytes):
-        raise SpoolError(f"{path}: {table} entry {seq} is damaged (a record is not a blob)")
-    if zlib.crc32(body, zlib.crc32(meta)) != crc or len(meta) + len(body) != size:
-        raise damaged(path, table, seq)
-    try:
-        message = _codec.decode(meta, body, build)
-    except _codec.CodecError as exc:
-        raise SpoolError(f"{path}: {table} entry {seq} cannot be decoded: {exc}") from None
-    return SpoolEntry(seq, message, size)
