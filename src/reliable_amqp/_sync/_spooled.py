@@ -1,8 +1,10 @@
 """The durable spool's part of the sync :class:`~reliable_amqp.Publisher` (``spool=DIR``).
 
 ``publish()`` appends the message to the spool and hands it to the I/O thread as without a
-spool when nothing older waits on disk and the window has room; otherwise it leaves it on disk
-(it never waits for the broker, only for room in the spool). The I/O thread reads the backlog
+spool when nothing older waits on disk and the window has room; otherwise it leaves it on disk.
+While the broker confirms, it keeps the broker's pace (``_keep_pace``); it never waits for a
+broker that is down or stalled, only for room in the spool and for the disk. The I/O thread
+reads the backlog
 back as the window frees room (:meth:`SpooledPublishing.refill`, called where it takes the
 outbox), and every resolution goes through :meth:`SpoolFeed.resolved` (from
 :meth:`Handoff.resolve`). Messages recovered from an earlier process wait for the caller's first
