@@ -105,6 +105,8 @@ class SpooledPublishing:
                 fits = window.fits(body_size)
                 if (not fits or spool.last_seq != feed.fed) and not self.stalled:
                     self._keep_pace(body_size)
+                    if handoff.fatal is not None or not handoff.accepting:
+                        check(message)  # closed (or gave up) while it waited
                     fits = window.fits(body_size)
                 try:
                     seq = spool.append(message, 0, meta)
@@ -160,7 +162,7 @@ class SpooledPublishing:
         while True:
             if window.fits(size) and window.free_slots() > feed.ahead(window.max_count):
                 return True
-            if self.stalled:
+            if self.stalled or handoff.fatal is not None or not handoff.accepting:
                 return False
             now = time.monotonic()
             if not end:
