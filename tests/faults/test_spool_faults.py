@@ -245,8 +245,9 @@ def test_a_long_outage(
     )
     # one publish() waited PACE_WAIT for the window (then the broker was taken for stalled);
     # the others never waited for the broker (a few ms for a lock, the GC or the disk)
-    assert result.slowest[1] < PACE_WAIT + 0.5, result.slowest
-    assert result.slowest[0] < 0.5, result.slowest
+    # (bounds with room for a loaded machine: what they tell apart is one pace wait or two)
+    assert result.slowest[1] < PACE_WAIT + 2, result.slowest
+    assert result.slowest[0] < PACE_WAIT, result.slowest
     assert max(grown.values()) < 60 * 2**20, grown
     assert grown[count] - grown[200_000] < 15 * 2**20, grown  # flat, not merely small
     spool_outage.verify(amqp_url, queue, count, 1024)  # every one, once, in order

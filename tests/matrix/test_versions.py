@@ -127,6 +127,30 @@ def _counts(junit: Path) -> dict[str, int]:
     }
 
 
+def run_subset(
+    python: str, env: dict[str, str], junit: Path, timeout: float, result: LegResult
+) -> None:
+    """Run the contract subset with ``python`` and ``env``; its exit code, output and counts
+    (read from ``junit``) go into ``result``."""
+    command = [python, "-m", "pytest", *SUBSET, "-q", "-p", "no:cacheprovider", "-rfE"]
+    try:
+        run = subprocess.run(
+            [*command, f"--junitxml={junit}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+            check=False,
+        )
+        result.returncode, result.output = run.returncode, run.stdout + run.stderr
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        result.output = f"the subset did not finish within {timeout} s\n{out}"
+    if junit.exists():
+        result.counts = _counts(junit)
+
+
 def run_leg(leg: str, workdir: Path) -> LegResult:
     """Build (or check) the leg's venv, then run the subset in it; never raises."""
     result = LegResult(leg)
@@ -154,35 +178,8 @@ def run_leg(leg: str, workdir: Path) -> LegResult:
         result.output = f"{python} could not report its versions:\n{probe.stderr[-4000:]}"
         return result
     result.versions = json.loads(probe.stdout)
-    junit = workdir / f"{leg}.xml"
-    command = [
-        str(python),
-        "-m",
-        "pytest",
-        *SUBSET,
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-rfE",
-        f"--junitxml={junit}",
-    ]
-    try:
-        run = subprocess.run(
-            command,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=LEG_TIMEOUT,
-            check=False,
-        )
-        result.returncode, result.output = run.returncode, run.stdout + run.stderr
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        result.output = f"the subset did not finish within {LEG_TIMEOUT} s\n{out}"
+    run_subset(str(python), env, workdir / f"{leg}.xml", LEG_TIMEOUT, result)
     result.seconds = time.monotonic() - started
-    if junit.exists():
-        result.counts = _counts(junit)
     result.failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", result.output, re.MULTILINE)
     return result
 

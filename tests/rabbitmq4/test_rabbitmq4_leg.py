@@ -22,7 +22,7 @@ import pytest
 from harness.fixtures import DISPOSABLE_BROKER_ENV
 from harness.rabbitmq4 import ROOT_ENV, Rabbitmq4Node, ensure_root, versions
 from harness.rabbitmq4_fixtures import add_summary, broker_versions
-from matrix.test_versions import _VERSIONS, PACKAGES, SUBSET, LegResult, _clean_env, _counts
+from matrix.test_versions import _VERSIONS, PACKAGES, LegResult, _clean_env, run_subset
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
@@ -64,34 +64,8 @@ def test_contract_subset_passes_on_rabbitmq4(
             **json.loads(probe.stdout),
         }
         junit = tmp_path / "rabbitmq4.xml"
-        command = [
-            sys.executable,
-            "-m",
-            "pytest",
-            *SUBSET,
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-rfE",
-            f"--junitxml={junit}",
-        ]
-        try:
-            run = subprocess.run(
-                command,
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=TIMEOUT,
-                check=False,
-            )
-            result.returncode, result.output = run.returncode, run.stdout + run.stderr
-        except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
-            result.output = f"the subset did not finish within {TIMEOUT} s\n{out}"
+        run_subset(sys.executable, env, junit, TIMEOUT, result)
     result.seconds = time.monotonic() - started
-    if junit.exists():
-        result.counts = _counts(junit)
     add_summary(request.config, result.headline().replace("matrix ", "", 1))
     tail = result.output[-8000:]
     assert result.counts.get("passed", 0) > 0, f"no test passed on RabbitMQ 4\n{tail}"
