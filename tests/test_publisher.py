@@ -7,6 +7,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+import pika
 import pytest
 
 from broker_support import BrokerAdmin, unique
@@ -20,6 +21,7 @@ from reliable_amqp import (
     MessageNacked,
     MessageRejected,
     MessageReturned,
+    OperationTimeout,
     PreconditionFailed,
     Publisher,
     PublisherClosed,
@@ -517,3 +519,27 @@ def test_close_resolves_every_future(
     assert outcomes(futures) == {"PublisherClosed": 25}
     with pytest.raises(PublisherClosed):
         publisher.publish("", queue, b"late")
+
+
+def test_a_declaration_that_timed_out_is_not_made_later(
+    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
+) -> None:
+    queue = broker.queue()
+    late = unique("ra-test-late")
+    proxy = make_proxy(5672)
+    with Publisher(proxy.url()) as publisher:
+        proxy.refuse()
+        proxy.cut()  # recovering: the declaration waits for a connection, then times out
+        with pytest.raises(OperationTimeout):
+            publisher.declare_queue(late, timeout=0.5)
+        proxy.accept()
+        publisher.publish("", queue, b"after").result(timeout=30)  # connected again
+        publisher.flush(timeout=30)
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as missing:
+            connection.channel().queue_declare(late, passive=True)
+        assert missing.value.reply_code == 404
+    finally:
+        connection.close()
+    assert broker.count(queue) == 1

@@ -301,6 +301,9 @@ class Publisher(PublisherSurface[None, str]):
         try:
             return future.result(wait)
         except FutureTimeout:  # not the builtin TimeoutError before Python 3.11
+            # Still queued (the broker unreachable): it will not be made later, behind the
+            # caller's back. Already on its way, the broker's answer decides (and is kept).
+            future.cancel()
             raise OperationTimeout(f"declaring {op.describe()} took over {wait:g} s") from None
 
     # --- publishing --------------------------------------------------------------------------

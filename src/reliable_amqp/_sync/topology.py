@@ -72,6 +72,9 @@ def apply_topology(
                 if future is not None:
                     method = getattr(frame, "method", None)
                     _settle(future, result=getattr(method, "queue", None))
+            # a caller's declaration that timed out (its future cancelled) is not made later
+            while pending and pending[0][1] is not None and pending[0][1].cancelled():
+                pending.popleft()
             if not pending:
                 if channel.is_open:
                     channel.close()
