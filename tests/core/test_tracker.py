@@ -88,6 +88,35 @@ def test_on_return_with_an_unknown_attempt_marks_nothing() -> None:
     assert entry.returned == (312, "NO_ROUTE")
 
 
+def _mandatory(body: bytes, message_id: str, routing_key: str = "rk") -> Entry[str]:
+    message = build_message(
+        "ex", routing_key, body, mandatory=True, properties={"message_id": message_id}
+    )
+    return Entry(message=message, handle=message_id, deadline=60.0, size=len(body))
+
+
+def test_a_return_without_attempt_header_names_its_message_by_what_it_carries() -> None:
+    tracker: ConfirmTracker[str] = ConfirmTracker()
+    routed, lost, other = _mandatory(b"r", "same"), _mandatory(b"l", "same"), _mandatory(b"o", "o")
+    tracker.track_all([routed, lost, other])
+    # the same id on two messages: the body tells them apart
+    assert tracker.on_return(None, 312, "NO_ROUTE", returned=("same", "ex", "rk", b"l")) is lost
+    assert routed.returned is None and lost.returned == (312, "NO_ROUTE")
+    # nothing on the wire carries all four (another route, a stale channel): nothing marked
+    assert tracker.on_return(None, 312, "NO_ROUTE", returned=("o", "ex", "x", b"o")) is None
+    assert tracker.on_return(None, 312, "X", returned=("o", "ex", "rk", b"o"), generation=1) is None
+    # searched after the last match first, then from the start: an earlier one is found too
+    assert tracker.on_return(None, 312, "NO_ROUTE", returned=("o", "ex", "rk", b"o")) is other
+    assert tracker.on_return(None, 312, "NO_ROUTE", returned=("same", "ex", "rk", b"r")) is routed
+    # not mandatory: a return cannot be its
+    plain = _entry("plain")
+    tracker.track(plain)
+    assert (
+        tracker.on_return(None, 312, "NO_ROUTE", returned=(plain.message_id, "ex", "rk", b"x"))
+        is None
+    )
+
+
 def test_only_the_latest_publish_can_be_taken_back() -> None:
     tracker: ConfirmTracker[str] = ConfirmTracker()
     first, second = _entry("a"), _entry("b")

@@ -231,27 +231,27 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
 
     async def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
         pump = self._pump
-        if not self._accepting:
-            raise PublisherClosed.refused(f"declaring {op.describe()}")
+        call = f"declaring {op.describe()}"
+        self._check_usable(call)
         if not pump.ready.is_set():
             await self.connect()
-        self._check_usable()
+        self._check_usable(call)
         wait = self.options.connect_timeout if timeout is None else timeout
         try:  # while the publisher recovers, the declaration waits for the next channel
             await asyncio.wait_for(pump.opened.wait(), wait)
         except (asyncio.TimeoutError, TimeoutError):
-            self._check_usable()  # closed or failed meanwhile: say that rather than "timeout"
+            self._check_usable(call)  # closed or failed meanwhile: say that, not "timeout"
             raise OperationTimeout(
                 f"no connection to declare {op.describe()} within {wait:g} s"
             ) from None
-        self._check_usable()
+        self._check_usable(call)
         connection = pump.connection
         assert connection is not None
         name = await _topology.declare(connection, op, wait)
         self._topology.record(op)
         return name
 
-    def _check_usable(self, call: str = "a declaration") -> None:
+    def _check_usable(self, call: str) -> None:
         if self._pump.fatal is not None:
             raise self._pump.fatal
         if not self._accepting:

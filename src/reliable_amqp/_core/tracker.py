@@ -13,6 +13,7 @@ that covers tags it had nacked one by one just before.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -353,9 +354,23 @@ class ConfirmTracker(Generic[H]):
         return self._live
 
     def __iter__(self) -> Iterator[Entry[H]]:
-        for first, run in self._runs.items():
-            for key, entry in enumerate(run.entries, first):
-                if entry is not None and entry.key == key:
+        return self._wire(0)
+
+    def _wire(self, low: int, high: int | None = None) -> Iterator[Entry[H]]:
+        """The entries on the wire whose keys are from ``low`` to ``high`` (None: no limit), in
+        publish order."""
+        runs = self._runs
+        keys = runs.keys()
+        for first in keys[max(0, runs.bisect_right(low) - 1) :]:
+            if high is not None and first > high:
+                return
+            for key, entry in enumerate(runs[first].entries, first):
+                if (
+                    entry is not None
+                    and entry.key == key
+                    and key >= low
+                    and (high is None or key <= high)
+                ):
                     yield entry
 
     def track(self, entry: Entry[H]) -> int:
@@ -462,29 +477,19 @@ class ConfirmTracker(Generic[H]):
 
     def _find_returned(self, returned: tuple[object, str, str, bytes]) -> Entry[H] | None:
         message_id, exchange, routing_key, body = returned
-        runs = self._runs
-        if not runs:
-            return None
         after = self._returned_at
-        keys = runs.keys()
-        at = max(0, runs.bisect_right(after) - 1)
         # after the last match first (the broker's order), then from the start up to it
-        for lo, hi, pick in ((at, len(keys), after), (0, at + 1, -1)):
-            for first in keys[lo:hi]:
-                for key, entry in enumerate(runs[first].entries, first):
-                    if (
-                        entry is not None
-                        and entry.message_id == message_id
-                        and entry.key == key
-                        and (key > pick if pick >= 0 else key <= after)
-                        and entry.returned is None
-                        and entry.mandatory
-                        and entry.exchange == exchange
-                        and entry.routing_key == routing_key
-                        and entry.body == body
-                    ):
-                        self._returned_at = key
-                        return entry
+        for entry in itertools.chain(self._wire(after + 1), self._wire(0, after)):
+            if (
+                entry.message_id == message_id
+                and entry.returned is None
+                and entry.mandatory
+                and entry.exchange == exchange
+                and entry.routing_key == routing_key
+                and entry.body == body
+            ):
+                self._returned_at = entry.key
+                return entry
         return None
 
     def untrack(self, entry: Entry[H]) -> bool:
