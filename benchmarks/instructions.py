@@ -13,6 +13,8 @@ counted, the I/O thread included. The figure repeats to about 1.5% from run to r
 else the machine does, where CPU time swings by 15%; it moves with how the broker batches its
 acks, so compare trees in one run (``--compare SRC`` measures another checkout's package too;
 give it once per tree for several).
+Rows ``spool`` and ``async-spool`` publish through ``spool=DIR`` (``persist()`` every 10,000);
+callgrind counts no time in the kernel, so their writes and fsyncs are not in the figure.
 Needs valgrind (``apt-get install valgrind``). A row takes about a minute per tree.
 """
 
@@ -35,6 +37,8 @@ ROWS = {
     "many": "Publisher.publish_many(1000)",
     "async": "AsyncPublisher.publish()",
     "async-many": "AsyncPublisher.publish_many(1000)",
+    "spool": "Publisher.publish(), spool",
+    "async-spool": "AsyncPublisher.publish(), spool",
 }
 BATCH = 1000
 
@@ -45,7 +49,15 @@ def child(row: str, count: int, size: int, url: str) -> int:
     sys.path.insert(0, HERE)
     import client_cpu
 
-    measure = client_cpu.async_row if row.startswith("async") else client_cpu.sync_row
+    measures = {
+        "publish": client_cpu.sync_row,
+        "many": client_cpu.sync_row,
+        "async": client_cpu.async_row,
+        "async-many": client_cpu.async_row,
+        "spool": client_cpu.spool_row,  # persist() every 10,000, as client_cpu.py --spool
+        "async-spool": client_cpu.async_spool_row,
+    }
+    measure = measures[row]
     measure(url, count, b"x" * size, BATCH if row.endswith("many") else 0, 1)  # asserts all
     return count
 

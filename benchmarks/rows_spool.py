@@ -4,8 +4,9 @@
     python benchmarks/rows_spool.py                 # 20,000 messages, 12 B and 1 KiB bodies
     python benchmarks/rows_spool.py --count 5000 --repeat 3
 
-Standalone, it runs the spool-less ``Publisher`` row of ``rows_sync`` beside its own rows and
-prints the ratios. ``benchmarks/run.py`` takes the rows from :func:`rows` (same shape as
+Standalone, it runs the spool-less ``Publisher`` row of ``rows_sync`` and ``AsyncPublisher`` row
+of ``rows_async`` beside its own rows and prints each spool row's rate against its own
+publisher's spool-less rate. ``benchmarks/run.py`` takes the rows from :func:`rows` (same shape as
 ``rows_async.rows``). Each row publishes to a fresh durable queue through a fresh spool in a
 temporary directory, on the local disk (``$TMPDIR``), timed from the first publish to the last
 confirm, ``persist()`` calls included; every future is checked and the spool must end empty.
@@ -25,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import rows_async
 from rows_sync import Row, _row, fresh_queue, reliable_publisher
 
 from reliable_amqp import Publisher
@@ -118,14 +120,17 @@ def main() -> int:
         for _ in range(args.repeat):  # passes interleaved, as in run.py
             for row in [
                 reliable_publisher(args.url, args.count, body),
+                asyncio.run(rows_async.async_publisher(args.url, args.count, body)),
                 *rows(args.url, args.count, body),
             ]:
-                runs.setdefault(str(row["name"]), []).append(float(row["rate"]))  # type: ignore[arg-type]
+                runs.setdefault(str(row["name"]), []).append(float(row["rate"]))
         medians: dict[str, Any] = {name: statistics.median(r) for name, r in runs.items()}
-        plain = medians["reliable_amqp.Publisher (streaming confirms)"]
+        names = list(medians)
+        # each spool row against its own publisher's spool-less row, measured beside it
+        base = {names[0]: names[0], names[1]: names[1], SYNC_NAME: names[0], ASYNC_NAME: names[1]}
         print(f"\n== {args.count:,} messages, {size} B bodies ==")
         for name, rate in medians.items():
-            print(f"{name:<60} {rate:>10,.0f} msgs/s {rate / plain:>6.2f}x")
+            print(f"{name:<60} {rate:>10,.0f} msgs/s {rate / medians[base[name]]:>6.2f}x")
     return 0
 
 

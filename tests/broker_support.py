@@ -44,8 +44,15 @@ class BrokerAdmin:
         self._exchanges.append(name)
         return name
 
-    def bind(self, queue: str, exchange: str, routing_key: str) -> None:
-        self._ch().queue_bind(queue, exchange, routing_key)
+    def bind(
+        self,
+        queue: str,
+        exchange: str,
+        routing_key: str,
+        arguments: dict[str, object] | None = None,
+    ) -> None:
+        """Bind ``queue`` to ``exchange`` (``arguments``: a headers exchange's match)."""
+        self._ch().queue_bind(queue, exchange, routing_key, arguments=arguments)
 
     def count(self, queue: str) -> int:
         """Messages ready in ``queue``."""

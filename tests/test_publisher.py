@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import threading
 import time
 from concurrent.futures import Future
@@ -267,6 +268,44 @@ def test_unroutable_mandatory_messages_are_returned(
     assert error.message.routing_key == "nowhere"
     assert unchecked.result().attempts == 1
     assert broker.count(queue) == 20
+
+
+@pytest.mark.parametrize("routed_by", ["CC", "BCC", "headers exchange"])
+def test_messages_alike_but_for_their_headers_each_get_their_own_outcome(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass, routed_by: str
+) -> None:
+    # Headers route too: with the same id, route and body, the one whose headers route it is
+    # routed and the other returned (the broker test of publish() inputs found the return
+    # settled on the routed one, with CC). Headers of other types ride along, to be compared
+    # as the broker's client library decodes them: pika truncates the double to 5, pamqp reads
+    # the stamp after 2106 as milliseconds (CI found each settling the return on the wrong one).
+    queue = broker.queue()
+    common = {
+        "at": dt.datetime(2026, 1, 2, 3, 4, 5, 600000),
+        "raw": b"\xff\x00",
+        "n": 7,
+        "f": 5.5,
+        "late": dt.datetime(2500, 1, 1, tzinfo=dt.timezone.utc),
+    }
+    exchange, routing_key = "", "nowhere"
+    if routed_by == "headers exchange":
+        exchange, routing_key = broker.exchange(kind="headers"), ""
+        broker.bind(queue, exchange, "", {"x-match": "all", "route": "yes"})
+        routed, returned = {"route": "yes", **common}, {"route": "no", **common}
+    else:
+        routed, returned = {routed_by: [queue], **common}, common
+    with publisher_class(amqp_url) as publisher:
+        futures = []
+        for _ in range(5):
+            for headers in (routed, returned):
+                futures.append(
+                    publisher.publish(
+                        exchange, routing_key, b"same", message_id="same", headers=headers
+                    )
+                )
+        publisher.flush(timeout=30)
+    assert [type(f.exception()).__name__ for f in futures] == ["NoneType", "MessageReturned"] * 5
+    assert broker.count(queue) == 5
 
 
 def test_a_publisher_may_opt_out_of_mandatory(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 
 from broker_support import BrokerAdmin, unique
 from reliable_amqp._core.message import OutgoingMessage, build_message
-from reliable_amqp._spool import Spool
+from reliable_amqp._spool import Spool, _files
 from reliable_amqp.cli._io import Defaults, read_messages
 
 
@@ -59,7 +58,7 @@ def _spool_with_failures(directory: Path, routing_key: str = "q") -> list[Outgoi
     spool.persist()
     failed = [2, 3, 5, 8]
     for seq in failed:
-        spool.fail(seq, f"returned: 312 NO_ROUTE (seq {seq})")
+        spool.fail(seq, sent[seq - 1], f"returned: 312 NO_ROUTE (seq {seq})")
     spool.close()
     return [sent[seq - 1] for seq in failed]
 
@@ -144,18 +143,26 @@ def test_check_names_damaged_entries(tmp_path: Path) -> None:
     result = run_cli("spool", str(tmp_path / "s"), "--check")
     assert result.returncode == 0, result.stderr
     assert "check: no problems" in result.stdout
-    conn = sqlite3.connect(tmp_path / "s" / "spool.db")
-    conn.execute("UPDATE pending SET body = x'00' WHERE seq IN (4, 9)")
-    conn.execute("UPDATE failed SET meta = x'01' WHERE seq = 5")
-    conn.commit()
-    conn.close()
+    # a flipped byte in the bodies of pending entries 4 and 9, in the record of failed entry 5
+    segment = tmp_path / "s" / _files.segment_name(1)
+    data = bytearray(segment.read_bytes())
+    found = {
+        f.seq: f for f in _files.records(str(segment), 16, len(data)) if isinstance(f, _files.Found)
+    }
+    for seq in (4, 9):
+        data[found[seq].end - 1] ^= 0x01
+    segment.write_bytes(bytes(data))
+    failed_log = tmp_path / "s" / _files.FAILED_NAME
+    data = bytearray(failed_log.read_bytes())
+    data[data.index(b"(seq 5)") + 2] ^= 0x01
+    failed_log.write_bytes(bytes(data))
     result = run_cli("spool", str(tmp_path / "s"), "--check")
     assert result.returncode == 1
     damaged = [line for line in result.stdout.splitlines() if line.startswith("damaged:")]
     assert len(damaged) == 3
-    assert "pending entry 4 is damaged" in damaged[0]
-    assert "pending entry 9 is damaged" in damaged[1]
-    assert "failed entry 5 is damaged" in damaged[2]
+    assert f"{segment}: entry 4 at byte {found[4].offset} is damaged" in damaged[0]
+    assert f"{segment}: entry 9 at byte {found[9].offset} is damaged" in damaged[1]
+    assert f"{failed_log}: failed entry 5 is damaged" in damaged[2]
     shown = json.loads(run_cli("spool", str(tmp_path / "s"), "--check", "--json").stdout)
     assert len(shown["problems"]) == 3
 

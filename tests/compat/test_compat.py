@@ -359,3 +359,21 @@ def test_compat_package_names_its_modules() -> None:
         assert module.__name__ in _compat.__doc__ or module.__name__.rsplit(".", 1)[1] in (
             _compat.__doc__
         )
+
+
+def test_a_pika_getpeername_failure_reads_as_the_reset_it_was() -> None:
+    # pika raises a ValueError with the socket error only as text when the peer resets the
+    # connection as it opens (seen through benchmarks/spool_outage.py's refusing proxy): the
+    # retry's warning said "ValueError: Expected connected socket, ..., <socket.socket fd=14 ...>"
+    error = ValueError(
+        "Expected connected socket, but getpeername() failed: error=OSError(107, 'Transport "
+        "endpoint is not connected'); <socket.socket fd=14, family=2, type=1, proto=6, "
+        "laddr=('127.0.0.1', 59252)>; "
+    )
+    params = pika.ConnectionParameters(host="127.0.0.1", port=5699)
+    result = translate_pika(error, params)
+    assert type(result) is AmqpConnectionError and result.retriable
+    assert str(result) == "connection reset by 127.0.0.1:5699"
+    assert result.__cause__ is error
+    other = translate_pika(ValueError("something else"), params)  # not taken for a reset
+    assert "reset" not in str(other)

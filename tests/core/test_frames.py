@@ -3,13 +3,24 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from decimal import Decimal
+from typing import Any
 
+import pamqp.decode
+import pika.data
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from reliable_amqp._core.errors import InvalidMessage
-from reliable_amqp._core.frames import encode_table, header_frame_size, publish_frames
+from reliable_amqp._core.frames import (
+    encode_table,
+    header_frame_size,
+    headers_match,
+    publish_frames,
+)
 from reliable_amqp._core.message import build_message
 
 
@@ -98,3 +109,62 @@ def test_decimals_amqp_cannot_hold_are_refused_at_once(value: str) -> None:
         build_message("", "q", b"", properties={"headers": {"d": Decimal(value)}})
     assert info.value.field == "headers['d']"
     assert time.process_time() - started < 0.05  # no expansion of the exponent
+
+
+# --- matching a returned message's headers ------------------------------------------------------
+
+_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+    st.decimals(-21474836, 21474836, places=2),  # 32 bits of digits
+    # after 2106 too, where pamqp reads a stamp as milliseconds
+    st.datetimes(
+        dt.datetime(1970, 1, 2), dt.datetime(9999, 12, 30), timezones=st.just(dt.timezone.utc)
+    ),
+)
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.lists(inner, max_size=3).map(tuple)
+        | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+def _decoded(raw: bytes) -> list[Any]:
+    """``raw`` (an encoded field table) as pika and pamqp (aiormq's) decode it."""
+    return [pika.data.decode_table(raw, 0)[0], pamqp.decode.field_table(raw)[1]]
+
+
+@settings(max_examples=400, deadline=None)
+@given(headers=st.dictionaries(st.text(max_size=5).filter(str.islower), _VALUES, max_size=4))
+def test_headers_match_what_pika_and_pamqp_decode_of_them(headers: dict[str, Any]) -> None:
+    message = build_message("", "q", b"", properties={"headers": headers})  # checked as publish()
+    for got in _decoded(encode_table(headers)):
+        assert headers_match(message.properties.headers, got), got
+
+
+def test_headers_match_tells_apart_what_the_wire_tells_apart() -> None:
+    late = dt.datetime(2200, 1, 1, tzinfo=dt.timezone.utc)
+    sent = {"CC": ["q"], "f": 5.5, "b": True, "at": late, "n": None}
+    [by_pika, by_pamqp] = _decoded(encode_table(sent))
+    assert by_pika["f"] == 5 and by_pamqp["at"].year < 2106  # the decoders' own renderings
+    assert headers_match(sent, by_pika) and headers_match(sent, by_pamqp)
+    assert headers_match(None, {}) and headers_match({}, None)
+    for other in (
+        {**sent, "CC": ["r"]},
+        {**sent, "f": 6},
+        {**sent, "b": 1},
+        {**sent, "at": dt.datetime(2200, 1, 1, 1, tzinfo=dt.timezone.utc)},  # pamqp: to 1 s in 1000
+        {**sent, "n": 0},
+        {**sent, "extra": 1},
+        {key: value for key, value in sent.items() if key != "n"},
+    ):
+        assert not headers_match(other, by_pika) and not headers_match(other, by_pamqp), other
+    assert not headers_match({"s": "1"}, {"s": 1}) and not headers_match({"i": 1}, {"i": "1"})

@@ -26,6 +26,7 @@ def test_spool_rows_run_and_report_ratios(amqp_url: str) -> None:
     lines = [line for line in result.stdout.splitlines() if "msgs/s" in line]
     assert [line.split("  ")[0] for line in lines] == [
         "reliable_amqp.Publisher (streaming confirms)",
+        "reliable_amqp.AsyncPublisher (streaming confirms)",
         "reliable_amqp.Publisher + spool (persist every 10,000)",
         "reliable_amqp.AsyncPublisher + spool (persist every 10,000)",
     ]

@@ -193,6 +193,31 @@ def test_records_share_the_properties_of_equal_messages() -> None:
     assert a.message_id != b.message_id
 
 
+def test_records_in_a_row_decode_alike_by_the_short_way_and_the_whole() -> None:
+    """A record that starts as the one decoded before (same route, same properties) has only
+    its id read: it must come back exactly as one decoded whole would."""
+    props = {"content_type": "a/b", "headers": {"k": [1, "x"]}}
+    made = [
+        build_message("ex", "rk", b"1", properties={**props, "message_id": "a"}),
+        build_message("ex", "rk", b"2", properties={**props, "message_id": "é" * 40}),
+        build_message("ex", "rk", b"3", properties={**props, "message_id": "b" * 255}),
+        build_message("ex", "other", b"4", properties={**props, "message_id": "c"}),
+        build_message("ex", "rk", b"5", properties={**props, "message_id": "d"}),
+        build_message("ex", "rk", b"6", properties={"message_id": "e"}),
+        build_message("ex", "rk", b"7", properties={**props, "message_id": "f"}),
+    ]
+    records = [encode(m) for m in made]
+    for message, record in zip(made, records, strict=True):
+        got = decode(record, message.body)
+        assert _same(got.properties, message.properties) and got == message
+    # the same start with a damaged id (bytes that are no UTF-8), or a wrong length, is refused
+    decode(records[0], b"1")
+    with pytest.raises(CodecError):
+        decode(records[0][:-1] + b"\xff", b"1")
+    with pytest.raises(CodecError):
+        decode(records[0] + b"x", b"1")
+
+
 # --- damage --------------------------------------------------------------------------------------
 
 

@@ -72,8 +72,9 @@ def test_an_unreachable_broker_neither_blocks_publish_nor_loses_anything(
     # a new publisher, the broker reachable: the recovered messages first, in order, same ids
     proxy.accept()
     with kind(proxy.url(), spool=tmp_path / "s") as publisher:
-        publisher.publish("", queue, b"new", message_id="new")
+        new = publisher.publish("", queue, b"new", message_id="new")
         assert publisher.flush(30) == 0
+    assert new.result(1).message_id == "new"  # confirmed, not failed
     assert ids(broker, queue) == [f"m-{i}" for i in range(2000)] + ["new"]
     assert inspect(tmp_path / "s").pending == 0
 
@@ -186,10 +187,11 @@ def test_a_spool_whose_last_entries_failed_flushes_to_zero(
 ) -> None:
     queue = broker.queue()
     spool = Spool(tmp_path / "s")
-    for i in range(6):
-        spool.append(build_message("", queue, b"", properties={"message_id": f"m-{i}"}))
+    sent = [build_message("", queue, b"", properties={"message_id": f"m-{i}"}) for i in range(6)]
+    for message in sent:
+        spool.append(message)
     spool.persist()
-    spool.fail(6, "returned")  # the highest seq is in the failed table, not pending
+    spool.fail(6, sent[5], "returned")  # the highest seq is in the failed table, not pending
     spool.close()
     with kind(amqp_url, spool=tmp_path / "s") as publisher:
         assert publisher.flush(30) == 0

@@ -4,6 +4,7 @@ damaged files. Crashes (SIGKILL) and a full disk have files of their own."""
 from __future__ import annotations
 
 import os
+import random
 import sqlite3
 import subprocess
 import sys
@@ -16,11 +17,16 @@ import pytest
 
 from reliable_amqp import ConfigurationError, PublishTimeout, SpoolError
 from reliable_amqp._core.message import OutgoingMessage
-from reliable_amqp._spool import Spool, drop_failed, failed_entries, inspect
-from reliable_amqp._spool._read import read_entries
+from reliable_amqp._spool import Spool, _files, check, drop_failed, failed_entries, inspect
 from spool_support import messages
 
 OpenSpool = Callable[..., Spool]
+
+
+def _size(sent: list[OutgoingMessage], seqs: range | list[int]) -> int:
+    """Bytes the messages appended as ``seqs`` (the first of ``sent`` as 1) count against the
+    limit: what the publisher passes with them to ``remove()``."""
+    return sum(Spool.encode(sent[seq - 1])[1] for seq in seqs)
 
 
 def _all(spool: Spool, chunk: int = 1000) -> list[OutgoingMessage]:
@@ -52,7 +58,7 @@ def test_reopening_keeps_order_and_continues_the_numbering(open_spool: OpenSpool
     first = messages(10)
     for m in first:
         spool.append(m)
-    spool.remove([10])
+    spool.remove([10], _size(first, [10]))
     spool.close()
     again = open_spool()
     assert again.pending == 9
@@ -64,12 +70,16 @@ def test_reopening_keeps_order_and_continues_the_numbering(open_spool: OpenSpool
 
 
 def test_appends_from_threads_are_all_stored_once(open_spool: OpenSpool) -> None:
+    """Threads that take turns (as the sync publisher's callers do, under its lock) while the
+    writer writes and a reader reads: every message stored once, in each thread's order."""
     spool = open_spool()
     seqs: list[list[int]] = [[] for _ in range(4)]
+    turns = threading.Lock()
 
     def worker(n: int) -> None:
         for m in messages(500, start=n * 1000):
-            seqs[n].append(spool.append(m))
+            with turns:
+                seqs[n].append(spool.append(m))
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(4)]
     for t in threads:
@@ -94,7 +104,7 @@ def test_remove_takes_runs_and_single_entries(open_spool: OpenSpool) -> None:
         spool.append(m)
     spool.persist()
     gone = [*range(1, 41), 45, 47, *range(60, 101)]
-    spool.remove(gone)
+    spool.remove(gone, _size(sent, gone))
     spool.persist()
     _wait(lambda: spool.pending == 100 - len(gone))
     left = [m for i, m in enumerate(sent, start=1) if i not in set(gone)]
@@ -104,14 +114,30 @@ def test_remove_takes_runs_and_single_entries(open_spool: OpenSpool) -> None:
     )
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_runs_cut_from_rows_leave_exactly_the_rest(seed: int) -> None:
+    # the writer drops rows confirmed before they were written by slicing, run by run
+    rng = random.Random(seed)
+    first = rng.randint(1, 50)
+    rows = [b"%d" % seq for seq in range(first, first + rng.randint(0, 40))]
+    seqs = {rng.randint(1, first + 50) for _ in range(rng.randint(0, 30))}
+    # as publishers hand them over: runs in batches, possibly out of order and adjacent
+    batches = [_files.runs(sorted(seqs)[i::3]) for i in range(3)]
+    merged = _files.merge_runs([run for batch in batches for run in batch])
+    assert merged == _files.runs(sorted(seqs))
+    kept = _files.cut_runs(rows, first, merged) if merged else rows
+    assert kept == [b"%d" % seq for seq in range(first, first + len(rows)) if seq not in seqs]
+
+
 def test_messages_confirmed_before_the_writer_ran_are_never_written(open_spool: OpenSpool) -> None:
     spool = open_spool()
     with spool._lock:  # hold the writer off: append and remove land in the same batch
         pass
     seqs = []
-    for m in messages(200):
+    sent = messages(200)
+    for m in sent:
         seqs.append(spool.append(m))
-    spool.remove(seqs)
+    spool.remove(seqs, _size(sent, seqs))
     spool.persist()
     _wait(lambda: spool.pending == 0)
     assert spool.pending_bytes == 0
@@ -124,8 +150,8 @@ def test_failed_messages_move_to_the_failed_table(open_spool: OpenSpool, tmp_pat
     for m in sent:
         spool.append(m)
     spool.persist()
-    spool.fail(2, "returned: 312 NO_ROUTE")
-    spool.fail(4, "rejected: 404 NOT_FOUND")
+    spool.fail(2, sent[1], "returned: 312 NO_ROUTE")
+    spool.fail(4, sent[3], "rejected: 404 NOT_FOUND")
     spool.persist()
     _wait(lambda: spool.pending == 3)
     assert _all(spool) == [sent[0], sent[2], sent[4]]
@@ -155,20 +181,19 @@ def test_bytes_are_counted_and_recounted_on_reopen(open_spool: OpenSpool) -> Non
     spool.close()
     again = open_spool()
     assert (again.pending, again.pending_bytes) == (50, expected)
-    again.remove(range(1, 26))
-    again.fail(30, "nacked")
+    again.remove(range(1, 26), _size(sent, range(1, 26)))
+    again.fail(30, sent[29], "nacked")
     again.persist()
     _wait(lambda: again.pending == 24)
     assert again.pending_bytes == sum(
         Spool.encode(m)[1] for i, m in enumerate(sent) if i >= 25 and i != 29
     )
     again.close()
-    conn = sqlite3.connect(again.path)
-    counted = conn.execute("SELECT count(*), total(size) FROM pending").fetchone()
-    kept = dict(conn.execute("SELECT key, value FROM info").fetchall())
-    conn.close()
-    assert counted == (24, again.pending_bytes)
-    assert (kept["pending_count"], kept["pending_bytes"]) == counted
+    summary = inspect(again.directory)  # read from the files
+    assert (summary.pending, summary.pending_bytes) == (24, again.pending_bytes)
+    assert (summary.failed, summary.failed_bytes) == (1, Spool.encode(sent[29])[1])
+    third = open_spool()
+    assert (third.pending, third.pending_bytes) == (24, again.pending_bytes)
 
 
 def test_a_full_spool_waits_for_room_then_raises_publish_timeout(open_spool: OpenSpool) -> None:
@@ -195,7 +220,7 @@ def test_a_confirm_makes_room_for_a_waiting_append(open_spool: OpenSpool) -> Non
     spool = open_spool(max_bytes=one * 3)
     for m in messages(3, size=1000):
         spool.append(m)
-    threading.Timer(0.2, spool.remove, args=([1],)).start()
+    threading.Timer(0.2, spool.remove, args=([1], one)).start()
     started = time.monotonic()
     assert spool.append(messages(1, size=1000, start=3)[0], timeout=10) == 4
     assert 0.15 < time.monotonic() - started < 5
@@ -279,13 +304,30 @@ def test_another_sqlite_database_is_refused(tmp_path: Path) -> None:
         Spool(directory)
 
 
-def test_a_spool_from_a_newer_version_is_refused(open_spool: OpenSpool, tmp_path: Path) -> None:
-    open_spool().close()
-    conn = sqlite3.connect(tmp_path / "spool" / "spool.db")
-    conn.execute("PRAGMA user_version = 99")
-    conn.close()
-    with pytest.raises(SpoolError, match="newer version"):
-        Spool(tmp_path / "spool")
+@pytest.mark.parametrize("which", ["ledger", "segment", "failed"])
+def test_a_spool_from_a_newer_version_is_refused(
+    open_spool: OpenSpool, tmp_path: Path, which: str
+) -> None:
+    spool = open_spool()
+    sent = messages(3)
+    for m in sent:
+        spool.append(m)
+    spool.persist()
+    spool.fail(1, sent[0], "nacked")
+    spool.close()
+    directory = tmp_path / "spool"
+    path = {
+        "ledger": directory / _files.LEDGER_NAME,
+        "failed": directory / _files.FAILED_NAME,
+        "segment": directory / _files.segment_name(1),
+    }[which]
+    data = bytearray(path.read_bytes())
+    data[7] = 2  # the format version in the magic
+    path.write_bytes(bytes(data))
+    with pytest.raises(SpoolError, match=f"{path}.*newer version of reliable-amqp") as info:
+        Spool(directory)
+    assert "upgrade to read it" in str(info.value)
+    assert path.read_bytes() == bytes(data)  # left as it was
 
 
 def test_a_truncated_file_is_refused(open_spool: OpenSpool, tmp_path: Path) -> None:
@@ -293,43 +335,40 @@ def test_a_truncated_file_is_refused(open_spool: OpenSpool, tmp_path: Path) -> N
     for m in messages(3000, size=500):
         spool.append(m)
     spool.close()
-    path = tmp_path / "spool" / "spool.db"
+    path = tmp_path / "spool" / _files.segment_name(1)
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     with pytest.raises(SpoolError) as info:
         Spool(tmp_path / "spool")
     assert str(path) in str(info.value)
+    assert "cut after it was written" in str(info.value)
 
 
-@pytest.mark.parametrize("column", ["body", "meta"])
+@pytest.mark.parametrize("part", ["body", "meta", "header"])
 def test_a_damaged_entry_is_named_and_left_in_place(
-    open_spool: OpenSpool, tmp_path: Path, column: str
+    open_spool: OpenSpool, tmp_path: Path, part: str
 ) -> None:
     spool = open_spool()
-    for m in messages(5):
+    sent = messages(5)
+    for m in sent:
         spool.append(m)
     spool.close()
-    conn = sqlite3.connect(tmp_path / "spool" / "spool.db")
-    blob = conn.execute(f"SELECT {column} FROM pending WHERE seq = 3").fetchone()[0]
-    damaged = bytes([blob[0] ^ 0xFF]) + blob[1:]
-    conn.execute(f"UPDATE pending SET {column} = ? WHERE seq = 3", (damaged,))
-    conn.commit()
-    conn.close()
+    path = tmp_path / "spool" / _files.segment_name(1)
+    data = bytearray(path.read_bytes())
+    third = [f for f in _files.records(str(path), 16, len(data)) if isinstance(f, _files.Found)][2]
+    meta_at = third.offset + _files.RECORD.size
+    at = {"header": third.offset + 5, "meta": meta_at + 3, "body": meta_at + len(third.meta) + 1}
+    data[at[part]] ^= 0xFF
+    path.write_bytes(bytes(data))
     # opening checks every pending entry: it refuses, rather than send the ones before
     with pytest.raises(SpoolError) as info:
         open_spool()
-    assert "entry 3 is damaged" in str(info.value)
-    assert "spool.db" in str(info.value)
-    assert inspect(tmp_path / "spool").pending == 5  # nothing dropped
-    # reading it back (as --check does) names it the same way
-    conn = sqlite3.connect(tmp_path / "spool" / "spool.db")
-    lock = threading.Lock()
-    path = str(tmp_path / "spool" / "spool.db")
-    assert [e.seq for e in read_entries(conn, lock, path, after=0, limit=2)] == [1, 2]
-    with pytest.raises(SpoolError) as again:
-        read_entries(conn, lock, path, after=2, limit=10)
-    conn.close()
-    assert str(again.value) == str(info.value)
+    assert f"entry {'3' if part != 'header' else ''}" in str(info.value)
+    assert f"at byte {third.offset} is damaged" in str(info.value)
+    assert str(path) in str(info.value)
+    assert path.read_bytes() == bytes(data)  # nothing dropped or rewritten
+    # reading it (as --check does) names it the same way
+    assert check(tmp_path / "spool") == [str(info.value)]
 
 
 def test_an_unreadable_directory_is_named(tmp_path: Path) -> None:
@@ -357,12 +396,12 @@ def test_fsync_policies(open_spool: OpenSpool, tmp_path: Path) -> None:
         Spool(tmp_path / "x", fsync="always")
 
 
-def test_close_frees_the_pages_of_an_emptied_spool(open_spool: OpenSpool, tmp_path: Path) -> None:
+def test_an_emptied_spool_gives_its_space_back(open_spool: OpenSpool, tmp_path: Path) -> None:
     spool = open_spool()
     for m in messages(5000, size=2000):
         spool.append(m)
     spool.persist()
-    spool.remove(range(1, 5001))
+    spool.remove(range(1, 5001), _size(messages(5000, size=2000), range(1, 5001)))
     spool.close()
     summary = inspect(tmp_path / "spool")
     assert summary.pending == 0

@@ -189,7 +189,14 @@ class Pump(Generic[H]):
     ) -> None:
         """``basic.return``: the ack that follows settles the message as returned."""
         attempt = headers.get(ATTEMPT_HEADER) if isinstance(headers, dict) else None
-        self.engine.on_return(attempt, reply_code, text, returned=returned, generation=generation)
+        message_id, exchange, routing_key, body = returned
+        self.engine.on_return(
+            attempt,
+            reply_code,
+            text,
+            returned=(message_id, exchange, routing_key, body, headers),
+            generation=generation,
+        )
 
     # --- tasks ---------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from reliable_amqp._core.errors import PublisherClosed, PublishTimeout
+from reliable_amqp._core.errors import PublisherClosed
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
@@ -78,6 +78,26 @@ class AsyncSpooled:
 
     # --- publishing -----------------------------------------------------------------------------
 
+    def publish_now(
+        self, message: OutgoingMessage, queued: bool
+    ) -> asyncio.Future[Confirmation] | None:
+        """The usual case, with no coroutine: nothing on disk ahead, room in the window and in
+        the spool: append ``message`` and hand it to the engine; its future. None when
+        :meth:`publish` has to wait (or park it): the caller awaits that instead. The caller
+        checked that the publisher accepts messages; ``queued``: publishes wait for room in the
+        window (they go first)."""
+        feed = self.feed
+        loop = self._loop
+        if queued or feed.holding or loop is None:
+            return None
+        index = feed.append_direct(message, self._window)  # InvalidMessage: cannot be stored
+        if not index:
+            return None
+        future: asyncio.Future[Confirmation] = loop.create_future()
+        self._engine.accept(message, future, time.monotonic(), index)
+        self._wake()
+        return future
+
     async def publish(
         self,
         message: OutgoingMessage,
@@ -99,37 +119,27 @@ class AsyncSpooled:
         body_size = len(message.body)
         window = self._window
         feed = self.feed
-        # the usual case, inline (a coroutine costs its own): nothing on disk ahead and room
+        # publish_now() did not take it: keep the broker's pace while something is ahead of it
         if (not window.fits(body_size) or spool.last_seq != feed.fed) and not self.stalled:
             await self._keep_pace(body_size, loop)
         while True:
             check(message)
-            if spool.ready(size):
-                seq = spool.append(message, 0, meta)
+            seq = spool.try_append(meta, message.body, size)
+            if seq:
                 break
+            spool.check_writable(message)  # SpoolFull, closed: no waiting helps
             if spool.writer_behind:  # the disk is slower than the producer: wait off the loop
                 await loop.run_in_executor(None, spool.wait_for_writer, 1.0)
                 continue
-            if spool.has_room(size):
-                try:
-                    seq = spool.append(message, 0, meta)
-                    break
-                except PublishTimeout:
-                    pass  # room went to another thread's publisher: wait again
             left = end - loop.time()
             if left <= 0:
-                raise PublishTimeout(
-                    f"the spool {spool.directory} held {spool.pending_bytes:,} of its "
-                    f"{spool.max_bytes:,} bytes (spool_max_bytes) for {timeout:g} s: no room "
-                    f"for a message of {size:,} bytes; the broker is not confirming (down or "
-                    "blocked?)"
-                )
+                raise spool.timeout_error(size, timeout)
             # only confirms make room: wait for them off the loop (which settles them)
             await loop.run_in_executor(None, spool.wait_for_room, size, min(left, 1.0))
         future: asyncio.Future[Confirmation] = loop.create_future()
         if feed.direct(seq) and not queued() and window.fits(body_size):
             index = window.take(body_size)
-            feed.track(index, seq)
+            feed.track(index, seq, size)
             self._engine.accept(message, future, time.monotonic(), index)
             self._wake()
         else:
@@ -255,7 +265,7 @@ class AsyncSpooled:
             future = feed.take(entry.seq)
             if future is None:  # recovered, or the caller dropped it
                 future = self._recovered_future(loop)
-            feed.track(window.take(size), entry.seq)
+            feed.track(window.take(size), entry.seq, entry.size)
             items.append((entry.message, future))
         if items:
             self._engine.accept_many(items, time.monotonic(), first)

@@ -280,13 +280,18 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         caring: the message stays tracked until the broker settles it.
         """
         message = self._message(exchange, routing_key, body, mandatory, properties)
+        pump = self._pump
         if self._spooled is not None:
-            if not self._pump.started:
+            if not pump.started:
                 await self.connect()
+            if pump.fatal is not None or not self._accepting:
+                self._check_accepting(message)
+            spooled = self._spooled.publish_now(message, bool(self._room_waiters))
+            if spooled is not None:
+                return spooled
             return await self._spooled.publish(
                 message, self._check_accepting, lambda: bool(self._room_waiters)
             )
-        pump = self._pump
         if not pump.ready.is_set():
             await self.connect()
         if pump.fatal is not None or not self._accepting:

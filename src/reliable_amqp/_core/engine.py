@@ -299,11 +299,11 @@ class PublishEngine(Generic[H]):
         reply_code: int,
         reply_text: str,
         *,
-        returned: tuple[object, str, str, bytes] | None = None,
+        returned: tuple[object, str, str, bytes, object] | None = None,
         generation: int | None = None,
     ) -> None:
         """``basic.return``; ``attempt`` is the returned message's attempt header value (None
-        when it has none), ``returned`` its (message_id, exchange, routing key, body),
+        when it has none), ``returned`` its (message_id, exchange, routing key, body, headers),
         ``generation`` the channel's it came on (see ConfirmTracker.on_return)."""
         self.tracker.on_return(
             attempt, reply_code, reply_text, returned=returned, generation=generation

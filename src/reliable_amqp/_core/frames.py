@@ -17,6 +17,7 @@ from __future__ import annotations
 import calendar
 import datetime as _dt
 import decimal
+import math
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -115,6 +116,51 @@ def _encode_value(parts: list[bytes], value: Any, path: str) -> None:
         parts.append(b"V")
     else:
         raise InvalidMessage(path, f"a {type(value).__name__} has no AMQP field type")
+
+
+def headers_match(sent: object, got: object) -> bool:
+    """Whether ``got``, a field table as a decoder (pika's, pamqp's) hands it back, is what
+    ``sent`` (headers this library encoded) decodes to, allowing for what decoders do to values:
+    ``str`` and ``bytes`` alike (undecodable strings come back as bytes, byte arrays as
+    ``bytearray``), a list for a tuple, a dict for any mapping (order does not count), ``None``
+    or an empty table as ``{}``, a datetime to the whole UTC second (pamqp reads a stamp after
+    2106 as milliseconds), a double as its float or its truncation to an int (pika's).
+    """
+    return _same({} if sent is None else sent, {} if got is None else got)
+
+
+_STAMP_MS = 0xFFFFFFFF  # pamqp reads a larger stamp as milliseconds
+
+
+def _same(sent: object, got: object) -> bool:
+    if isinstance(sent, (str, bytes, bytearray, memoryview)):
+        return isinstance(got, (str, bytes, bytearray, memoryview)) and _raw(sent) == _raw(got)
+    if isinstance(sent, bool) or isinstance(got, bool):
+        return type(sent) is type(got) and sent == got  # a bool is not the int 0 or 1
+    if isinstance(sent, float):
+        return got == sent or (isinstance(got, int) and math.isfinite(sent) and got == int(sent))
+    if isinstance(sent, _dt.datetime):
+        if not isinstance(got, _dt.datetime):
+            return False
+        stamp, back = calendar.timegm(sent.utctimetuple()), calendar.timegm(got.utctimetuple())
+        return back == stamp or (stamp > _STAMP_MS and back == stamp // 1000)
+    if isinstance(sent, Mapping):
+        return (
+            isinstance(got, Mapping)
+            and len(got) == len(sent)
+            and all(key in got and _same(value, got[key]) for key, value in sent.items())
+        )
+    if isinstance(sent, (list, tuple)):
+        return (
+            isinstance(got, (list, tuple))
+            and len(got) == len(sent)
+            and all(_same(a, b) for a, b in zip(sent, got, strict=True))
+        )
+    return type(got) is not str and sent == got
+
+
+def _raw(value: str | bytes | bytearray | memoryview) -> bytes:
+    return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else bytes(value)
 
 
 def _encode_decimal(value: decimal.Decimal, path: str) -> bytes:

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 from sortedcontainers import SortedDict
 
 from reliable_amqp._core.errors import PublishError
+from reliable_amqp._core.frames import headers_match
 from reliable_amqp._core.message import (
     Confirmation,
     MessageProperties,
@@ -443,19 +444,24 @@ class ConfirmTracker(Generic[H]):
         reply_code: int,
         reply_text: str,
         *,
-        returned: tuple[object, str, str, bytes] | None = None,
+        returned: tuple[object, str, str, bytes, object] | None = None,
         generation: int | None = None,
     ) -> Entry[H] | None:
         """Note a ``basic.return``; the ack that follows it settles the entry as RETURNED.
 
         ``attempt`` is the :data:`ATTEMPT_HEADER` value of the returned message, None when it
-        has none: then ``returned`` (its message_id, exchange, routing key and body) names it,
-        as the first mandatory entry on the wire that carries all four, searched from the last
-        one matched (returns come in publish order: constant work per publish). Two entries
-        that match alike are the same message to the broker and to any consumer: whichever is
-        taken, one copy was routed and one was not. ``generation`` is the channel's the return
-        came on (None: the current one). Returns the entry, or None when nothing on the wire
-        matches (a stale generation, a message not ours).
+        has none: then ``returned`` (its message_id, exchange, routing key, body and headers)
+        names it, as the first mandatory entry on the wire that carries all five, searched from
+        the last one matched (returns come in publish order: constant work per publish). The
+        headers count because they route too (``CC``/``BCC``, headers exchanges): two messages
+        alike but for a ``CC`` header can be one routed and one returned. Headers are compared
+        as the client library decodes them (:func:`~reliable_amqp._core.frames.headers_match`:
+        pika truncates a double, pamqp reads a late stamp as milliseconds); when no
+        entry's headers agree, the first that carries the other four is taken. Two entries that
+        match alike are the same message to the broker and to any consumer: whichever is taken,
+        one copy was routed and one was not. ``generation`` is the channel's the return came on
+        (None: the current one). Returns the entry, or None when nothing on the wire matches (a
+        stale generation, a message not ours).
         """
         if generation is not None and generation != self._generation:
             return None
@@ -475,9 +481,10 @@ class ConfirmTracker(Generic[H]):
         entry.returned = (reply_code, reply_text)
         return entry
 
-    def _find_returned(self, returned: tuple[object, str, str, bytes]) -> Entry[H] | None:
-        message_id, exchange, routing_key, body = returned
+    def _find_returned(self, returned: tuple[object, str, str, bytes, object]) -> Entry[H] | None:
+        message_id, exchange, routing_key, body, headers = returned
         after = self._returned_at
+        loose: Entry[H] | None = None  # the first that carries the other four
         # after the last match first (the broker's order), then from the start up to it
         for entry in itertools.chain(self._wire(after + 1), self._wire(0, after)):
             if (
@@ -488,9 +495,14 @@ class ConfirmTracker(Generic[H]):
                 and entry.routing_key == routing_key
                 and entry.body == body
             ):
-                self._returned_at = entry.key
-                return entry
-        return None
+                if headers_match(entry.base.headers, headers):
+                    loose = entry
+                    break
+                if loose is None:
+                    loose = entry
+        if loose is not None:
+            self._returned_at = loose.key
+        return loose
 
     def untrack(self, entry: Entry[H]) -> bool:
         """Take back the latest :meth:`track` (its publish never reached the wire).

@@ -74,6 +74,13 @@ class Window:
             return issued
         return 0
 
+    def untake(self, size: int) -> None:
+        """Take back the latest :meth:`try_take` (of ``size``): its message went nowhere.
+        Only right when nothing was taken since."""
+        self.count -= 1
+        self.bytes -= size
+        self.issued -= 1
+
     def take(self, size: int) -> int:
         """Count one more unresolved message; return its index."""
         self.count += 1

@@ -1,11 +1,10 @@
-"""The durable spool: publish() appends each message to a local SQLite outbox, confirms remove it.
+"""The durable spool: publish() appends each message to a log on local disk, confirms remove it.
 
 An adapter-level component (it does I/O and runs a thread), used by both publishers when they
 are given ``spool=DIR``; the core never sees it. ``reliable-amqp spool DIR`` inspects one.
 See ``docs/spool.md`` for what it guarantees.
 """
 
-from reliable_amqp._spool._db import DB_NAME
 from reliable_amqp._spool._inspect import (
     SpoolSummary,
     check,
@@ -24,7 +23,6 @@ from reliable_amqp._spool._store import (
 )
 
 __all__ = [
-    "DB_NAME",
     "DEFAULT_FSYNC",
     "DEFAULT_MAX_BYTES",
     "FSYNC_POLICIES",

@@ -85,6 +85,11 @@ _bases: dict[int, tuple[MessageProperties, int, bytes]] = {}
 #: (exchange, routing_key, mandatory, id(base)) -> (base, record up to the message id's length)
 _prefixes: dict[tuple[str, str, bool, int], tuple[MessageProperties, bytes]] = {}
 _CACHE_MAX = 1024
+#: (base, exchange, routing_key, mandatory, prefix) of the last message encoded by its prefix
+_last: list[Any] = [object(), None, None, None, b""]
+#: the packed length of an id shorter than _SHORT bytes
+_SHORT = 256
+_LENGTHS = [_u32.pack(n) for n in range(_SHORT)]
 
 
 def _route(exchange: str, routing_key: str, mandatory: bool) -> bytes:
@@ -129,9 +134,24 @@ def encode(message: OutgoingMessage) -> bytes:
     Raises :class:`Unstorable` for a value with no stored form (``build_message`` lets none
     through; a hand-made :class:`OutgoingMessage` might hold one).
     """
+    given_id = message.message_id
+    last = _last
+    if (
+        message.base is last[0]
+        and message.exchange is last[1]
+        and message.routing_key is last[2]
+        and message.mandatory is last[3]
+        and type(given_id) is str
+        and given_id
+    ):
+        # the usual case at its quickest: the same route and properties objects as the last
+        # message (a loop of publish() calls), an id of the usual length
+        data = given_id.encode("utf-8", "surrogatepass")
+        if len(data) < _SHORT:
+            prefix: bytes = last[4]
+            return prefix + _LENGTHS[len(data)] + data
     mandatory = message.mandatory
     base = getattr(message, "base", None)
-    given_id = message.message_id
     if type(given_id) is str and given_id:
         # the usual case: the record is a prefix shared by every message with this route and
         # these properties (the base object), and the id
@@ -140,6 +160,7 @@ def encode(message: OutgoingMessage) -> bytes:
         except TypeError:  # a hand-made message with an unhashable field: checked below
             cached = None
         if cached is not None and cached[0] is base:
+            _last[:] = (base, message.exchange, message.routing_key, mandatory, cached[1])
             data = given_id.encode("utf-8", "surrogatepass")
             return cached[1] + _u32.pack(len(data)) + data
     if type(mandatory) is not bool:
@@ -237,6 +258,18 @@ def decode(meta: bytes, body: bytes, build: Build = new_outgoing) -> OutgoingMes
     that a message read back is one object, not a message copied into an entry); a message
     whose id is not a str is always a plain :class:`OutgoingMessage`.
     """
+    last = _last_decoded
+    prefix: bytes = last[0]
+    if prefix and meta.startswith(prefix):
+        # the usual case at its quickest: the same route and properties as the record decoded
+        # before (a backlog of one producer's messages): only the id is new
+        at = len(prefix)
+        if len(meta) >= at + 4 and _u32_at(meta, at)[0] == len(meta) - at - 4:
+            try:
+                same_id = meta[at + 4 :].decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError as exc:
+                raise CodecError(f"malformed record (UnicodeDecodeError: {exc})") from None
+            return build(last[1], last[2], bytes(body), last[3], last[4], same_id)
     try:
         version, flags, mask = _head.unpack_from(meta)
         if version != FORMAT:
@@ -292,6 +325,9 @@ def decode(meta: bytes, body: bytes, build: Build = new_outgoing) -> OutgoingMes
         if id_end != size:
             raise CodecError(f"the record is {size} bytes, its fields {id_end}")
         mandatory = bool(flags & 1)
+        if type(message_id) is str and meta[base_end : base_end + 1] == b"s" and message_id:
+            # checked whole: the next record that starts the same way needs only its id read
+            _last_decoded[:] = (meta[: base_end + 1], exchange, routing_key, base, mandatory)
         if message_id is None or type(message_id) is str:
             return build(exchange, routing_key, bytes(body), base, mandatory, message_id or "")
         if message_id is not None:
@@ -321,6 +357,9 @@ _PERSISTENT_ONLY = b"i" + _i64.pack(PERSISTENT)
 _DEFAULT_BASE = DEFAULT_BASE  # the very object publish() uses (see decode's route cache)
 _decoded_bases: dict[tuple[int, bytes], MessageProperties] = {}
 _decoded_routes: dict[bytes, tuple[str, str]] = {}
+#: (record up to the id's length, exchange, routing_key, base, mandatory) of the last record
+#: decoded whole whose id is a str
+_last_decoded: list[Any] = [b"", "", "", DEFAULT_BASE, False]
 
 
 class _Reader:

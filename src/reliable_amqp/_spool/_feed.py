@@ -36,11 +36,12 @@ from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 from reliable_amqp._core.errors import PublisherClosed, PublishError
-from reliable_amqp._core.message import new_outgoing
+from reliable_amqp._core.message import OutgoingMessage, new_outgoing
 from reliable_amqp._core.tracker import Entry
+from reliable_amqp._core.window import Window
 from reliable_amqp._spool._codec import Build
 from reliable_amqp._spool._read import SpoolEntry
-from reliable_amqp._spool._store import Spool
+from reliable_amqp._spool._store import Spool, encode_record
 
 H = TypeVar("H")
 
@@ -49,6 +50,9 @@ READ_CHUNK = 1000
 #: how long a spooled publish() waits for room in a full window before it takes the broker for
 #: stalled and leaves messages on disk without waiting (the adapters' ``_keep_pace``)
 PACE_WAIT = 1.0
+#: the bits of a packed (size, seq) that hold the seq (seqs stay far below 2**48)
+SEQ_BITS = 48
+SEQ_MASK = (1 << SEQ_BITS) - 1
 #: waiting futures are pruned of the dropped ones when there are this many more than after the
 #: last pruning (and at least this many): pruning costs O(1) a message, memory stays bounded
 PRUNE_MIN = 4096
@@ -79,9 +83,11 @@ class SpoolFeed(Generic[H]):
         #: docstring: pruned of those nobody else holds)
         self.waiting: dict[int, H] = {}
         self._prune_at = PRUNE_MIN
-        #: the seq of each message in memory, by its window index (``Entry.index``); messages
+        #: the seq of each message in memory and its size against the spool's limit, by its
+        #: window index (``Entry.index``), packed in one int (``size << SEQ_BITS | seq``: no
+        #: tuple a message for the garbage collector to track, one dict operation); messages
         #: go to the engine in seq order, so the dict holds them in seq order too
-        self._seqs: dict[int, int] = {}
+        self._held: dict[int, int] = {}
         #: set when a read found fewer entries than the backlog holds: the rest are not
         #: committed yet, and the writer's next commit should wake the adapter
         self.want_commit = False
@@ -103,10 +109,37 @@ class SpoolFeed(Generic[H]):
         older waits on disk); the caller also checks the window has room."""
         return seq == self.fed + 1
 
-    def track(self, index: int, seq: int) -> None:
-        """The message ``seq`` goes to the engine now, with window index ``index``."""
-        self._seqs[index] = seq
+    def track(self, index: int, seq: int, size: int) -> None:
+        """The message ``seq`` (``size`` bytes against the spool's limit, as
+        :meth:`Spool.encode` counts them) goes to the engine now, with window index ``index``."""
+        self._held[index] = size << SEQ_BITS | seq
         self.fed = max(self.fed, seq)
+
+    def append_direct(self, message: OutgoingMessage, window: Window) -> int:
+        """The usual case of a publish, in one call: when nothing waits on disk ahead of it
+        and ``window`` and the spool have room at once, append ``message`` to the spool, take
+        its room in ``window`` and :meth:`track` it; its window index. 0 (and nothing taken)
+        when it cannot go at once: the adapter's own path then waits, or parks it.
+
+        Raises :class:`InvalidMessage` for a message the spool cannot store.
+        """
+        spool = self.spool
+        meta = encode_record(message)
+        body = message.body
+        if spool.last_seq != self.fed:
+            return 0
+        body_size = len(body)
+        index = window.try_take(body_size)
+        if not index:
+            return 0
+        size = len(meta) + body_size
+        seq = spool.try_append(meta, body, size)
+        if not seq:
+            window.untake(body_size)
+            return 0
+        self._held[index] = size << SEQ_BITS | seq
+        self.fed = seq
+        return index
 
     def park(self, handle: H, seq: int) -> None:
         """``handle``'s message (``seq``) stays on disk until there is room for it."""
@@ -152,8 +185,11 @@ class SpoolFeed(Generic[H]):
             return []
         spool = self.spool
         top = spool.last_seq  # before committed_seq: both only grow
+        # before the read: every seq up to it is in what the read sees (read after, a commit
+        # between the read and the check would pass for a gap, and its messages be skipped)
+        committed = spool.committed_seq
         entries = spool.read(self.fed, min(room, READ_CHUNK), build)
-        if not entries and spool.committed_seq >= top:
+        if not entries and committed >= top:
             # everything up to top is committed and none of it waits: the seqs between are
             # gone (confirmed before a crash, or in the failed table)
             self.fed = max(self.fed, top)
@@ -200,26 +236,38 @@ class SpoolFeed(Generic[H]):
         Returns the errors of the recovered messages that went to the failed table (the adapter
         reports them through ``on_event``, outside its lock).
         """
-        seqs = self._seqs
-        removes: list[int] = []
+        pop = self._held.pop
+        mask = SEQ_MASK
+        runs: list[tuple[int, int]] = []  # what leaves the spool, as runs of seqs
+        low = high = -2
+        count = removed_bytes = 0
         failed: list[PublishError] = []
         for entry in entries:
-            seq = seqs.pop(entry.index, None)
-            if seq is None:
+            packed = pop(entry.index, None)
+            if packed is None:
                 continue
-            if entry.ok:  # (without building its Confirmation)
-                removes.append(seq)
-                continue
-            result = entry.outcome
-            if isinstance(result, PublisherClosed):
-                pass  # not settled by the broker: stays for the next publisher on this spool
-            elif seq <= self.recovered_top and isinstance(result, PublishError):
-                self.spool.fail(seq, f"{type(result).__name__}: {result}")
-                failed.append(result)
+            seq = packed & mask
+            if not entry.ok:  # (ok: without building its Confirmation)
+                result = entry.outcome
+                if isinstance(result, PublisherClosed):
+                    continue  # not settled by the broker: stays for the next publisher
+                if seq <= self.recovered_top and isinstance(result, PublishError):
+                    self.spool.fail(seq, entry.message, f"{type(result).__name__}: {result}")
+                    failed.append(result)
+                    continue
+                # otherwise the caller holds the error, and the message with it: removed
+            # confirms come in seq order: one run a batch, extended a message at a time
+            if seq == high + 1:
+                high = seq
             else:
-                removes.append(seq)  # the caller holds the error, and the message with it
-        if removes:
-            self.spool.remove(removes)
+                if high > 0:
+                    runs.append((low, high))
+                low = high = seq
+            count += 1
+            removed_bytes += packed >> SEQ_BITS
+        if count:
+            runs.append((low, high))
+            self.spool.remove_runs(runs, count, removed_bytes)
         return failed
 
     def unresolved(self, mark: int) -> int:
@@ -229,10 +277,10 @@ class SpoolFeed(Generic[H]):
         """
         on_disk = max(0, min(mark, self.spool.last_seq) - self.fed)
         if self.fed <= mark:  # every message in memory is up to the mark (the usual case)
-            return on_disk + len(self._seqs)
-        return on_disk + sum(1 for seq in self._seqs.values() if seq <= mark)
+            return on_disk + len(self._held)
+        return on_disk + sum(1 for packed in self._held.values() if packed & SEQ_MASK <= mark)
 
     @property
     def held(self) -> int:
         """Spooled messages in memory (in the engine)."""
-        return len(self._seqs)
+        return len(self._held)

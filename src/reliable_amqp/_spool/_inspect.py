@@ -1,25 +1,24 @@
 """Looking into a spool from outside its publisher: counts, failed messages, dropping them.
 
-Reading (:func:`inspect`, :func:`failed_entries`) works while a publisher has the spool open
-(SQLite's WAL lets a reader see the last commit beside a writer) and takes no lock. Dropping
-failed messages (:func:`drop_failed`) changes the file, so it takes the spool's lock: it is
-refused, naming the pid, while a publisher holds it.
+Reading (:func:`inspect`, :func:`failed_entries`, :func:`check`) works while a publisher has the
+spool open (it reads the files as the writer left them, a write in progress aside) and takes no
+lock. Dropping failed messages (:func:`drop_failed`) changes the files, so it takes the spool's
+lock: it is refused, naming the pid, while a publisher holds it. A spool of the earlier SQLite
+format is converted first (which takes the lock too).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sqlite3
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from reliable_amqp._core.errors import SpoolError
 from reliable_amqp._core.message import OutgoingMessage
-from reliable_amqp._spool import _db
+from reliable_amqp._spool import _codec, _files, _legacy, _scan
+from reliable_amqp._spool._files import Found
 from reliable_amqp._spool._lock import DirectoryLock, in_use_by
-from reliable_amqp._spool._read import read_entries
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,15 +32,17 @@ class SpoolSummary:
     #: messages that failed for good (returned, rejected, nacked after retries)
     failed: int
     failed_bytes: int
-    #: bytes the spool's files take on disk (database and write-ahead log)
+    #: bytes the spool's files take on disk (segments, ledger, failed log)
     file_bytes: int
     #: the pid of the process that has the spool open (-1: one does, pid unknown), else None
     in_use_by: int | None
+    #: damage found on the way (the counts stop at a damaged record): see :func:`check`
+    problems: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class FailedEntry:
-    """A message in the failed table: why it failed and when (POSIX seconds)."""
+    """A message in the failed log: why it failed and when (POSIX seconds)."""
 
     seq: int
     message: OutgoingMessage
@@ -53,129 +54,93 @@ def _directory(directory: str | os.PathLike[str]) -> str:
     path = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(path):
         raise SpoolError(f"no spool in {path}: not a directory")
+    if _legacy.waiting(path):
+        lock = DirectoryLock(path)
+        lock.acquire("reliable-amqp spool (to convert a spool of the earlier format)")
+        try:
+            _legacy.migrate(path)
+        finally:
+            lock.release()
     return path
 
 
 def inspect(directory: str | os.PathLike[str]) -> SpoolSummary:
-    """Counts and sizes of a spool directory; raises :class:`SpoolError` if it is no spool."""
+    """Counts and sizes of a spool directory; raises :class:`SpoolError` if it is no spool.
+
+    Reads every record's header and checksum (about a second a gigabyte); damage it meets is
+    listed in :attr:`SpoolSummary.problems`, and what is past it not counted."""
     path = _directory(directory)
     holder = in_use_by(path)
-    conn = _db.connect(path, create=False, read_only=True)
-    try:
-        pending, pending_bytes = _db.pending_counts(conn, _db.db_path(path))
-        failed, failed_bytes = conn.execute("SELECT count(*), total(size) FROM failed").fetchone()
-    except sqlite3.Error as exc:
-        raise SpoolError(f"{_db.db_path(path)} cannot be read: {_db.describe(exc)}") from exc
-    finally:
-        conn.close()
+    state = _scan.scan(path, repair=False, problems=True)
     files = 0
-    for suffix in ("", "-wal"):
-        with contextlib.suppress(OSError):
-            files += os.stat(_db.db_path(path) + suffix).st_size
+    for name in os.listdir(path):
+        if name in (_files.LEDGER_NAME, _files.FAILED_NAME) or _files.segment_first(name):
+            with contextlib.suppress(OSError):
+                files += os.stat(os.path.join(path, name)).st_size
     return SpoolSummary(
-        path, int(pending), int(pending_bytes), int(failed), int(failed_bytes), files, holder
+        path,
+        state.pending,
+        state.pending_bytes,
+        state.failed,
+        state.failed_bytes,
+        files,
+        holder,
+        tuple(state.problems),
     )
 
 
-def failed_entries(directory: str | os.PathLike[str], chunk: int = 1000) -> Iterator[FailedEntry]:
-    """Every message of the failed table, in order, read ``chunk`` at a time.
+def failed_entries(directory: str | os.PathLike[str]) -> Iterator[FailedEntry]:
+    """Every message of the failed log, in order.
 
     Raises :class:`SpoolError` naming the entry when one cannot be read back.
     """
     path = _directory(directory)
-    conn = _db.connect(path, create=False, read_only=True)
-    lock = threading.Lock()
-    try:
-        after = 0
-        while True:
-            entries = read_entries(
-                conn, lock, _db.db_path(path), after=after, limit=chunk, table="failed"
-            )
-            if not entries:
-                return
-            seqs = [entry.seq for entry in entries]
-            try:
-                details = {
-                    seq: (str(reason), float(failed_at))
-                    for seq, reason, failed_at in conn.execute(
-                        "SELECT seq, reason, failed_at FROM failed WHERE seq BETWEEN ? AND ?",
-                        (seqs[0], seqs[-1]),
-                    )
-                }
-            except sqlite3.Error as exc:
-                raise SpoolError(
-                    f"{_db.db_path(path)} cannot be read: {_db.describe(exc)}"
-                ) from exc
-            for entry in entries:
-                reason, failed_at = details.get(entry.seq, ("", 0.0))
-                yield FailedEntry(entry.seq, entry.message, reason, failed_at)
-            after = seqs[-1]
-    finally:
-        conn.close()
+    if not _scan.exists(path):
+        raise SpoolError(f"no spool in {path} ({_files.LEDGER_NAME} does not exist)")
+    file = os.path.join(path, _files.FAILED_NAME)
+    found = _files.read_failed(file)
+    for record in found[0] if found is not None else []:
+        try:
+            message = _codec.decode(record.meta, record.body)
+        except _codec.CodecError as exc:
+            raise SpoolError(
+                f"{file}: failed entry {record.seq} cannot be decoded: {exc}"
+            ) from None
+        yield FailedEntry(record.seq, message, record.reason, record.failed_at)
 
 
 def check(directory: str | os.PathLike[str]) -> list[str]:
-    """Read the whole spool the hard way: SQLite's ``quick_check`` of every page, then every
-    entry read back (checksum, decoding) and the kept counts compared with the table.
+    """Read the whole spool the hard way: every record's checksum, every pending and failed
+    message decoded.
 
     Returns what is wrong, one problem a line (empty: nothing). Takes no lock and changes
-    nothing; it takes as long as reading the file does.
+    nothing; it takes as long as reading the files does.
     """
     path = _directory(directory)
-    conn = _db.connect(path, create=False, read_only=True)
-    file = _db.db_path(path)
-    problems: list[str] = []
-    try:
+
+    def decodes(found: Found) -> str | None:
         try:
-            problems += [
-                f"{file}: {row[0]}"
-                for row in conn.execute("PRAGMA quick_check").fetchall()
-                if row[0] != "ok"
-            ]
-            counted, counted_bytes = conn.execute(
-                "SELECT count(*), total(size) FROM pending"
-            ).fetchone()
-        except sqlite3.Error as exc:
-            return [f"{file} cannot be read: {_db.describe(exc)}"]
-        kept = _db.pending_counts(conn, file)
-        if kept != (counted, int(counted_bytes)):
-            problems.append(
-                f"{file}: the kept counts say {kept[0]:,} pending messages of {kept[1]:,} bytes, "
-                f"the table holds {counted:,} of {int(counted_bytes):,}"
-            )
-        lock = threading.Lock()
-        for table in ("pending", "failed"):
-            after = 0
-            while True:
-                try:
-                    seqs = [
-                        seq
-                        for (seq,) in conn.execute(
-                            f"SELECT seq FROM {table} WHERE seq > ? ORDER BY seq LIMIT 1000",
-                            (after,),
-                        )
-                    ]
-                except sqlite3.Error as exc:
-                    problems.append(f"{file} cannot be read: {_db.describe(exc)}")
-                    break
-                if not seqs:
-                    break
-                try:
-                    read_entries(conn, lock, file, after=after, limit=len(seqs), table=table)
-                except SpoolError:  # one by one, to name every damaged entry
-                    for seq in seqs:
-                        try:
-                            read_entries(conn, lock, file, after=seq - 1, limit=1, table=table)
-                        except SpoolError as exc:
-                            problems.append(str(exc))
-                after = seqs[-1]
-    finally:
-        conn.close()
+            _codec.decode(found.meta, found.body)
+        except _codec.CodecError as exc:
+            return f"cannot be decoded: {exc}"
+        return None
+
+    try:
+        state = _scan.scan(path, repair=False, problems=True, check=decodes)
+    except SpoolError as exc:
+        return [str(exc)]
+    problems = state.problems
+    try:
+        for _entry in failed_entries(path):
+            pass
+    except SpoolError as exc:
+        if str(exc) not in problems:
+            problems.append(str(exc))
     return problems
 
 
 def drop_failed(directory: str | os.PathLike[str], up_to: int | None = None) -> int:
-    """Empty the failed table (only entries with seq <= ``up_to`` when given); returns how many.
+    """Empty the failed log (only entries with seq <= ``up_to`` when given); returns how many.
 
     Takes the spool's lock: raises :class:`~reliable_amqp.ConfigurationError` naming the pid
     while a publisher has the spool open.
@@ -184,21 +149,37 @@ def drop_failed(directory: str | os.PathLike[str], up_to: int | None = None) -> 
     lock = DirectoryLock(path)
     lock.acquire("reliable-amqp spool --drop-failed")
     try:
-        conn = _db.connect(path, create=False)
+        state = _scan.scan(path, repair=True)  # the ledger's tail whole before appending to it
+        file = os.path.join(path, _files.FAILED_NAME)
+        found = _files.read_failed(file)
+        records = found[0] if found is not None else []
+        dropped = [r for r in records if up_to is None or r.seq <= up_to]
+        if not dropped:
+            return 0
+        kept = [r for r in records if not (up_to is None or r.seq <= up_to)]
         try:
-            conn.execute("PRAGMA synchronous = FULL")
-            if up_to is None:
-                cursor = conn.execute("DELETE FROM failed")
-            else:
-                cursor = conn.execute("DELETE FROM failed WHERE seq <= ?", (up_to,))
-            dropped = cursor.rowcount
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:
+            # first the ledger: a dropped message must not come back as pending, whatever
+            # happens between the two writes
+            ledger = os.path.join(path, _files.LEDGER_NAME)
+            with open(ledger, "r+b") as out:
+                out.seek(state.ledger_bytes)
+                out.write(
+                    b"".join(
+                        _files.ledger_record(_files.REMOVED, low, high)
+                        for low, high in _files.runs([r.seq for r in dropped])
+                    )
+                )
+                out.truncate()
+                out.flush()
+                os.fsync(out.fileno())
+            kept_records = [
+                _files.failed_record(r.seq, r.failed_at, r.reason, r.meta, r.body) for r in kept
+            ]
+            _files.replace_file(file, b"".join([_files.FAILED_MAGIC, *kept_records]))
+        except OSError as exc:
             raise SpoolError(
-                f"cannot drop the failed messages of {_db.db_path(path)}: {_db.describe(exc)}"
+                f"cannot drop the failed messages of {file}: {_files.describe(exc)}"
             ) from exc
-        finally:
-            conn.close()
     finally:
         lock.release()
-    return int(dropped)
+    return len(dropped)

@@ -1,27 +1,35 @@
 """The durable spool: an outbox on local disk that a publisher appends to and confirms empty.
 
+Storage (:mod:`reliable_amqp._spool._files`): a log, not a database. Records are appended to
+segment files in seq order; what the broker confirmed is written to a small ledger as ranges of
+seqs; a segment whose every record was confirmed is deleted whole, so the directory shrinks as a
+backlog drains. Reading back is sequential.
+
 Threads: :meth:`Spool.append`, :meth:`~Spool.remove` and :meth:`~Spool.fail` only queue work
 under a lock (``append`` encodes the message first, on the caller's thread, so a message the
 spool cannot store is refused at ``publish()``); one writer thread takes everything queued at
-once and commits it in one SQLite transaction. While it commits, new work piles up behind it and
-goes into the next transaction: commits are batched by load, with no timer and no per-message
-fsync. A message appended and confirmed before the writer got to it is never written at all.
+once and writes it in one ``write()`` per file. While it writes, new work piles up behind it and
+goes into the next batch: writes are batched by load, with no timer and no per-message fsync. A
+message appended and confirmed before the writer got to it is never written at all.
 
-Durability (``fsync``): SQLite in WAL mode; a commit is in the operating system's hands once it
+Durability (``fsync``): a written batch is in the operating system's hands once ``write()``
 returns, which is what survives the process being killed. What survives a power loss is what
-was fsynced: every commit with ``"commit"``, everything before a :meth:`~Spool.persist` or
-:meth:`~Spool.close` with ``"persist"`` (the default), nothing guaranteed with ``"never"``.
+was fsynced: every batch with ``"commit"``, everything before a :meth:`~Spool.persist` or
+:meth:`~Spool.close` with ``"persist"`` (the default), nothing guaranteed with ``"never"``. After
+each fsync the ledger records how far each segment is durable: a record before that mark that
+does not check is damage (opening refuses, naming it); one after it is the tail of a write a
+crash cut short, cut off when the spool opens.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
-import sqlite3
 import threading
 import time
-import zlib
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -34,29 +42,42 @@ from reliable_amqp._core.errors import (
 )
 from reliable_amqp._core.message import OutgoingMessage, new_outgoing
 from reliable_amqp._core.options import SPOOL_FSYNC_POLICIES
-from reliable_amqp._spool import _codec, _db
+from reliable_amqp._spool import _codec, _files, _legacy, _scan
+from reliable_amqp._spool._files import Segment
 from reliable_amqp._spool._lock import DirectoryLock
-from reliable_amqp._spool._read import (
-    SpoolEntry,
-    read_entries,
-    verify_pending,
-)
+from reliable_amqp._spool._read import SpoolEntry, undecodable
 
 log = logging.getLogger("reliable_amqp.spool")
 _encode = _codec.encode
-_crc32 = zlib.crc32
+_crc32 = _files._crc32
+_pack_record = _files.RECORD.pack
+
+
+def encode_record(message: OutgoingMessage) -> bytes:
+    """The stored record of ``message``, all but its body (:func:`_codec.encode`).
+
+    Raises :class:`InvalidMessage` for a value the spool cannot store.
+    """
+    try:
+        return _encode(message)
+    except _codec.Unstorable as exc:
+        raise InvalidMessage(exc.path, f"cannot be stored in the spool: {exc.problem}") from None
+
 
 #: the values of the ``spool_fsync`` option, from the safest to the fastest
 FSYNC_POLICIES = SPOOL_FSYNC_POLICIES
 DEFAULT_FSYNC = "persist"
 DEFAULT_MAX_BYTES = 1024**3
-#: how long the writer waits before it tries a failed commit (a full disk) again, at most
+#: how long the writer waits before it tries a failed write (a full disk) again, at most
 _RETRY_MAX = 2.0
-#: free pages (16 KiB) at which the writer gives them back to the file system: 16 MiB
-GIVE_BACK_PAGES = 1024
 #: bytes queued for the writer at most: beyond, append() waits for the disk (a producer faster
 #: than the disk would otherwise hold the difference in memory)
 QUEUE_MAX_BYTES = 8 * 1024 * 1024
+#: how long the writer lets appends pile up into one batch (a process killed loses at most
+#: this much of what was not persisted: it is in no file yet)
+LINGER = 0.005
+#: the ledger is rewritten (what it says, compacted) once it is this large
+LEDGER_MAX_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,17 +90,21 @@ class SpoolCounts:
     failed_bytes: int
 
 
-#: a queued append, as the INSERT takes it: (seq, size, crc, meta, body)
-_Append = tuple[int, int, int, bytes, bytes]
+#: the seq a record holds (its header's second field)
+_seq_of = _files.RECORD.unpack_from
+#: a queued failure: (seq, message, reason)
+_Fail = tuple[int, OutgoingMessage, str]
 
 
 class Spool:
     """A spool directory opened for writing: the durable outbox of one publisher.
 
     Opening takes the directory's lock (a second opener gets a :class:`ConfigurationError`
-    naming the holder's pid), creates or checks ``spool.db`` and starts the writer thread.
-    ``on_commit``, when given, is called on the writer thread after every commit (keep it quick;
-    the async publisher uses it to wake its event loop).
+    naming the holder's pid), converts a spool of the earlier SQLite format, reads every pending
+    record once (checking its checksum: a damaged one raises :class:`SpoolError` naming the file
+    and the entry, and nothing is dropped) and starts the writer thread. ``on_commit``, when
+    given, is called on the writer thread after every batch it wrote (keep it quick; the async
+    publisher uses it to wake its event loop).
     """
 
     def __init__(
@@ -93,10 +118,11 @@ class Spool:
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_POLICIES)}, got {fsync!r}")
         self.directory = os.path.abspath(os.fspath(directory))
-        self.path = _db.db_path(self.directory)
+        #: the file that names the spool in errors: its ledger
+        self.path = os.path.join(self.directory, _files.LEDGER_NAME)
         self.max_bytes = max_bytes
         self.fsync = fsync
-        #: called on the writer thread after every commit (settable after opening)
+        #: called on the writer thread after every batch (settable after opening)
         self.on_commit = on_commit
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -105,71 +131,100 @@ class Spool:
         self._lock_file = DirectoryLock(self.directory)
         self._lock_file.acquire()
         try:
-            self._conn = _db.connect(self.directory, create=True)
-            self._reader = _db.connect(self.directory, create=False)
-            counts = self._read_counts(self._conn)
-            if counts[1]:
-                verify_pending(self._reader, self.path)
+            _legacy.migrate(self.directory)
+            if not _scan.exists(self.directory):
+                _new_spool(self.directory)
+            state = _scan.scan(self.directory, repair=True)
+            self._open_files(state)
         except BaseException:
-            for name in ("_reader", "_conn"):
-                with contextlib.suppress(Exception):
-                    getattr(self, name).close()
             self._lock_file.release()
             raise
-        self._sync_full = False
-        self._set_synchronous(fsync == "commit")
-        #: the file gives freed pages back as it goes (spools made before this are compacted
-        #: when closed empty)
-        self._incremental = self._conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # the writer waits on it
         self._changed = threading.Condition(self._lock)  # callers wait on it (room, persist)
-        self._read_lock = threading.Lock()
-        # caller-side state, under _lock
-        self._appends: list[_Append] = []
-        self._queued_bytes = 0  # of _appends
-        self._removes: list[int] = []
-        self._fails: list[tuple[int, str]] = []
-        self._next_seq = counts[0] + 1
-        self._count = counts[1]
-        self._bytes = counts[2]
-        self._committed_seq = counts[0]  # every append up to it is committed (or was removed)
-        self._synced_seq = counts[0]  # ... and fsynced
+        # Appends take no lock (the publishers call append() from one thread at a time: the
+        # sync one under its handoff lock, the async one on its loop): a deque and counters,
+        # each written by one side only. The caller's: _queue appends, _next_seq, _in_bytes.
+        # The writer's: _out_bytes (taken from the queue), _freed_count and _freed_bytes
+        # (removed or failed). What the spool holds is computed from both.
+        #: whole records, in seq order from _taken_seq + 1: bytes only (no tuple a message),
+        #: which the garbage collector does not track
+        self._queue: deque[bytes] = deque()
+        #: (runs of seqs, how many seqs, their bytes) confirmed or failed with their caller
+        self._removals: deque[tuple[list[tuple[int, int]], int, int]] = deque()
+        self._fails: list[_Fail] = []  # under _lock
+        self._next_seq = state.top + 1
+        self._first_new_seq = state.top + 1
+        self._in_bytes = 0
+        self._out_bytes = 0
+        self._freed_count = 0
+        self._freed_bytes = 0
+        self._opened_count = state.pending
+        self._opened_bytes = state.pending_bytes
+        self._failed = state.failed
+        self._failed_bytes = state.failed_bytes
+        self._committed_seq = state.top  # every append up to it is written (or was removed)
+        self._synced_seq = state.top  # ... and fsynced
         self._persist_target = 0
         self._error: BaseException | None = None
         self._closing = False
         self._abandon = False  # close() timed out: the writer stops trying
         self._closed = False
         self._writer_idle = False
+        self._lingering = False  # the writer waits LINGER for a batch to pile up
+        #: where the last read() stopped: (seq, segment first seq, byte offset)
+        self._cursor = (-1, 0, 0)
         self._writer = threading.Thread(
             target=self._run, name=f"reliable-amqp-spool {self.directory}", daemon=True
         )
         self._writer.start()
 
-    def __repr__(self) -> str:
-        return f"Spool({self.directory!r}, pending={self._count}, bytes={self._bytes})"
+    def _open_files(self, state: _scan.State) -> None:
+        """The writer's files: the last segment (appended to), the ledger, the failed log."""
+        #: the segments that hold records, in order (the writer changes the list under _lock)
+        self._segments: list[Segment] = state.segments
+        #: the seqs that left the pending set (changed by the writer under _lock)
+        self._removed = state.removed
+        self._active_fd: int | None = None
+        #: the active segment (the only one written to: the one before was made durable when
+        #: it started) was written since the last fsync
+        self._active_dirty = False
+        self._dir_dirty = False
+        ledger = os.path.join(self.directory, _files.LEDGER_NAME)
+        self._ledger_fd = os.open(ledger, os.O_WRONLY | os.O_CLOEXEC)
+        self._ledger_size = state.ledger_bytes
+        if self._ledger_size < len(_files.LEDGER_MAGIC):
+            self._rewrite_ledger()
+        self._failed_fd: int | None = None
+        self._failed_size = state.failed_log_bytes
+        # writer-private work that a failed write left to do again
+        self._todo_rows: list[bytes] = []
+        self._todo_fails: list[tuple[int, bytes]] = []
+        self._todo_ranges: list[tuple[int, int]] = []
+        #: ledger marks of segments made durable (fsynced), to write
+        self._todo_marks: list[bytes] = []
+        #: the last seq the writer took from the callers
+        self._taken_seq = state.top
 
-    def _read_counts(self, conn: sqlite3.Connection) -> tuple[int, int, int]:
-        """(highest seq in the file, pending count, pending bytes)."""
-        try:
-            (top,) = conn.execute("SELECT max(seq) FROM pending").fetchone()
-            (failed_top,) = conn.execute("SELECT max(seq) FROM failed").fetchone()
-        except sqlite3.Error as exc:
-            raise SpoolError(f"{self.path} cannot be read: {_db.describe(exc)}") from exc
-        count, size = _db.pending_counts(conn, self.path)
-        return max(top or 0, failed_top or 0), count, size
+    def __repr__(self) -> str:
+        return f"Spool({self.directory!r}, pending={self.pending}, bytes={self.pending_bytes})"
 
     # --- the caller's side ----------------------------------------------------------------------
 
     @property
     def pending(self) -> int:
         """Messages in the spool (appended and not yet removed or failed)."""
-        return self._count
+        return self._opened_count + self._next_seq - self._first_new_seq - self._freed_count
 
     @property
     def pending_bytes(self) -> int:
         """Bytes counted against ``max_bytes``: stored record plus body of each pending message."""
-        return self._bytes
+        return self._opened_bytes + self._in_bytes - self._freed_bytes
+
+    @property
+    def _queued_bytes(self) -> int:
+        """Bytes appended and not yet taken by the writer."""
+        return self._in_bytes - self._out_bytes
 
     @property
     def last_seq(self) -> int:
@@ -178,7 +233,7 @@ class Spool:
 
     @property
     def committed_seq(self) -> int:
-        """Every message appended up to this seq is committed (readable by :meth:`read`)."""
+        """Every message appended up to this seq is written (readable by :meth:`read`)."""
         return self._committed_seq
 
     @staticmethod
@@ -187,12 +242,7 @@ class Spool:
 
         Raises :class:`InvalidMessage` for a value the spool cannot store.
         """
-        try:
-            meta = _codec.encode(message)
-        except _codec.Unstorable as exc:
-            raise InvalidMessage(
-                exc.path, f"cannot be stored in the spool: {exc.problem}"
-            ) from None
+        meta = encode_record(message)
         return meta, len(meta) + len(message.body)
 
     def append(
@@ -201,7 +251,8 @@ class Spool:
         timeout: float | None = None,
         encoded: bytes | None = None,
     ) -> int:
-        """Queue ``message`` for the spool; returns its seq. Cheap: the writer thread commits it.
+        """Queue ``message`` for the spool; returns its seq. Cheap: the writer thread writes it.
+        Not to be called from two threads at once (the publishers never do).
 
         ``encoded`` is the record :meth:`encode` made of it, if the caller has it already.
         Waits while the spool holds ``max_bytes`` already (one message larger than that is let in
@@ -209,36 +260,51 @@ class Spool:
         then raises :class:`PublishTimeout`. Raises :class:`SpoolFull` (or
         :class:`SpoolWriteError`) while the writer cannot write (disk full, I/O error).
         """
-        if encoded is not None:
-            meta = encoded
-        else:
-            try:
-                meta = _encode(message)
-            except _codec.Unstorable as exc:
-                raise InvalidMessage(
-                    exc.path, f"cannot be stored in the spool: {exc.problem}"
-                ) from None
-        body = message.body
-        size = len(meta) + len(body)
-        crc = _crc32(body, _crc32(meta))
-        with self._lock:
-            if (
-                self._error is not None
-                or self._closing
-                or self._queued_bytes > QUEUE_MAX_BYTES
-                or (self._bytes and self._bytes + size > self.max_bytes)
-            ):
-                self._before_append(message, size, timeout)
-            seq = self._next_seq
-            self._next_seq = seq + 1
-            self._appends.append((seq, size, crc, meta, body))
-            self._queued_bytes += size
-            self._bytes += size
-            self._count += 1
-            if self._writer_idle:
-                self._writer_idle = False
-                self._work.notify()
+        meta = encoded if encoded is not None else encode_record(message)
+        size = len(meta) + len(message.body)
+        while True:
+            seq = self.try_append(meta, message.body, size)
+            if seq:
+                return seq
+            with self._lock:
+                self._before_append(message, size, timeout)  # raises, or waits for room
+
+    def try_append(self, meta: bytes, body: bytes, size: int) -> int:
+        """:meth:`append` of a message whose stored record is ``meta`` (``size``: as
+        :meth:`encode` counts it), when it can go ahead at once: its seq. 0 when it cannot (no
+        room, the writer behind, or failed, or the spool closing): :meth:`append` then waits,
+        or raises saying why. One call where a publisher's usual case is quickest."""
+        held = self._opened_bytes + self._in_bytes - self._freed_bytes
+        if (
+            self._error is not None
+            or self._closing
+            or self._in_bytes - self._out_bytes > QUEUE_MAX_BYTES
+            or (held and held + size > self.max_bytes)
+        ):
+            return 0
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self._in_bytes += size
+        # the whole record, here: the writer only joins records (_files.record, inline)
+        meta_size = len(meta)
+        data = meta + body  # one crc over both: the crc of meta then body (_files.record_crc)
+        crc = _crc32(data) ^ (seq ^ seq >> 32) & 0xFFFFFFFF
+        self._queue.append(_pack_record(crc, seq, meta_size, size - meta_size) + data)
+        if self._writer_idle:
+            with self._lock:
+                self._nudge()
         return seq
+
+    def check_writable(self, message: OutgoingMessage) -> None:
+        """Raise what refuses ``message`` for good, if anything: :class:`SpoolFull` (or
+        :class:`SpoolWriteError`) while the writer cannot write, :class:`SpoolError` once the
+        spool is closing. (What :meth:`try_append` refused otherwise is worth waiting for.)"""
+        if self._error is not None:
+            with self._lock:
+                if self._error is not None:
+                    raise self._write_error(message)
+        if self._closing:
+            raise SpoolError(f"the spool {self.directory} is closed")
 
     def _before_append(self, message: OutgoingMessage, size: int, timeout: float | None) -> None:
         """Under the lock, when append() cannot go ahead at once: raise, or wait."""
@@ -246,26 +312,37 @@ class Spool:
             raise self._write_error(message)
         if self._closing:
             raise SpoolError(f"the spool {self.directory} is closed")
-        if self._bytes and self._bytes + size > self.max_bytes:
+        if not self.has_room(size):
             self._wait_for_room(size, timeout, message)
         if self._queued_bytes > QUEUE_MAX_BYTES:
             self._wait_for_writer(message)
 
     def _wait_for_room(self, size: int, timeout: float | None, message: OutgoingMessage) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._bytes and self._bytes + size > self.max_bytes:
+        while not self.has_room(size):
             if self._error is not None:
                 raise self._write_error(message)
             if self._closing:
                 raise SpoolError(f"the spool {self.directory} is closed")
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise PublishTimeout(
-                    f"the spool {self.directory} held {self._bytes:,} of its {self.max_bytes:,} "
-                    f"bytes (spool_max_bytes) for {timeout:g} s: no room for a message of "
-                    f"{size:,} bytes; the broker is not confirming (down or blocked?)"
-                )
+                raise self.timeout_error(size, timeout or 0.0)
             self._changed.wait(left)
+
+    def timeout_error(self, size: int, waited: float) -> PublishTimeout:
+        """The :class:`PublishTimeout` of a publish() of ``size`` bytes (as :meth:`encode`
+        counts them) that waited ``waited`` seconds for the spool: for its writer (the disk), or
+        for room (confirms)."""
+        if self.writer_behind:
+            return PublishTimeout(
+                f"the spool {self.directory} could not write what was queued for it fast "
+                f"enough for {waited:g} s (the disk is slower than the producer)"
+            )
+        return PublishTimeout(
+            f"the spool {self.directory} held {self.pending_bytes:,} of its "
+            f"{self.max_bytes:,} bytes (spool_max_bytes) for {waited:g} s: no room for a "
+            f"message of {size:,} bytes; the broker is not confirming (down or blocked?)"
+        )
 
     def _wait_for_writer(self, message: OutgoingMessage) -> None:
         """The writer is behind by more than QUEUE_MAX_BYTES: wait for it (the disk)."""
@@ -274,18 +351,8 @@ class Spool:
                 raise self._write_error(message)
             if self._closing:
                 raise SpoolError(f"the spool {self.directory} is closed")
-            if self._writer_idle:
-                self._writer_idle = False
-                self._work.notify()
+            self._nudge()
             self._changed.wait(1.0)
-
-    def ready(self, size: int) -> bool:
-        """Whether :meth:`append` of a message of ``size`` bytes would not wait (room in the
-        spool, the writer not behind): :meth:`has_room` and not :attr:`writer_behind`."""
-        current = self._bytes
-        return (not current or current + size <= self.max_bytes) and (
-            self._queued_bytes <= QUEUE_MAX_BYTES
-        )
 
     @property
     def writer_behind(self) -> bool:
@@ -306,14 +373,14 @@ class Spool:
 
     def has_room(self, size: int) -> bool:
         """Whether a message of ``size`` bytes (see :meth:`encode`) fits without waiting."""
-        current = self._bytes
+        current = self.pending_bytes
         return not current or current + size <= self.max_bytes
 
     def wait_for_room(self, size: int, timeout: float | None) -> bool:
         """Wait until a message of ``size`` bytes fits; False when ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while self._bytes and self._bytes + size > self.max_bytes and not self._closing:
+            while not self.has_room(size) and not self._closing:
                 if self._error is not None:
                     return True  # append() raises the error itself
                 left = None if deadline is None else deadline - time.monotonic()
@@ -325,30 +392,54 @@ class Spool:
     def _write_error(self, message: OutgoingMessage) -> SpoolWriteError:
         error = self._error
         assert error is not None
-        cls = SpoolFull if _db.is_disk_full(error) else SpoolWriteError
+        cls = SpoolFull if _files.is_disk_full(error) else SpoolWriteError
         reason = "is on a full disk" if cls is SpoolFull else "cannot be written"
-        exc = cls(message, self.directory, f"{reason}: {_db.describe(error)}")
+        exc = cls(message, self.directory, f"{reason}: {_files.describe(error)}")
         exc.__cause__ = error
         return exc
 
-    def remove(self, seqs: Iterable[int]) -> None:
-        """Drop confirmed messages (batched: the writer deletes them with its next commit)."""
-        with self._lock:
-            self._removes.extend(seqs)
-            if self._writer_idle:
-                self._writer_idle = False
-                self._work.notify()
+    def _has_work(self) -> bool:
+        return bool(
+            self._queue
+            or self._removals
+            or self._fails
+            or self._todo_rows
+            or self._todo_fails
+            or self._todo_ranges
+            or self._todo_marks
+            or self._persist_target > self._done_seq()
+            or self._closing
+        )
 
-    def fail(self, seq: int, reason: str) -> None:
-        """Move a message that failed for good to the failed table, with why."""
+    def _nudge(self) -> None:
+        """Under the lock: have the writer go now (it is idle, or letting a batch pile up)."""
+        if self._writer_idle or self._lingering:
+            self._writer_idle = self._lingering = False
+            self._work.notify()
+
+    def remove(self, seqs: Iterable[int], size: int) -> None:
+        """Drop confirmed messages, ``size`` bytes in all (their sizes as :meth:`encode` gave
+        them): batched, the writer records them with its next batch."""
+        seqs = list(seqs)
+        self.remove_runs(_files.runs(seqs), len(set(seqs)), size)
+
+    def remove_runs(self, runs: list[tuple[int, int]], count: int, size: int) -> None:
+        """:meth:`remove` of ``count`` messages given as (first, last) runs of seqs (disjoint),
+        what a publisher has at hand: the writer's work is then per run, not per message."""
+        self._removals.append((runs, count, size))
+        if self._writer_idle:
+            with self._lock:
+                self._nudge()
+
+    def fail(self, seq: int, message: OutgoingMessage, reason: str) -> None:
+        """Move a message that failed for good (``seq``, read back as ``message``) to the failed
+        log, with why."""
         with self._lock:
-            self._fails.append((seq, reason))
-            if self._writer_idle:
-                self._writer_idle = False
-                self._work.notify()
+            self._fails.append((seq, message, reason))
+            self._nudge()
 
     def persist(self, timeout: float | None = None) -> int:
-        """Wait until every message appended so far is durable: committed, and fsynced unless
+        """Wait until every message appended so far is durable: written, and fsynced unless
         ``fsync="never"``. Returns how many are not yet (0: all are) when ``timeout`` passes.
 
         Raises :class:`SpoolError` when the writer cannot write (the disk is full, say); the
@@ -359,14 +450,12 @@ class Spool:
             target = self._next_seq - 1
             if target > self._done_seq():
                 self._persist_target = max(self._persist_target, target)
-                if self._writer_idle:
-                    self._writer_idle = False
-                    self._work.notify()
+                self._nudge()
             while (done := self._done_seq()) < target:
                 if self._error is not None:
                     raise SpoolError(
-                        f"the spool {self.path} cannot be written, {target - done:,} messages "
-                        f"are not durable: {_db.describe(self._error)}"
+                        f"the spool {self.directory} cannot be written, {target - done:,} "
+                        f"messages are not durable: {_files.describe(self._error)}"
                     ) from self._error
                 if self._closed:
                     break
@@ -382,108 +471,152 @@ class Spool:
     def read(
         self, after: int = 0, limit: int = 1000, build: _codec.Build = new_outgoing
     ) -> list[SpoolEntry]:
-        """Committed pending entries with a seq above ``after``, in order, at most ``limit``.
+        """Written pending entries with a seq above ``after``, in order, at most ``limit``.
 
         Raises :class:`SpoolError` naming the file and the entry when one cannot be read back.
         """
-        return read_entries(
-            self._reader, self._read_lock, self.path, after=after, limit=limit, build=build
-        )
+        with self._lock:
+            spans = [(s.first, s.path, s.size) for s in self._segments]
+            removed = self._removed.copy()
+            cursor = self._cursor
+        if not spans:
+            return []
+        entries: list[SpoolEntry] = []
+        firsts = [span[0] for span in spans]
+        at = max(0, bisect.bisect_right(firsts, after + 1) - 1)
+        head = _files.SEGMENT_HEAD.size
+        offset, floor = head, spans[at][0] - 1  # floor: the seqs rise above it
+        if cursor[0] == after and spans[at][0] == cursor[1]:
+            offset, floor = cursor[2], after  # go on where the last read stopped
+        last = cursor
+        # below gone_floor every seq left; from check_at on, some may have (a run above)
+        gone_floor, check_at = removed.floor, removed.first_low_above(after)
+        decode = _codec.decode
+        add = entries.append
+        for first, path, size in spans[at:]:
+            found = None
+            try:
+                # each record: checked, skipped if it left, decoded (a drain is this loop)
+                for found in _files.records(path, offset, size, after=floor):
+                    seq, _at, _end, meta, body = found
+                    if seq <= after or seq < gone_floor or (seq >= check_at and seq in removed):
+                        continue
+                    add(
+                        _new_tuple(
+                            SpoolEntry, (seq, decode(meta, body, build), len(meta) + len(body))
+                        )
+                    )
+                    if len(entries) >= limit:
+                        break
+            except _files.BadRecord as bad:
+                raise _files.damaged(path, bad.seq, bad.offset) from None
+            except _codec.CodecError as exc:
+                assert found is not None
+                raise undecodable(path, found[0], exc) from None
+            if found is not None:
+                last = (found[0], first, found[2])
+            if len(entries) >= limit:
+                break
+            offset = head
+            floor = first  # the next segment's seqs are above this one's
+        with self._lock:
+            self._cursor = last
+        return entries
 
     def counts(self) -> SpoolCounts:
-        """What the spool holds now (pending as the publisher counts it, failed from the file)."""
-        with self._read_lock:
-            try:
-                failed, failed_bytes = self._reader.execute(
-                    "SELECT count(*), total(size) FROM failed"
-                ).fetchone()
-            except sqlite3.Error as exc:
-                raise SpoolError(f"{self.path} cannot be read: {_db.describe(exc)}") from exc
-        return SpoolCounts(self._count, self._bytes, int(failed), int(failed_bytes))
+        """What the spool holds now."""
+        return SpoolCounts(self.pending, self.pending_bytes, self._failed, self._failed_bytes)
 
     def close(self, timeout: float | None = None) -> None:
         """Write everything queued, make it durable (unless ``fsync="never"``), release the lock.
 
         Raises :class:`SpoolError` when that cannot be done within ``timeout`` (the disk is full,
-        say): what was committed stays; the lock is released unless the writer is stuck in a
+        say): what was written stays; the lock is released unless the writer is stuck in a
         system call (then it goes with the process).
         """
         with self._lock:
             if self._closed:
                 return
             self._closing = True
-            self._writer_idle = False
-            self._work.notify()
+            self._nudge()
             self._changed.notify_all()
         self._writer.join(timeout)
         if self._writer.is_alive():
             with self._lock:
                 self._abandon = True
-                queued = len(self._appends)
+                queued = len(self._queue) + len(self._todo_rows)
                 error = self._error
             self._writer.join(_RETRY_MAX + 1.0)
         if self._writer.is_alive():
             raise SpoolError(
-                f"the spool {self.path} could not be closed in time: {queued:,} messages not "
-                "written yet" + (f" ({_db.describe(error)})" if error else "")
+                f"the spool {self.directory} could not be closed in time: {queued:,} messages "
+                "not written yet" + (f" ({_files.describe(error)})" if error else "")
             )
-        with self._read_lock:
-            self._reader.close()
         self._lock_file.release()
         if self._error is not None:
             raise SpoolError(
-                f"the spool {self.path} closed with {len(self._appends):,} messages not "
-                f"written: {_db.describe(self._error)}"
+                f"the spool {self.directory} closed with "
+                f"{len(self._queue) + len(self._todo_rows):,} messages not written: "
+                f"{_files.describe(self._error)}"
             ) from self._error
 
     # --- the writer thread ----------------------------------------------------------------------
-
-    def _set_synchronous(self, full: bool) -> None:
-        if full != self._sync_full:
-            self._conn.execute(f"PRAGMA synchronous = {'FULL' if full else 'NORMAL'}")
-            self._sync_full = full
 
     def _run(self) -> None:
         delay = 0.05
         try:
             while True:
                 with self._lock:
-                    while not (
-                        self._appends
-                        or self._removes
-                        or self._fails
-                        or self._persist_target > self._done_seq()
-                        or self._closing
-                    ):
+                    while not self._has_work():
                         self._writer_idle = True
+                        # appends and removals take no lock: one made before the flag was
+                        # set did not nudge, and is seen here
+                        if self._has_work():
+                            break
                         self._work.wait()
                     self._writer_idle = False
-                    appends, self._appends = self._appends, []
-                    self._queued_bytes = 0
-                    removes, self._removes = self._removes, []
+                    if not (
+                        self._persist_target > self._done_seq()
+                        or self._closing
+                        or self._fails
+                        or self._queued_bytes > QUEUE_MAX_BYTES // 2
+                    ):
+                        # let a batch pile up (one write for many messages, not one each);
+                        # persist(), close() and a writer falling behind cut it short
+                        self._lingering = True
+                        self._work.wait(LINGER)
+                        self._lingering = False
                     fails, self._fails = self._fails, []
                     persist = self._persist_target > self._synced_seq
                     closing = self._closing
+                queue = self._queue
+                appends = [queue.popleft() for _ in range(len(queue))]
+                removals = self._removals
+                removes: list[tuple[int, int]] = []
+                freed = count = 0
+                for _ in range(len(removals)):
+                    runs, n, size = removals.popleft()
+                    removes += runs
+                    count += n
+                    freed += size
+                self._out_bytes += sum(map(len, appends)) - _files.RECORD.size * len(appends)
+                self._freed_bytes += freed
+                self._freed_count += count
+                self._take(appends, removes, fails)
                 durable = self.fsync == "commit" or (
                     self.fsync == "persist" and (persist or closing)
                 )
                 try:
-                    freed, freed_count = self._commit(appends, removes, fails, durable)
-                except (sqlite3.Error, OSError) as exc:
-                    with contextlib.suppress(sqlite3.Error):
-                        self._conn.execute("ROLLBACK")
+                    self._write(durable)
+                except OSError as exc:
                     with self._lock:
-                        # keep the work, in order, ahead of anything queued since
-                        self._appends[:0] = appends
-                        self._queued_bytes += sum(entry[1] for entry in appends)
-                        self._removes[:0] = removes
-                        self._fails[:0] = fails
                         if self._error is None:
-                            log.error("spool %s: cannot write: %s", self.path, _db.describe(exc))
+                            log.error(
+                                "spool %s: cannot write: %s", self.directory, _files.describe(exc)
+                            )
                         self._error = exc
                         self._changed.notify_all()
                         if self._abandon:
-                            self._conn.close()
                             return
                     time.sleep(delay)
                     delay = min(delay * 2, _RETRY_MAX)
@@ -491,24 +624,20 @@ class Spool:
                 delay = 0.05
                 with self._lock:
                     if self._error is not None:
-                        log.warning("spool %s: writing again", self.path)
+                        log.warning("spool %s: writing again", self.directory)
                     self._error = None
-                    if appends:
-                        self._committed_seq = appends[-1][0]
+                    # every append taken is written now (or was confirmed before it had to be)
+                    self._committed_seq = max(self._committed_seq, self._taken_seq)
                     if durable:
                         self._synced_seq = self._committed_seq
-                    self._bytes -= freed
-                    self._count -= freed_count
                     self._changed.notify_all()
-                    done = closing and not (self._appends or self._removes or self._fails)
+                    done = closing and not (self._queue or self._removals or self._fails)
                 on_commit = self.on_commit
                 if on_commit is not None:
                     try:
                         on_commit()
                     except Exception:
-                        log.exception("spool %s: on_commit failed", self.path)
-                if freed_count and self._incremental:
-                    self._give_back()
+                        log.exception("spool %s: on_commit failed", self.directory)
                 if done:
                     self._shutdown()
                     return
@@ -517,124 +646,210 @@ class Spool:
                 self._closed = True
                 self._changed.notify_all()
 
-    def _commit(
-        self,
-        appends: list[_Append],
-        removes: list[int],
-        fails: list[tuple[int, str]],
-        durable: bool,
-    ) -> tuple[int, int]:
-        """One transaction; returns (bytes, messages) that left the pending table."""
-        conn = self._conn
-        gone = set(removes)
-        freed = freed_count = 0  # all that left the pending count
-        stored = stored_bytes = 0  # the change of what the table holds
-        rows = appends
-        if gone and appends:
-            rows = []
-            for entry in appends:
-                if entry[0] in gone:  # confirmed before it was ever written
-                    freed += entry[1]
-                    freed_count += 1
-                    gone.discard(entry[0])
-                else:
-                    rows.append(entry)
-        self._set_synchronous(durable)
-        conn.execute("BEGIN")
-        if rows:
-            conn.executemany(
-                "INSERT INTO pending (seq, size, crc, meta, body) VALUES (?, ?, ?, ?, ?)", rows
-            )
-            stored = len(rows)
-            stored_bytes = sum(row[1] for row in rows)
+    def _take(
+        self, appends: list[bytes], removes: list[tuple[int, int]], fails: list[_Fail]
+    ) -> None:
+        """Work taken from the callers becomes the writer's to do (kept across failed writes).
+        ``removes``: runs of seqs confirmed; the appends among them are never written."""
+        first = self._taken_seq + 1
+        self._taken_seq += len(appends)
+        gone = _files.merge_runs(removes)
+        self._todo_rows += _files.cut_runs(appends, first, gone) if gone else appends
         now = time.time()
-        for seq, reason in fails:
-            found = conn.execute("SELECT size FROM pending WHERE seq = ?", (seq,)).fetchone()
-            if found is None:
-                continue
-            conn.execute(
-                "INSERT OR REPLACE INTO failed (seq, size, crc, meta, body, reason, failed_at) "
-                "SELECT seq, size, crc, meta, body, ?, ? FROM pending WHERE seq = ?",
-                (reason, now, seq),
+        for seq, message, reason in fails:
+            meta = _encode(message)
+            self._todo_fails.append(
+                (seq, _files.failed_record(seq, now, reason, meta, message.body))
             )
-            conn.execute("DELETE FROM pending WHERE seq = ?", (seq,))
-            freed += found[0]
-            freed_count += 1
-            stored -= 1
-            stored_bytes -= found[0]
-        for low, high in _runs(sorted(gone)):
-            count, size = conn.execute(
-                "SELECT count(*), total(size) FROM pending WHERE seq BETWEEN ? AND ?", (low, high)
-            ).fetchone()
-            if count:
-                conn.execute("DELETE FROM pending WHERE seq BETWEEN ? AND ?", (low, high))
-                freed += int(size)
-                freed_count += count
-                stored -= count
-                stored_bytes -= int(size)
-        if stored or stored_bytes:
-            # the counts kept beside the table, in the same transaction: opening a spool of
-            # a million messages reads two numbers rather than scanning a gigabyte
-            conn.executemany(
-                "UPDATE info SET value = value + ? WHERE key = ?",
-                ((stored, "pending_count"), (stored_bytes, "pending_bytes")),
-            )
-        elif durable and not rows and not fails and not gone:
-            # nothing to write, but earlier commits must reach the disk: a commit in FULL mode
-            # fsyncs the whole WAL
-            conn.execute("UPDATE info SET value = value + 1 WHERE key = 'syncs'")
-        conn.execute("COMMIT")
-        return freed, freed_count
+            with self._lock:
+                size = len(meta) + len(message.body)
+                self._freed_count += 1
+                self._freed_bytes += size
+                self._failed += 1
+                self._failed_bytes += size
+        if fails:
+            gone = _files.merge_runs(gone + [(seq, seq) for seq, _m, _r in fails])
+        if gone:
+            with self._lock:
+                for low, high in gone:
+                    self._removed.add(low, high)
+            self._todo_ranges += gone
 
-    def _give_back(self) -> None:
-        """Return the pages confirms freed to the file system once there are GIVE_BACK_PAGES of
-        them: the file shrinks as the backlog drains (SQLite moves the pages still in use from
-        the end of the file into the free ones, then truncates it)."""
+    def _write(self, durable: bool) -> None:
+        """Write what is to do: records, failures, the ledger; fsync when ``durable``."""
+        if self._todo_rows:
+            self._write_rows(self._todo_rows)
+            self._todo_rows = []
+        if self._todo_fails:
+            fd = self._failed_file()
+            data = b"".join(record for _seq, record in self._todo_fails)
+            _append(fd, data, self._failed_size)
+            self._failed_size += len(data)
+            self._todo_fails = []
+        if durable:
+            self._todo_marks += self._sync()
+        if self._todo_ranges or self._todo_marks:
+            marks = self._todo_marks
+            data = b"".join(
+                [_files.ledger_record(_files.REMOVED, low, high) for low, high in self._todo_ranges]
+                + marks
+            )
+            _append(self._ledger_fd, data, self._ledger_size)
+            self._ledger_size += len(data)
+            self._todo_ranges = []
+            self._todo_marks = []
+            if marks:
+                os.fsync(self._ledger_fd)
+            self._drop_segments()
+            if self._ledger_size > LEDGER_MAX_BYTES:
+                self._rewrite_ledger()
+
+    def _write_rows(self, rows: list[bytes]) -> None:
+        """Append records to the active segment in one write; start a new segment after it
+        when it holds SEGMENT_BYTES (a segment is never split inside a batch)."""
+        segment = self._segments[-1] if self._segments and self._active_fd is not None else None
+        if segment is None or segment.size >= _files.SEGMENT_BYTES:
+            segment = self._new_segment(_seq_of(rows[0])[1])
+        data = b"".join(rows)
+        fd = self._active_fd
+        assert fd is not None
+        _append(fd, data, segment.size)
+        with self._lock:
+            segment.size += len(data)
+            segment.last = _seq_of(rows[-1])[1]
+        self._active_dirty = True
+
+    def _new_segment(self, first: int) -> Segment:
+        if self._active_fd is not None:
+            # whole and durable before the next one starts, whatever the fsync policy (one
+            # fsync a SEGMENT_BYTES): only the last segment can hold a tail a power loss cut
+            done = self._segments[-1]
+            os.fsync(self._active_fd)
+            done.synced = done.size
+            self._todo_marks.append(_files.ledger_record(_files.SYNCED, done.first, done.size))
+            self._active_dirty = False
+            os.close(self._active_fd)
+            self._active_fd = None
+        path = os.path.join(self.directory, _files.segment_name(first))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            (free,) = self._conn.execute("PRAGMA freelist_count").fetchone()
-            if free >= GIVE_BACK_PAGES:
-                # through sqlite3_exec: it frees one page a step, and execute() steps once
-                self._conn.executescript(f"PRAGMA incremental_vacuum({free});")
-        except sqlite3.Error as exc:  # the next commit says it if the file is in trouble
-            log.debug("spool %s: cannot give pages back: %s", self.path, exc)
+            _files.write_all(fd, _files.SEGMENT_HEAD.pack(_files.SEGMENT_MAGIC, first))
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        self._active_fd = fd
+        self._dir_dirty = True
+        head = _files.SEGMENT_HEAD.size
+        segment = Segment(path, first, first - 1, head, 0)
+        with self._lock:
+            self._segments.append(segment)
+        return segment
+
+    def _failed_file(self) -> int:
+        if self._failed_fd is None:
+            path = os.path.join(self.directory, _files.FAILED_NAME)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if self._failed_size < len(_files.FAILED_MAGIC):
+                os.ftruncate(fd, 0)
+                _files.write_all(fd, _files.FAILED_MAGIC)
+                self._failed_size = len(_files.FAILED_MAGIC)
+                self._dir_dirty = True
+            self._failed_fd = fd
+        return self._failed_fd
+
+    def _sync(self) -> list[bytes]:
+        """fsync what was written since the last time; the ledger's marks of it."""
+        marks = []
+        if self._active_dirty and self._active_fd is not None:
+            os.fsync(self._active_fd)
+            active = self._segments[-1]
+            active.synced = active.size
+            marks.append(_files.ledger_record(_files.SYNCED, active.first, active.size))
+        self._active_dirty = False
+        if self._failed_fd is not None:
+            os.fsync(self._failed_fd)
+        if self._dir_dirty:
+            _files.sync_directory(self.directory)
+            self._dir_dirty = False
+        if not marks:  # the ledger's removals reach the disk with the ledger's fsync
+            marks.append(b"")
+        return marks
+
+    def _drop_segments(self) -> None:
+        """Delete the segments whose every record left the pending set (the active one too:
+        the next append starts a new one)."""
+        removed = self._removed
+        gone = []
+        for segment in self._segments:
+            if not removed.covers(segment.first, segment.last):
+                break  # confirms come in order, near enough: the rest are newer
+            gone.append(segment)
+        if not gone:
+            return
+        with self._lock:
+            del self._segments[: len(gone)]
+        if not self._segments and self._active_fd is not None:  # the active one went too
+            os.close(self._active_fd)
+            self._active_fd = None
+            self._active_dirty = False
+        for segment in gone:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(segment.path)
+
+    def _rewrite_ledger(self) -> None:
+        """Write what the ledger says, compacted, to a new file and rename it over the old."""
+        removed = self._removed
+        # the floor's range, (1, floor - 1), keeps the numbering going with no segment left
+        records = [_files.LEDGER_MAGIC]
+        for low, high in removed.ranges():
+            records.append(_files.ledger_record(_files.REMOVED, low, high))
+        for segment in self._segments:
+            if segment.synced:
+                records.append(_files.ledger_record(_files.SYNCED, segment.first, segment.synced))
+        data = b"".join(records)
+        path = os.path.join(self.directory, _files.LEDGER_NAME)
+        fd = _files.replace_file(path, data, keep_open=True)
+        assert fd is not None
+        os.close(self._ledger_fd)
+        self._ledger_fd = fd
+        self._ledger_size = len(data)
 
     def _shutdown(self) -> None:
-        """Give the pages freed by confirms back to the file system, fold the WAL in, close.
-
-        Only an empty spool is compacted (``VACUUM`` copies what is left, the failed table): a
-        spool the broker emptied after an outage would otherwise keep its peak size on disk. A
-        spool made before pages were given back as it drains (``auto_vacuum`` off) is switched
-        to that then, which takes a ``VACUUM`` too.
-        """
+        """Compact the ledger of an emptied spool and close the files."""
         try:
-            if self._count == 0:
-                free, total = (
-                    self._conn.execute("PRAGMA freelist_count").fetchone()[0],
-                    self._conn.execute("PRAGMA page_count").fetchone()[0],
-                )
-                if not self._incremental:
-                    self._conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
-                    self._conn.execute("VACUUM")
-                elif free * 2 > total > 64:
-                    self._conn.execute("VACUUM")
-            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:
-            log.warning("spool %s: cannot compact at close: %s", self.path, exc)
+            if self.pending == 0 and self._ledger_size > len(_files.LEDGER_MAGIC) + 64:
+                self._rewrite_ledger()
+        except OSError as exc:
+            log.warning("spool %s: cannot compact at close: %s", self.directory, exc)
         finally:
-            self._conn.close()
+            for fd in (self._active_fd, self._failed_fd, self._ledger_fd):
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            self._active_fd = self._failed_fd = None
 
 
-def _runs(seqs: list[int]) -> list[tuple[int, int]]:
-    """Sorted seqs as (first, last) runs of consecutive numbers: one DELETE per run."""
-    runs: list[tuple[int, int]] = []
-    if not seqs:
-        return runs
-    low = high = seqs[0]
-    for seq in seqs[1:]:
-        if seq == high + 1:
-            high = seq
-        elif seq != high:
-            runs.append((low, high))
-            low = high = seq
-    runs.append((low, high))
-    return runs
+def _append(fd: int, data: bytes, size: int) -> None:
+    """Write ``data`` at the end of a file of ``size`` whole bytes; on failure, cut what was
+    written of it, so that a retry writes it whole again."""
+    try:
+        os.lseek(fd, size, os.SEEK_SET)
+        _files.write_all(fd, data)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, size)
+        raise
+
+
+def _new_spool(directory: str) -> None:
+    """A new spool: its ledger (written whole, then renamed into place)."""
+    path = os.path.join(directory, _files.LEDGER_NAME)
+    try:
+        _files.replace_file(path, _files.LEDGER_MAGIC)
+    except OSError as exc:
+        raise SpoolError(f"cannot create the spool {directory}: {_files.describe(exc)}") from exc
+
+
+_new_tuple = tuple.__new__

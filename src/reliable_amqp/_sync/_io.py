@@ -180,20 +180,25 @@ class IOThread:
         self._handoff.resolve(self._supervisor.shutdown())
         self._supervisor.closed()
 
-    def _accept_outbox(self, now: float) -> None:
+    def _accept_outbox(self, now: float) -> int:
+        """Hand what callers published, then what waits on disk (as room allows), to the
+        engine; returns how many came from disk."""
         handoff = self._handoff
         items = handoff.take_outbox()
         if items is not None:
             self._engine.accept_many(items, now)
+        read = 0
         if handoff.spooled is not None:  # then what waited on disk, in order, as room allows
             backlog = handoff.spooled.refill()
+            read = len(backlog)
             if backlog:
                 self._engine.accept_many(backlog, now)
             elif items is None:
-                return
+                return 0
         elif items is None:
-            return
+            return 0
         self._schedule()  # their deadlines may come before the timer set (for liveness, say)
+        return read
 
     # --- timers -----------------------------------------------------------------------------
 
@@ -345,7 +350,13 @@ class IOThread:
             attempt,
             method.reply_code,
             method.reply_text,
-            returned=(properties.message_id, method.exchange, method.routing_key, body),
+            returned=(
+                properties.message_id,
+                method.exchange,
+                method.routing_key,
+                body,
+                properties.headers,
+            ),
             generation=generation,
         )
 
@@ -353,7 +364,7 @@ class IOThread:
 
     def _drain(self) -> None:
         now = time.monotonic()
-        self._accept_outbox(now)
+        read = self._accept_outbox(now)
         if self.stopping.is_set():
             self._begin_close()
             return
@@ -371,8 +382,12 @@ class IOThread:
         finally:
             connection.emit_gathered()
         self._handoff.resolve(failed)
-        if count and self._engine.has_sendable():
-            connection.ioloop.call_later(0, self._drain)  # let confirms in between batches
+        if (count and self._engine.has_sendable()) or (
+            read and self._handoff.window.free_slots() > 0
+        ):
+            # let confirms in between batches; a backlog is read back a chunk at a time until
+            # the window is full (one chunk a wake-up would leave it part empty)
+            connection.ioloop.call_later(0, self._drain)
 
     def _begin_close(self) -> None:
         supervisor = self._supervisor

@@ -225,7 +225,17 @@ def _innermost(error: object) -> object:
 def _socket_error(error: object) -> OSError | None:
     """The socket error a failed connect comes down to, if that is what it is."""
     inner = _innermost(error)
+    if isinstance(inner, ValueError):
+        # pika raises ValueError("Expected connected socket, but getpeername() failed:
+        # error=OSError(107, '...'); <socket ...>") for a peer that reset the connection as it
+        # opened (a proxy that refuses, a broker going down): the OSError only as text
+        found = _PEERNAME_FAILED.search(str(inner))
+        if found is not None:
+            return OSError(errno.ECONNRESET, found.group(1) or "connection reset")
     return inner if isinstance(inner, OSError) else None
+
+
+_PEERNAME_FAILED = re.compile(r"getpeername\(\) failed: error=\w*Error\(\d+, '([^']*)'\)")
 
 
 def _login(params: Any) -> tuple[str, str] | None:

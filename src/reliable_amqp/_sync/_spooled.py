@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from reliable_amqp._compat.futures import LIGHT_FUTURES
-from reliable_amqp._core.errors import PublisherClosed, PublishError, PublishTimeout
+from reliable_amqp._core.errors import PublisherClosed, PublishError
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
@@ -79,66 +79,82 @@ class SpooledPublishing:
 
         ``check`` raises when the publisher no longer accepts messages (closed, gave up).
         """
-        handoff = self._handoff
-        spool = self.spool
-        if self.feed.holding:
-            self.release()
-        meta, size = spool.encode(message)  # InvalidMessage for what cannot be stored
-        timeout = self.options.publish_timeout
-        end = time.monotonic() + timeout
-        body_size = len(message.body)
-        window = handoff.window
         feed = self.feed
+        handoff = self._handoff
+        if feed.holding:
+            self.release()
+        # the message is its own future (as without a spool: see Publisher.publish)
+        future: PublishFuture = message  # type: ignore[assignment]
+        spool = self.spool
+        window = handoff.window
+        meta = b""  # the stored record, once the usual case did not take the message
+        size = 0
+        end = 0.0  # publish_timeout's deadline, once something waits
         while True:
-            if not spool.ready(size):
-                if not spool.has_room(size):
-                    # only confirms make room, and only the I/O thread reads them
-                    handoff.check_wait("publish() into a full spool")
-                    check(message)
-                    spool.wait_for_room(size, max(0.0, end - time.monotonic()))
-                if spool.writer_behind:  # the disk is slower than the producer: wait for it
-                    spool.wait_for_writer(max(0.0, end - time.monotonic()))
             with handoff.lock:
                 if handoff.fatal is not None or not handoff.accepting:
                     check(message)
-                # the usual case, inline: nothing on disk ahead and room in the window
-                fits = window.fits(body_size)
-                if (not fits or spool.last_seq != feed.fed) and not self.stalled:
-                    self._keep_pace(body_size)
-                    if handoff.fatal is not None or not handoff.accepting:
-                        check(message)  # closed (or gave up) while it waited
-                    fits = window.fits(body_size)
-                try:
-                    seq = spool.append(message, 0, meta)
-                except PublishTimeout:
-                    if time.monotonic() < end:
-                        continue  # another thread took the room first: wait again
-                    raise PublishTimeout(
-                        f"the spool {spool.directory} held {spool.pending_bytes:,} of its "
-                        f"{spool.max_bytes:,} bytes (spool_max_bytes) for {timeout:g} s: no "
-                        f"room for a message of {size:,} bytes; the broker is not confirming "
-                        "(down or blocked?)"
-                    ) from None
-                # the message is its own future (as without a spool: see Publisher.publish)
-                future: PublishFuture = message  # type: ignore[assignment]
-                if fits and feed.direct(seq):
-                    future.index = index = window.take(body_size)
-                    feed.track(index, seq)
+                # the usual case, in one call: nothing on disk ahead, room in the window and
+                # in the spool (InvalidMessage for what cannot be stored)
+                index = seq = feed.append_direct(message, window)
+                if not index:
+                    if not meta:
+                        meta, size = spool.encode(message)
+                    body_size = len(message.body)
+                    if not self.stalled and (
+                        spool.last_seq != feed.fed or not window.fits(body_size)
+                    ):
+                        self._keep_pace(body_size)
+                        if handoff.fatal is not None or not handoff.accepting:
+                            check(message)  # closed (or gave up) while it waited
+                    seq = spool.try_append(meta, message.body, size)
+                    if seq:
+                        index = window.try_take(body_size) if feed.direct(seq) else 0
+                        if index:
+                            feed.track(index, seq, size)
+                        else:
+                            feed.park(future, seq)  # read back when confirms free room
+                            if window.free_slots() <= 0:
+                                return future
+                            # room now: have the I/O thread read it back
+                    else:
+                        spool.check_writable(message)  # SpoolFull, closed: no waiting helps
+                if index:
+                    future.index = index
                     handoff.outbox.append(future)
-                elif window.free_slots() <= 0:
-                    feed.park(future, seq)  # read back when confirms free room
-                    return future
+                if seq:
+                    if handoff.wake_pending:
+                        return future
+                    wake = handoff.wake_loop
+                    handoff.wake_pending = wake is not None
+            if seq:
+                if wake is not None:
+                    wake()
                 else:
-                    feed.park(future, seq)  # room now: have the I/O thread read it back
-                if handoff.wake_pending:
-                    return future
-                wake = handoff.wake_loop
-                handoff.wake_pending = wake is not None
-            if wake is not None:
-                wake()
-            else:
-                handoff.idle.set()
-            return future
+                    handoff.idle.set()
+                return future
+            # no room in the spool, or its writer behind: wait, off the lock, and try again
+            end = end or time.monotonic() + self.options.publish_timeout
+            if time.monotonic() >= end:
+                raise spool.timeout_error(size, self.options.publish_timeout)
+            self._wait_for_spool(message, size, check, end)
+
+    def _wait_for_spool(
+        self,
+        message: OutgoingMessage,
+        size: int,
+        check: Callable[[OutgoingMessage], None],
+        end: float,
+    ) -> None:
+        """Wait for room in the spool (confirms make it) or for its writer (the disk)."""
+        spool = self.spool
+        if not spool.has_room(size):
+            # only confirms make room, and only the I/O thread reads them
+            self._handoff.check_wait("publish() into a full spool")
+            check(message)
+            spool.wait_for_room(size, max(0.0, end - time.monotonic()))
+        if spool.writer_behind:  # the disk is slower than the producer: wait for it
+            spool.wait_for_writer(max(0.0, end - time.monotonic()))
 
     def _keep_pace(self, size: int) -> bool:
         """Under the handoff lock: wait (a little) while the window has no room for this message
@@ -248,7 +264,7 @@ class SpooledPublishing:
                     break
                 future = feed.take(entry.seq)
                 index = window.take(size)
-                feed.track(index, entry.seq)
+                feed.track(index, entry.seq, entry.size)
                 if future is None:  # recovered, or the caller dropped its future
                     future = entry.message  # type: ignore[assignment]  # built as one (_build)
                 if type(future) is PublishFuture and not future.adopted:  # message and future

@@ -83,6 +83,8 @@ def run_spool(args: argparse.Namespace) -> int:
         else:
             dropped = _drop_failed(args.directory)
         summary = inspect(args.directory)
+    if problems is None and summary.problems:  # met while counting: the counts stop there
+        problems = list(summary.problems)
     if args.json:
         shown: dict[str, Any] = {
             "directory": summary.directory,
