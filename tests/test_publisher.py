@@ -270,7 +270,7 @@ def test_unroutable_mandatory_messages_are_returned(
     assert broker.count(queue) == 20
 
 
-@pytest.mark.parametrize("routed_by", ["CC", "BCC", "headers exchange"])
+@pytest.mark.parametrize("routed_by", ["CC", "BCC", "BCC alone", "headers exchange"])
 def test_messages_alike_but_for_their_headers_each_get_their_own_outcome(
     amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass, routed_by: str
 ) -> None:
@@ -292,6 +292,11 @@ def test_messages_alike_but_for_their_headers_each_get_their_own_outcome(
         exchange, routing_key = broker.exchange(kind="headers"), ""
         broker.bind(queue, exchange, "", {"x-match": "all", "route": "yes"})
         routed, returned = {"route": "yes", **common}, {"route": "no", **common}
+    elif routed_by == "BCC alone":
+        # RabbitMQ removes BCC from what it returns: the two come back alike (CI found the
+        # return settled on the routed one); the attempt header tells them apart
+        routed = {"BCC": [queue], **common}
+        returned = {"BCC": ["ra-test-nowhere"], **common}
     else:
         routed, returned = {routed_by: [queue], **common}, common
     with publisher_class(amqp_url) as publisher:

@@ -16,6 +16,7 @@ from reliable_amqp._core.tracker import (
     attempt_tag,
     pack_key,
     parse_attempt_tag,
+    returns_altered,
     unpack_key,
 )
 
@@ -196,3 +197,20 @@ def test_discard_forgets_only_a_tracked_entry() -> None:
     tracker.track(entry)
     assert tracker.discard(entry) is True and entry.key == -1 and len(tracker) == 0
     assert tracker.on_ack(0, 1, multiple=False) == []
+
+
+def test_a_return_without_attempt_header_is_never_a_message_with_bcc() -> None:
+    # RabbitMQ hands a return back without its BCC header, so a message with BCC goes out with
+    # the attempt header (returns_altered) and a return without one is another message's: here
+    # the one without BCC, though listed after (CI found the return settled on the routed one).
+    routed = _mandatory(b"b", "id", headers={"BCC": ["q"], "n": 1})
+    lost = _mandatory(b"b", "id", headers={"n": 1})
+    tracker: ConfirmTracker[str] = ConfirmTracker()
+    tracker.track_all([routed, lost])
+    assert returns_altered({"BCC": []}) and not returns_altered({"CC": ["q"]})
+    assert tracker.on_return(None, 312, "X", returned=("id", "ex", "rk", b"b", {"n": 1})) is lost
+    assert routed.returned is None
+    lost.returned = None
+    # alike but for BCC: nothing on the wire went untagged with these headers
+    tracker.track(_mandatory(b"c", "id", headers={"BCC": ["q"]}))
+    assert tracker.on_return(None, 312, "X", returned=("id", "ex", "rk", b"c", {})) is None

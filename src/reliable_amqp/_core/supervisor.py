@@ -31,7 +31,7 @@ from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import EventKind
-from reliable_amqp._core.tracker import Entry, Stage
+from reliable_amqp._core.tracker import Entry, Stage, returns_altered
 
 H = TypeVar("H")
 
@@ -328,11 +328,13 @@ class Supervisor(Generic[H]):
                         continue  # resolved while queued (expired, closed)
                 else:
                     break
-                if plain:
+                own = entry.base.headers
+                if plain and (own is None or not entry.mandatory or not returns_altered(own)):
                     # The common case, inlined: frames that do not depend on the delivery tag are
                     # encoded first (nothing to take back if that fails), the batch's publishes
                     # tracked together after. A mandatory one goes out as it is too: its return
-                    # is matched by what it carries (ConfirmTracker.on_return).
+                    # is matched by what it carries (ConfirmTracker.on_return), unless the broker
+                    # alters that (returns_altered: it then takes the attempt header below).
                     try:
                         encode(entry, out)
                     except ENCODE_ERRORS as exc:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -51,10 +51,22 @@ _SEQ_BITS = 40  # 1e12 publishes per channel before a generation would overflow 
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
 
 #: Header stamped on a mandatory publish that goes out alone (after a frame error, or with a
-#: dedup header, when the message gets headers of its own anyway), naming its publish attempt
-#: for the ``basic.return`` (which has no delivery tag). Every other mandatory publish goes out
-#: as the caller made it: its return is matched by what it carries (ConfirmTracker.on_return).
+#: dedup header, when the message gets headers of its own anyway) or carries a ``BCC`` header
+#: (:func:`returns_altered`), naming its publish attempt for the ``basic.return`` (which has no
+#: delivery tag). Every other mandatory publish goes out as the caller made it: its return is
+#: matched by what it carries (ConfirmTracker.on_return).
 ATTEMPT_HEADER = "x-reliable-amqp-attempt"
+
+
+def returns_altered(headers: Mapping[str, Any]) -> bool:
+    """Whether the broker hands back a message with these headers altered in a ``basic.return``.
+
+    RabbitMQ removes ``BCC`` (it routes, then no one may see it), so two messages alike but for
+    their ``BCC`` come back alike, although one may be routed and the other not: such a
+    mandatory message goes out with :data:`ATTEMPT_HEADER`, and a return without one is never
+    matched to it.
+    """
+    return "BCC" in headers
 
 
 class Stage(enum.Enum):
@@ -460,8 +472,9 @@ class ConfirmTracker(Generic[H]):
         entry's headers agree, the first that carries the other four is taken. Two entries that
         match alike are the same message to the broker and to any consumer: whichever is taken,
         one copy was routed and one was not. ``generation`` is the channel's the return came on
-        (None: the current one). Returns the entry, or None when nothing on the wire matches (a
-        stale generation, a message not ours).
+        (None: the current one). A message with a ``BCC`` header went out with the attempt header
+        (:func:`returns_altered`), so a return without one never names it. Returns the entry, or
+        None when nothing on the wire matches (a stale generation, a message not ours).
         """
         if generation is not None and generation != self._generation:
             return None
@@ -487,6 +500,7 @@ class ConfirmTracker(Generic[H]):
         loose: Entry[H] | None = None  # the first that carries the other four
         # after the last match first (the broker's order), then from the start up to it
         for entry in itertools.chain(self._wire(after + 1), self._wire(0, after)):
+            sent = entry.base.headers
             if (
                 entry.message_id == message_id
                 and entry.returned is None
@@ -494,8 +508,9 @@ class ConfirmTracker(Generic[H]):
                 and entry.exchange == exchange
                 and entry.routing_key == routing_key
                 and entry.body == body
+                and (sent is None or not returns_altered(sent))  # else it went tagged
             ):
-                if headers_match(entry.base.headers, headers):
+                if headers_match(sent, headers):
                     loose = entry
                     break
                 if loose is None:
