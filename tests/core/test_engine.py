@@ -63,7 +63,7 @@ def test_the_dedup_header_carries_the_message_id() -> None:
     assert engine.mark_sent(entry) == {"x-dedup": "m-9"}
     resolutions = engine.on_ack(0, 1, multiple=False, now=0.5)
     assert [r.ok for r in resolutions] == [True]
-    assert resolutions[0].outcome == Confirmation("m-9", 1) and resolutions[0].entry is entry
+    assert resolutions[0].outcome == Confirmation("m-9", 1) and resolutions[0] is entry
     stats = engine.stats()
     assert (stats.published, stats.confirmed, stats.in_flight) == (1, 1, 0)
     assert stats.latency is not None and stats.latency.max == 0.5
@@ -90,7 +90,7 @@ def test_a_frame_error_with_one_message_on_the_wire_fails_that_message_alone() -
         engine.accept(build_message("", "q", name.encode()), name, 0)
     assert _sent(engine, 1) == ["a"]
     [failed] = engine.on_connection_error(501, "FRAME_ERROR - type 2, all octets", 1.0)
-    assert failed.entry.handle == "a" and not failed.ok
+    assert failed.handle == "a" and not failed.ok
     assert type(failed.outcome).__name__ == "MessageRejected"
     assert "501" in str(failed.outcome)
     assert not engine.isolating
@@ -108,19 +108,19 @@ def test_suspects_of_a_frame_error_go_one_at_a_time_until_the_culprit_is_named()
     # a, b, c are suspects: each goes alone, the next only once the wire is empty
     assert _sent(engine, 5) == ["a"]
     [ok] = engine.on_ack(gen, 1, False, 2.0)
-    assert ok.entry.handle == "a" and ok.ok
+    assert ok.handle == "a" and ok.ok
     assert _sent(engine, 5) == ["b"]
     # b is alone on the wire when the broker closes the connection again: b did it
     [failed] = engine.on_connection_error(501, "FRAME_ERROR", 3.0)
-    assert failed.entry.handle == "b" and not failed.ok
+    assert failed.handle == "b" and not failed.ok
     gen = engine.tracker.generation
     assert _sent(engine, 5) == ["c"]
     [ok] = engine.on_ack(gen, 1, False, 4.0)
-    assert ok.entry.handle == "c"
+    assert ok.handle == "c"
     assert not engine.isolating  # every suspect is settled: streaming again
     assert _sent(engine, 5) == ["d"]
     [ok] = engine.on_ack(gen, 2, False, 5.0)
-    assert ok.entry.handle == "d" and len(engine) == 0
+    assert ok.handle == "d" and len(engine) == 0
 
 
 def test_isolation_ends_when_the_suspects_expire_or_close() -> None:
@@ -130,7 +130,7 @@ def test_isolation_ends_when_the_suspects_expire_or_close() -> None:
     _sent(engine, 2)
     engine.on_connection_error(502, "SYNTAX_ERROR", 1.0)
     assert engine.isolating
-    assert [r.entry.handle for r in engine.close_all("closed")] == ["a", "b"]
+    assert [r.handle for r in engine.close_all("closed")] == ["a", "b"]
     assert not engine.isolating
 
 

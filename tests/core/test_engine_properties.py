@@ -147,12 +147,12 @@ class EngineMachine(RuleBasedStateMachine):
         expected.append((msg, cls))
 
     def _check(self, got: list[Entry[int]], expected: list[tuple[Msg, type]]) -> None:
-        assert [(r.entry.handle, type(r.outcome)) for r in got] == [
+        assert [(r.handle, type(r.outcome)) for r in got] == [
             (m.handle, cls) for m, cls in expected
         ]
         for r in got:
-            msg = self.msgs[r.entry.handle]
-            assert r.entry is self.entries[msg.handle]
+            msg = self.msgs[r.handle]
+            assert r is self.entries[msg.handle]
             self.resolved[msg.handle] += 1
             self.outcomes[msg.handle] = type(r.outcome)
             assert self.resolved[msg.handle] == 1, f"message {msg.handle} resolved twice"
@@ -502,7 +502,7 @@ def test_channel_loss_republishes_unconfirmed_first_in_order_with_same_ids() -> 
     engine = _engine()
     first = _accept(engine, 4)
     assert _send_all(engine) == first
-    assert [r.entry for r in engine.on_ack(0, 2, False, 0.0)] == [first[1]]
+    assert [r for r in engine.on_ack(0, 2, False, 0.0)] == [first[1]]
     later = _accept(engine, 2)
     ids = [e.message.message_id for e in first]
     assert engine.on_channel_lost(None, "socket closed", 0.0) == []
@@ -524,7 +524,7 @@ def test_404_rejects_the_message_for_the_missing_exchange_and_republishes_the_re
     )
     _send_all(engine)
     [rejected] = engine.on_channel_lost(404, NOT_FOUND_X, 1.0)
-    assert rejected.entry is bad
+    assert rejected is bad
     assert isinstance(rejected.outcome, MessageRejected)
     assert rejected.outcome.reply_code == 404
     assert _send_all(engine) == [good, good2, bad2]
@@ -537,7 +537,7 @@ def test_channel_close_naming_no_message_fails_the_message_alone_on_the_wire() -
     text = "NOT_FOUND - no exchange 'elsewhere' in vhost '/'"
     _send_all(engine)
     [rejected] = engine.on_channel_lost(404, text, 0.0)
-    assert rejected.entry is entry and isinstance(rejected.outcome, MessageRejected)
+    assert rejected is entry and isinstance(rejected.outcome, MessageRejected)
     assert rejected.outcome.attempts == 1
 
 
@@ -553,12 +553,12 @@ def test_channel_close_naming_no_message_isolates_then_names_the_culprit() -> No
     engine.mark_sent(first)
     assert engine.next_to_send() is None  # it is alone on the wire until settled
     [ok] = engine.on_ack(engine.tracker.generation, 1, False, 1.0)
-    assert ok.entry is entries[0] and ok.ok
+    assert ok is entries[0] and ok.ok
     second = engine.next_to_send()
     assert second is entries[1]
     engine.mark_sent(second)
     [rejected] = engine.on_channel_lost(406, text, 2.0)  # alone: second did it
-    assert rejected.entry is entries[1] and isinstance(rejected.outcome, MessageRejected)
+    assert rejected is entries[1] and isinstance(rejected.outcome, MessageRejected)
     assert _send_all(engine) == [entries[2]]
 
 
@@ -585,7 +585,7 @@ def test_406_with_a_size_rejects_the_message_of_that_size() -> None:
     _send_all(engine)
     text = "PRECONDITION_FAILED - message size 2 is larger than configured max size 1"
     [rejected] = engine.on_channel_lost(406, text, 0.0)
-    assert rejected.entry is entries[1]
+    assert rejected is entries[1]
 
 
 def test_nack_is_retried_after_backoff_then_confirmed() -> None:
@@ -631,7 +631,7 @@ def test_delivery_timeout_fires_at_the_deadline_not_before() -> None:
     assert engine.next_wakeup() == 1.0 + TIMEOUT
     assert engine.tick(1.0 + TIMEOUT - 0.25) == []
     [done] = engine.tick(1.0 + TIMEOUT)
-    assert done.entry is entry and isinstance(done.outcome, DeliveryTimeout)
+    assert done is entry and isinstance(done.outcome, DeliveryTimeout)
     assert engine.on_ack(0, 1, False, 20.0) == []  # a late ack changes nothing
     assert len(engine) == 0 and engine.next_wakeup() is None
 
@@ -646,7 +646,7 @@ def test_returned_then_acked_resolves_as_returned_and_a_stale_return_is_ignored(
     engine.on_return(tags[1], 312, "NO_ROUTE")  # a return for the attempt before the loss
     engine.on_return(f"{engine.tracker.generation}.1", 312, "NO_ROUTE")
     results = engine.on_ack(engine.tracker.generation, 2, True, 0.0)
-    assert [(r.entry, type(r.outcome)) for r in results] == [
+    assert [(r, type(r.outcome)) for r in results] == [
         (returned, MessageReturned),
         (other, Confirmation),
     ]
@@ -670,7 +670,7 @@ def test_close_all_fails_every_unresolved_message_once() -> None:
     engine.on_nack(0, 1, False, 0.0)  # in backoff
     engine.on_ack(0, 2, False, 0.0)  # confirmed
     results = engine.close_all("bye")
-    assert [r.entry for r in results] == [entries[0], entries[2], entries[3]]
+    assert [r for r in results] == [entries[0], entries[2], entries[3]]
     assert all(isinstance(r.outcome, PublisherClosed) for r in results)
     assert all(r.outcome.reason == "bye" for r in results)  # type: ignore[union-attr]
     assert len(engine) == 0

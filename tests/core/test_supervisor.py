@@ -106,7 +106,7 @@ def opened(sup: Supervisor[int]) -> int:
 
 
 def handles(resolutions: list[Entry[int]]) -> list[int]:
-    return [r.entry.handle for r in resolutions]
+    return [r.handle for r in resolutions]
 
 
 # --- connecting ---------------------------------------------------------------------------------
@@ -406,7 +406,7 @@ def test_acks_single_and_multiple_confirm_their_messages() -> None:
     entries = accept(sup, ["good"] * 4)
     write(sup)
     [one] = sup.on_confirm(0, True, 2, False, 1.0)
-    assert one.entry is entries[1] and one.ok
+    assert one is entries[1] and one.ok
     assert isinstance(one.outcome, Confirmation)
     assert one.outcome == Confirmation(entries[1].message.message_id, 1)
     assert handles(sup.on_confirm(0, True, 3, True, 1.0)) == [0, 2]
@@ -426,7 +426,7 @@ def test_a_nack_is_retried_under_the_nack_policy_then_fails() -> None:
     assert sup.tick(1.5) == []
     assert write(sup)[0] == 1 and on_wire(sup) == [(0, 2)]
     [failed] = sup.on_confirm(0, False, 2, False, 2.0)
-    assert failed.entry is entry and isinstance(failed.outcome, MessageNacked)
+    assert failed is entry and isinstance(failed.outcome, MessageNacked)
     assert failed.outcome.attempts == 2
 
 
@@ -566,7 +566,7 @@ def test_a_message_that_cannot_be_encoded_fails_alone_and_gives_its_tag_back() -
     count, failed, data = write(sup)
     assert count == 2
     [rejected] = failed
-    assert rejected.entry is bad and isinstance(rejected.outcome, MessageRejected)
+    assert rejected is bad and isinstance(rejected.outcome, MessageRejected)
     assert rejected.outcome.reply_code == 0 and rejected.outcome.cause is None
     assert rejected.outcome.attempts == 0
     assert rejected.outcome.reply_text.startswith("could not be encoded: ")
@@ -577,7 +577,7 @@ def test_a_message_that_cannot_be_encoded_fails_alone_and_gives_its_tag_back() -
     assert data == b"".join(expected)  # nothing of the bad one was written
     assert on_wire(sup) == [(0, 1), (2, 1)]
     [confirmed] = sup.on_confirm(0, True, 2, False, 0.0)  # tag 2 is the third message
-    assert confirmed.entry is last
+    assert confirmed is last
     assert sup.engine.counters.rejected == 1 and len(sup.engine) == 1
 
 
@@ -590,7 +590,7 @@ def test_tick_expires_messages_at_their_deadline() -> None:
     accept(sup, ["good"], now=2.0)
     assert sup.tick(1.0 + TIMEOUT - 0.5) == []
     [expired] = sup.tick(1.0 + TIMEOUT)
-    assert expired.entry.handle == 0 and isinstance(expired.outcome, DeliveryTimeout)
+    assert expired.handle == 0 and isinstance(expired.outcome, DeliveryTimeout)
     assert handles(sup.tick(2.0 + TIMEOUT)) == [1]
     assert sup.tick(1000.0) == []
 

@@ -29,7 +29,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     AuthenticationFailed,
@@ -199,10 +198,10 @@ class Handle:
     index: int
 
 
-def resolution(index: int, size: int) -> Resolution[Handle]:
+def resolution(index: int, size: int) -> Entry[Handle]:
     message = build_message("x", "rk", b"")
-    entry = Entry(message=message, handle=Handle(index), deadline=0.0, size=size, index=index)
-    return Resolution(entry, Confirmation(message.message_id, 1))
+    outcome = Confirmation(message.message_id, 1)
+    return Entry(message, Handle(index), 0.0, size, index=index, outcome=outcome)
 
 
 class WindowMachine(RuleBasedStateMachine):
@@ -319,14 +318,14 @@ class SupervisorMachine(RuleBasedStateMachine):
 
     def _record(self, resolutions: list[Entry[Handle]]) -> None:
         for r in resolutions:
-            index = r.entry.handle.index
+            index = r.handle.index
             assert index not in self.resolved, f"message {index} resolved twice"
             self.resolved[index] = type(r.outcome)
             if isinstance(r.outcome, Confirmation):
                 assert r.outcome.attempts >= 1
             else:
                 assert r.outcome is not None  # resolved: a Confirmation or a PublishError
-                assert r.outcome.message is r.entry.message.plain()
+                assert r.outcome.message is r.message.plain()
         self.window.release(resolutions)
 
     @precondition(lambda self: not self.closed)
@@ -348,7 +347,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         self.sup.frame_max = 131072  # as the connection negotiated it
         count, failed = self.sup.write(1, out) if self.sup.writable else (0, [])
         assert all(isinstance(r.outcome, MessageRejected) for r in failed)
-        assert all(self.exchange[r.entry.handle.index] == "bad" for r in failed)
+        assert all(self.exchange[r.handle.index] == "bad" for r in failed)
         assert (count == 0) is (not out)
         self._record(failed)
         assert all(self.exchange[e.handle.index] != "bad" for e in self.sup.engine.tracker)
@@ -366,10 +365,10 @@ class SupervisorMachine(RuleBasedStateMachine):
             settled = []
         resolutions = self.sup.on_confirm(generation, ack, tag, multiple, self.now)
         if ack:
-            assert [r.entry for r in resolutions] == settled
+            assert [r for r in resolutions] == settled
             assert all(isinstance(r.outcome, Confirmation) for r in resolutions)
         else:
-            assert {r.entry.handle.index for r in resolutions} <= {e.handle.index for e in settled}
+            assert {r.handle.index for r in resolutions} <= {e.handle.index for e in settled}
             assert all(isinstance(r.outcome, MessageNacked) for r in resolutions)
         assert not any(e in settled for e in tracker)
         self._record(resolutions)
@@ -385,7 +384,7 @@ class SupervisorMachine(RuleBasedStateMachine):
             named = [e for e in wire if e.message.exchange == "X"][:1]
             # a close that names no message in flight blames the one alone on the wire, if so
             culprits = named or (wire if len(wire) == 1 else [])
-            assert [r.entry for r in resolutions] == culprits and delay == 0.0
+            assert [r for r in resolutions] == culprits and delay == 0.0
             assert all(isinstance(r.outcome, MessageRejected) for r in resolutions)
         else:
             assert resolutions == [] and delay > 0
@@ -429,7 +428,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         self.now += dt
         resolutions = self.sup.tick(self.now)
         for r in resolutions:
-            assert isinstance(r.outcome, DeliveryTimeout) and r.entry.deadline <= self.now
+            assert isinstance(r.outcome, DeliveryTimeout) and r.deadline <= self.now
         self._record(resolutions)
         due = self.sup.next_wakeup()
         assert due is None or due > self.now or self.sup.engine.has_sendable()

@@ -20,8 +20,6 @@ from reliable_amqp._core.message import MessageProperties, OutgoingMessage
 from reliable_amqp._core.tracker import (
     ConfirmTracker,
     Entry,
-    Outcome,
-    Settled,
     attempt_tag,
     pack_key,
     parse_attempt_tag,
@@ -32,6 +30,19 @@ from reliable_amqp._core.tracker import (
 def _entry(n: int) -> Entry[int]:
     message = OutgoingMessage("ex", "rk", b"x" * n, MessageProperties(message_id=f"m{n}"))
     return Entry(message=message, handle=n, deadline=100.0, size=n)
+
+
+ACKED, NACKED, RETURNED = "acked", "nacked", "returned"
+
+
+def settled(
+    tracker: ConfirmTracker[int], generation: int, tag: int, multiple: bool, *, ack: bool
+) -> list[tuple[Entry[int], str]]:
+    """What an ack (or nack) settles, and how: an acked entry with ``returned`` set was returned."""
+    return [
+        (e, (RETURNED if e.returned else ACKED) if ack else NACKED)
+        for e in tracker.settle(generation, tag, multiple)
+    ]
 
 
 @dataclass
@@ -80,7 +91,7 @@ class TrackerMachine(RuleBasedStateMachine):
 
     def _expect_settle(
         self, generation: int, tag: int, multiple: bool, ack: bool
-    ) -> list[tuple[Entry[int], Outcome]]:
+    ) -> list[tuple[Entry[int], str]]:
         model = self.model
         if generation != model.generation or tag <= 0:
             return []
@@ -89,25 +100,22 @@ class TrackerMachine(RuleBasedStateMachine):
             if multiple
             else ([tag] if tag in model.wire else [])
         )
-        expected: list[tuple[Entry[int], Outcome]] = []
+        expected: list[tuple[Entry[int], str]] = []
         for s in seqs:
             wire = model.wire[s]
-            if ack:
-                outcome = Outcome.RETURNED if wire.returned else Outcome.ACKED
-            else:
-                outcome = Outcome.NACKED
+            outcome = (RETURNED if wire.returned else ACKED) if ack else NACKED
             self._release(wire)
             del model.wire[s]
             expected.append((wire.entry, outcome))
         return expected
 
     def _check_settled(
-        self, got: list[Settled[int]], expected: list[tuple[Entry[int], Outcome]]
+        self, got: list[tuple[Entry[int], str]], expected: list[tuple[Entry[int], str]]
     ) -> None:
-        assert [(s.entry.handle, s.outcome) for s in got] == [(e.handle, o) for e, o in expected]
-        for s, (e, _) in zip(got, expected, strict=True):
-            assert s.entry is e
-            assert s.entry.key == -1
+        assert [(e.handle, o) for e, o in got] == [(e.handle, o) for e, o in expected]
+        for (g, _), (e, _) in zip(got, expected, strict=True):
+            assert g is e
+            assert g.key == -1
 
     def _track(self, entry: Entry[int]) -> None:
         before = entry.attempts
@@ -169,13 +177,13 @@ class TrackerMachine(RuleBasedStateMachine):
     def ack(self, data: st.DataObject, multiple: bool) -> None:
         generation, tag = self._draw_target(data)
         expected = self._expect_settle(generation, tag, multiple, ack=True)
-        self._check_settled(self.tracker.on_ack(generation, tag, multiple), expected)
+        self._check_settled(settled(self.tracker, generation, tag, multiple, ack=True), expected)
 
     @rule(data=st.data(), multiple=st.booleans())
     def nack(self, data: st.DataObject, multiple: bool) -> None:
         generation, tag = self._draw_target(data)
         expected = self._expect_settle(generation, tag, multiple, ack=False)
-        self._check_settled(self.tracker.on_nack(generation, tag, multiple), expected)
+        self._check_settled(settled(self.tracker, generation, tag, multiple, ack=False), expected)
 
     @precondition(lambda self: len(self.model.wire) >= 2)
     @rule(data=st.data())
@@ -187,15 +195,15 @@ class TrackerMachine(RuleBasedStateMachine):
         nacked_handles = set()
         for seq in nacked:
             expected = self._expect_settle(generation, seq, False, ack=False)
-            got = self.tracker.on_nack(generation, seq, False)
+            got = settled(self.tracker, generation, seq, False, ack=False)
             self._check_settled(got, expected)
-            nacked_handles |= {s.entry.handle for s in got}
+            nacked_handles |= {e.handle for e, _ in got}
         top = data.draw(st.integers(min_value=max(nacked), max_value=seqs[-1]))
         expected = self._expect_settle(generation, top, True, ack=True)
-        got = self.tracker.on_ack(generation, top, True)
+        got = settled(self.tracker, generation, top, True, ack=True)
         self._check_settled(got, expected)
         assert len(nacked_handles) == len(nacked)
-        assert not {s.entry.handle for s in got} & nacked_handles
+        assert not {e.handle for e, _ in got} & nacked_handles
 
     @precondition(lambda self: bool(self.model.wire))
     @rule(data=st.data(), as_bytes=st.booleans())
@@ -325,16 +333,11 @@ def test_lavinmq_ack_multiple_skips_tags_nacked_before() -> None:
     entries = [_entry(n) for n in range(1, 6)]
     for e in entries:
         tracker.track(e)
-    assert [s.entry for s in tracker.on_nack(0, 2, False)] == [entries[1]]
-    assert [s.entry for s in tracker.on_nack(0, 4, False)] == [entries[3]]
-    got = tracker.on_ack(0, 5, True)
-    assert [(s.entry.handle, s.outcome) for s in got] == [
-        (1, Outcome.ACKED),
-        (3, Outcome.ACKED),
-        (5, Outcome.ACKED),
-    ]
+    assert tracker.settle(0, 2, False) == [entries[1]]  # nacked
+    assert tracker.settle(0, 4, False) == [entries[3]]  # nacked
+    assert [e.handle for e in tracker.settle(0, 5, True)] == [1, 3, 5]  # acked
     assert len(tracker) == 0
-    assert tracker.on_ack(0, 5, True) == []
+    assert tracker.settle(0, 5, True) == []
 
 
 def test_return_then_ack_settles_as_returned_and_retrack_clears_it() -> None:
@@ -342,11 +345,10 @@ def test_return_then_ack_settles_as_returned_and_retrack_clears_it() -> None:
     entry = _entry(1)
     tracker.track(entry)
     assert tracker.on_return(attempt_tag(entry.key).encode(), 312, "NO_ROUTE") is entry
-    [settled] = tracker.on_ack(0, 1, False)
-    assert settled.outcome is Outcome.RETURNED
+    assert settled(tracker, 0, 1, False, ack=True) == [(entry, RETURNED)]
     tracker.track(entry)
     assert entry.returned is None
-    assert [s.outcome for s in tracker.on_ack(0, 2, False)] == [Outcome.ACKED]
+    assert settled(tracker, 0, 2, False, ack=True) == [(entry, ACKED)]
 
 
 def test_frames_of_an_old_generation_are_ignored() -> None:
@@ -357,11 +359,11 @@ def test_frames_of_an_old_generation_are_ignored() -> None:
     assert tracker.new_generation() == [first]
     tracker.track(second)
     tracker.track(first)
-    assert tracker.on_ack(0, 1, True) == []
-    assert tracker.on_nack(0, 2, False) == []
+    assert tracker.settle(0, 1, True) == []
+    assert tracker.settle(0, 2, False) == []
     assert tracker.on_return(old_tag, 312, "NO_ROUTE") is None
     assert [e.handle for e in tracker] == [2, 1]
-    assert [s.entry.handle for s in tracker.on_ack(1, 2, True)] == [2, 1]
+    assert [e.handle for e in tracker.settle(1, 2, True)] == [2, 1]
 
 
 @pytest.mark.parametrize("generation, seq", [(0, 1), (3, 7), (2**20, 2**40 - 1)])

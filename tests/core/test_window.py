@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from reliable_amqp._core.engine import Resolution
 from reliable_amqp._core.errors import PublisherClosed, PublishTimeout
 from reliable_amqp._core.message import build_message, new_confirmation
 from reliable_amqp._core.tracker import Entry
@@ -18,12 +17,11 @@ class Handle:
     index: int
 
 
-def resolved(index: int, size: int = 0, ok: bool = True) -> Resolution[Handle]:
-    """The resolution of the message issued ``index``-th, of ``size`` body bytes."""
+def resolved(index: int, size: int = 0, ok: bool = True) -> Entry[Handle]:
+    """The resolved entry of the message issued ``index``-th, of ``size`` body bytes."""
     message = build_message("x", "rk", bytes(size))
-    entry = Entry(message=message, handle=Handle(index), deadline=1.0, size=size, index=index)
     result = new_confirmation(message.message_id, 1) if ok else PublisherClosed(message, 0)
-    return Resolution(entry, result)
+    return Entry(message, Handle(index), 1.0, size, index=index, outcome=result)
 
 
 def fill(window: Window, sizes: list[int]) -> list[int]:

@@ -3,7 +3,8 @@
 It owns every accepted message until the message is resolved, and decides what each broker frame
 means for it: confirmed, retried after a nack (with backoff), failed, republished after a channel
 loss, or expired. Adapters feed it frames and the clock, write what it says to write, and turn the
-:class:`Resolution` objects it returns into resolved futures: one place settles every message.
+resolved entries it returns (each with its ``outcome``) into resolved futures: one place settles
+every message.
 
 Not thread-safe: an adapter calls it from one thread (the I/O thread, or the event loop).
 """
@@ -15,7 +16,6 @@ import random
 import re
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.errors import (
@@ -62,34 +62,6 @@ def is_permanent_channel_close(reply_code: int | None, reply_text: str) -> bool:
         return False
     cls = REPLY_CODE_ERRORS.get(reply_code)
     return cls is not None and not cls.retriable and reply_code != 320
-
-
-@dataclass(slots=True)
-class Resolution(Generic[H]):
-    """A message's final outcome: a :class:`Confirmation` or the :class:`PublishError`.
-
-    The engine hands back the resolved :class:`Entry` itself, which has the same ``entry``,
-    ``result`` and ``ok`` (no object is made per resolved message); this class builds one
-    by hand (tests).
-    """
-
-    entry: Entry[H]
-    outcome: Confirmation | PublishError
-
-    @property
-    def ok(self) -> bool:
-        """True when the message was confirmed."""
-        return isinstance(self.outcome, Confirmation)
-
-    @property
-    def size(self) -> int:
-        """The entry's body size (what the window counts)."""
-        return self.entry.size
-
-    @property
-    def index(self) -> int:
-        """The entry's issue number."""
-        return self.entry.index
 
 
 class PublishEngine(Generic[H]):

@@ -6,7 +6,7 @@ which URL to try next and after how long, whether to give up and with what error
 closed channel is reopened at once or after a backoff, when to wake up next. It owns the
 :class:`PublishEngine` (what becomes of each message), the :class:`StateMachine` (where the
 connection is) and the :class:`Lifecycle` (events for ``on_event``). The adapters move bytes, run
-the timers it asks for, and turn the :class:`Resolution` objects it returns into futures.
+the timers it asks for, and turn the resolved entries it returns into futures.
 
 Not thread-safe: called from the I/O thread or the event loop only.
 """

@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from sortedcontainers import SortedDict
@@ -83,11 +82,11 @@ class Stage(enum.Enum):
 
 
 class Outcome(enum.Enum):
-    """How the broker settled one publish attempt."""
+    """How the broker settled one publish attempt (an acked one that was returned has
+    :attr:`Entry.returned` set)."""
 
     ACKED = "acked"
     NACKED = "nacked"
-    RETURNED = "returned"
 
 
 class Entry(OutgoingMessage, Generic[H]):
@@ -194,12 +193,6 @@ class Entry(OutgoingMessage, Generic[H]):
             origin = self.origin = super().plain()
         return origin
 
-    # An entry the engine resolved is its own resolution (no object is made for it):
-    @property
-    def entry(self) -> Entry[H]:
-        """The entry itself (a resolved entry serves as its :class:`Resolution`)."""
-        return self
-
     @property
     def outcome(self) -> Confirmation | PublishError | None:
         """The outcome, once resolved: a :class:`Confirmation` or the :class:`PublishError`."""
@@ -281,14 +274,6 @@ def new_entry(  # noqa: PLR0917
     entry.state = _WAITING
     entry._outcome = None
     return entry
-
-
-@dataclass(slots=True)  # not frozen: one is made per confirmed message, and frozen costs 2.5x
-class Settled(Generic[H]):
-    """An entry the broker settled, and how."""
-
-    entry: Entry[H]
-    outcome: Outcome
 
 
 def pack_key(generation: int, seq: int) -> int:
@@ -442,14 +427,6 @@ class ConfirmTracker(Generic[H]):
             del self._runs[first]
         return entry
 
-    def on_ack(self, generation: int, tag: int, multiple: bool) -> list[Settled[H]]:
-        """Settle a ``basic.ack``; a returned entry settles as RETURNED, the rest as ACKED."""
-        return self._settle(generation, tag, multiple, Outcome.ACKED)
-
-    def on_nack(self, generation: int, tag: int, multiple: bool) -> list[Settled[H]]:
-        """Settle a ``basic.nack``."""
-        return self._settle(generation, tag, multiple, Outcome.NACKED)
-
     def on_return(
         self,
         attempt: object,
@@ -459,7 +436,7 @@ class ConfirmTracker(Generic[H]):
         returned: tuple[object, str, str, bytes, object] | None = None,
         generation: int | None = None,
     ) -> Entry[H] | None:
-        """Note a ``basic.return``; the ack that follows it settles the entry as RETURNED.
+        """Note a ``basic.return``; the ack that follows it settles the entry as returned.
 
         ``attempt`` is the :data:`ATTEMPT_HEADER` value of the returned message, None when it
         has none: then ``returned`` (its message_id, exchange, routing key, body and headers)
@@ -570,16 +547,9 @@ class ConfirmTracker(Generic[H]):
         self._seq = 0
         return unconfirmed
 
-    def _settle(
-        self, generation: int, tag: int, multiple: bool, outcome: Outcome
-    ) -> list[Settled[H]]:
-        settled = self._settled
-        return [settled(entry, outcome) for entry in self.settle(generation, tag, multiple)]
-
     def settle(self, generation: int, tag: int, multiple: bool) -> list[Entry[H]]:
         """The entries an ack or nack of ``tag`` (with ``multiple``) settles, in publish order,
-        taken out of the tracker (the bulk form of :meth:`on_ack`/:meth:`on_nack`: no object
-        per entry; an acked entry with ``returned`` set was returned)."""
+        taken out of the tracker (an acked entry with ``returned`` set was returned)."""
         if generation != self._generation or tag <= 0:
             return []
         key = pack_key(generation, tag)
@@ -618,9 +588,3 @@ class ConfirmTracker(Generic[H]):
                 break
         self._live -= len(settled)
         return settled
-
-    @staticmethod
-    def _settled(entry: Entry[H], outcome: Outcome) -> Settled[H]:
-        if outcome is Outcome.ACKED and entry.returned is not None:
-            outcome = Outcome.RETURNED
-        return Settled(entry, outcome)

@@ -19,7 +19,7 @@ from reliable_amqp._core.errors import PublishTimeout
 
 
 class Resolved(Protocol):
-    """A resolved message as the window sees it (an engine Entry, or a Resolution)."""
+    """A resolved message as the window sees it (an engine entry)."""
 
     @property
     def size(self) -> int:

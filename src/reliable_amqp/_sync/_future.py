@@ -10,14 +10,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from reliable_amqp._compat.futures import LIGHT_FUTURES, LightFuture, SharedLockCondition
+from reliable_amqp._compat.futures import LightFuture, SharedLockCondition
 from reliable_amqp._core.message import Confirmation, MessageProperties
 from reliable_amqp._core.tracker import CONFIRMED, Entry, new_entry
 
 __all__ = ["PublishFuture", "SharedLockCondition", "WaitGuard", "future_factory"]
-
-#: kept for callers of the old name: True when PublishFuture is the light kind
-_LIGHT = LIGHT_FUTURES
 
 
 class WaitGuard(Protocol):
