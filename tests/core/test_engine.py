@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from reliable_amqp._core.engine import PublishEngine, is_permanent_channel_close
 from reliable_amqp._core.message import Confirmation, build_message
 from reliable_amqp._core.policy import RetryPolicy
-from reliable_amqp._core.tracker import ATTEMPT_HEADER
+from reliable_amqp._core.tracker import ATTEMPT_HEADER, Entry
 
 
 @pytest.mark.parametrize(
@@ -29,6 +31,12 @@ def test_which_channel_closes_blame_a_message(code: int | None, text: str, perma
     assert is_permanent_channel_close(code, text) is permanent
 
 
+def _next(engine: PublishEngine[Any]) -> Entry[Any] | None:
+    """The next message :meth:`PublishEngine.take` gives, taken alone."""
+    taken = engine.take(1, 1)
+    return taken[0] if taken else None
+
+
 # --- what mark_sent writes --------------------------------------------------------------------
 
 
@@ -43,7 +51,7 @@ def _engine(dedup_header: str | None = None) -> PublishEngine[str]:
 def test_plain_messages_go_out_with_their_own_headers() -> None:
     engine = _engine()
     entry = engine.accept(build_message("ex", "rk", b"", properties={"headers": {"a": 1}}), "h", 0)
-    assert engine.next_to_send() is entry
+    assert _next(engine) is entry
     assert engine.mark_sent(entry) is None
 
 
@@ -52,7 +60,7 @@ def test_mandatory_messages_carry_their_attempt_tag() -> None:
     own = {"a": 1}
     message = build_message("ex", "rk", b"", mandatory=True, properties={"headers": own})
     entry = engine.accept(message, "h", 0)
-    assert engine.mark_sent(engine.next_to_send() or entry) == {"a": 1, ATTEMPT_HEADER: "0.1"}
+    assert engine.mark_sent(_next(engine) or entry) == {"a": 1, ATTEMPT_HEADER: "0.1"}
     assert message.properties.headers == own  # the message itself is left as it was
 
 
@@ -76,7 +84,7 @@ def _sent(engine: PublishEngine[str], count: int) -> list[str]:
     """Take up to ``count`` messages off the send queue as the adapter would; their handles."""
     sent = []
     for _ in range(count):
-        entry = engine.next_to_send()
+        entry = _next(engine)
         if entry is None:
             break
         engine.mark_sent(entry)
@@ -151,7 +159,7 @@ def test_resolved_messages_are_not_kept_until_the_next_deadline() -> None:
     refs = [weakref.ref(h) for h in handles]
     for h in handles:
         engine.accept(build_message("", "q", b"x"), h, 0.0)
-    while (entry := engine.next_to_send()) is not None:
+    while (entry := _next(engine)) is not None:
         engine.mark_sent(entry)
     generation = engine.tracker.generation
     confirmed = sum(len(engine.on_ack(generation, tag, False, 1.0)) for tag in range(2, 5002))

@@ -57,6 +57,12 @@ def nack_delay(nacks: int) -> float:
     return delay
 
 
+def _next(engine: PublishEngine[int]) -> Entry[int] | None:
+    """The next message :meth:`PublishEngine.take` gives, taken alone."""
+    taken = engine.take(1, 1)
+    return taken[0] if taken else None
+
+
 @dataclass
 class Msg:
     """The model of one accepted message."""
@@ -115,7 +121,7 @@ class EngineMachine(RuleBasedStateMachine):
         return any(m.isolated and m.state != "done" for m in self.msgs)
 
     def _next_expected(self) -> Msg | None:
-        """What next_to_send() must return: the queue's head, except while isolating, where
+        """What take() must give next: the queue's head, except while isolating, where
         an isolated message goes only onto an empty wire, and nothing follows it until it is
         settled."""
         if not self.queue:
@@ -240,13 +246,27 @@ class EngineMachine(RuleBasedStateMachine):
         for _ in range(count):
             self._send_one()
 
+    @rule(count=st.integers(1, 8))
+    def send_batch(self, count: int) -> None:
+        """A writer's batch: take() gives what goes out together, marked one by one."""
+        taken = self.engine.take(count, 1 << 30)
+        for entry in taken:
+            expected = self._take_expected()
+            assert expected is not None and entry is self.entries[expected.handle]
+            self._sent(entry, expected)
+        if len(taken) < count:  # the model agrees nothing more goes now
+            assert self._next_expected() is None
+
     def _send_one(self) -> None:
-        entry = self.engine.next_to_send()
+        entry = _next(self.engine)
         expected = self._take_expected()
         if expected is None:
             assert entry is None
             return
         assert entry is self.entries[expected.handle]
+        self._sent(entry, expected)
+
+    def _sent(self, entry: Entry[int], expected: Msg) -> None:
         headers = self.engine.mark_sent(entry)
         self.seq += 1
         self.wire[self.seq] = expected
@@ -271,11 +291,12 @@ class EngineMachine(RuleBasedStateMachine):
     @rule()
     def send_fails_to_encode(self) -> None:
         """The adapter could not encode the message: nothing was written, it fails alone."""
-        entry = self.engine.next_to_send()
+        entry = _next(self.engine)
         msg = self._take_expected()
         assert msg is not None and entry is self.entries[msg.handle]
         self.engine.mark_sent(entry)
-        assert self.engine.tracker.untrack(entry)
+        self.engine.take_back(entry)
+        assert entry.key == -1
         assert entry.attempts == msg.attempts
         expected: list[tuple[Msg, type]] = []
         self._done(msg, expected, MessageRejected)
@@ -458,7 +479,7 @@ class EngineMachine(RuleBasedStateMachine):
             return
         self.close_all()
         assert len(self.engine) == 0
-        assert self.engine.next_to_send() is None
+        assert _next(self.engine) is None
         assert sorted(self.resolved) == [m.handle for m in self.msgs]
         assert set(self.resolved.values()) <= {1}
 
@@ -492,7 +513,7 @@ def _accept(
 
 def _send_all(engine: PublishEngine[int]) -> list[Entry[int]]:
     sent = []
-    while (entry := engine.next_to_send()) is not None:
+    while (entry := _next(engine)) is not None:
         engine.mark_sent(entry)
         sent.append(entry)
     return sent
@@ -548,13 +569,13 @@ def test_channel_close_naming_no_message_isolates_then_names_the_culprit() -> No
     _send_all(engine)
     assert engine.on_channel_lost(406, text, 0.0) == []  # three in flight: who did it?
     assert engine.isolating
-    first = engine.next_to_send()
+    first = _next(engine)
     assert first is entries[0]
     engine.mark_sent(first)
-    assert engine.next_to_send() is None  # it is alone on the wire until settled
+    assert _next(engine) is None  # it is alone on the wire until settled
     [ok] = engine.on_ack(engine.tracker.generation, 1, False, 1.0)
     assert ok is entries[0] and ok.ok
-    second = engine.next_to_send()
+    second = _next(engine)
     assert second is entries[1]
     engine.mark_sent(second)
     [rejected] = engine.on_channel_lost(406, text, 2.0)  # alone: second did it
@@ -595,7 +616,7 @@ def test_nack_is_retried_after_backoff_then_confirmed() -> None:
     assert engine.on_nack(0, 1, False, 1.0) == []
     assert engine.next_wakeup() == 1.0 + nack_delay(1)
     assert engine.tick(1.0 + nack_delay(1) - 0.25) == []
-    assert engine.next_to_send() is None
+    assert _next(engine) is None
     assert engine.tick(1.0 + nack_delay(1)) == []
     assert _send_all(engine) == [entry]
     [done] = engine.on_ack(0, 2, False, 2.0)
@@ -653,7 +674,7 @@ def test_returned_then_acked_resolves_as_returned_and_a_stale_return_is_ignored(
 
 
 def _take(engine: PublishEngine[int], n: int) -> list[Entry[int]]:
-    taken = [engine.next_to_send() for _ in range(n)]
+    taken = [_next(engine) for _ in range(n)]
     assert all(e is not None for e in taken)
     return taken  # type: ignore[return-value]
 
@@ -674,5 +695,5 @@ def test_close_all_fails_every_unresolved_message_once() -> None:
     assert all(isinstance(r.outcome, PublisherClosed) for r in results)
     assert all(r.outcome.reason == "bye" for r in results)  # type: ignore[union-attr]
     assert len(engine) == 0
-    assert engine.close_all() == [] and engine.next_to_send() is None
+    assert engine.close_all() == [] and _next(engine) is None
     assert engine.tick(100.0) == [] and engine.on_ack(0, 3, True, 0.0) == []

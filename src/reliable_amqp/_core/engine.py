@@ -15,7 +15,7 @@ import heapq
 import random
 import re
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.errors import (
@@ -38,6 +38,7 @@ from reliable_amqp._core.tracker import (
     Outcome,
     Stage,
     attempt_tag,
+    returns_altered,
 )
 
 H = TypeVar("H")
@@ -157,14 +158,8 @@ class PublishEngine(Generic[H]):
         self._live += len(entries)
         self.counters.published += len(entries)
 
-    @property
-    def sendq(self) -> deque[Entry[H]]:
-        """The queue :meth:`next_to_send` takes from, in order (entries no longer WAITING are
-        skipped), for a writer that inlines it while not :attr:`isolating`."""
-        return self._sendq
-
     def has_sendable(self) -> bool:
-        """Whether :meth:`next_to_send` has something (possibly an already-resolved entry)."""
+        """Whether :meth:`take` may have something (possibly an already-resolved entry)."""
         return bool(self._sendq)
 
     @property
@@ -173,42 +168,82 @@ class PublishEngine(Generic[H]):
         adapter writes again after each confirm)."""
         return self._isolated > 0
 
-    def next_to_send(self) -> Entry[H] | None:
-        """The next message to write, in order; None when nothing waits (or, while isolating,
-        when the next one must wait until the wire is empty)."""
-        if self._isolated:
-            return self._next_isolated()
-        sendq = self._sendq
-        while sendq:
-            entry = sendq.popleft()
-            if entry.state is WAITING:
-                return entry
-        return None
+    def take(self, max_count: int, max_bytes: int) -> list[Entry[H]]:
+        """The next messages to write, in order: at most ``max_count``, ending with the one
+        whose body reaches ``max_bytes`` in all (the first is taken whatever its size).
 
-    def _next_isolated(self) -> Entry[H] | None:
+        Each must then be written and recorded, by :meth:`sent` (a run written as the messages
+        were made) or :meth:`mark_sent` (one written with the headers it returns), in the order
+        taken; one whose frames cannot be encoded goes to :meth:`fail` instead (after
+        :meth:`take_back`, once marked). While :attr:`isolating`, a suspect is taken alone, once
+        nothing else is on the wire, and nothing is taken while it is on the wire.
+        """
+        if self._isolated:
+            return self._take_isolated(max_count, max_bytes)
+        sendq = self._sendq
+        taken: list[Entry[H]] = []
+        keep = taken.append
+        size = 0
+        while sendq and size < max_bytes:
+            entry = sendq.popleft()
+            if entry.state is WAITING:  # else resolved while queued (expired, closed)
+                keep(entry)
+                size += entry.size
+                if len(taken) >= max_count:
+                    break
+        return taken
+
+    def _take_isolated(self, max_count: int, max_bytes: int) -> list[Entry[H]]:
+        taken: list[Entry[H]] = []
         probe = self._probe
         if probe is not None and probe.state is WIRE:
-            return None  # a suspect is on the wire alone: wait for its outcome
+            return taken  # a suspect is on the wire alone: wait for its outcome
         self._probe = None
         sendq = self._sendq
-        while sendq:
+        size = 0
+        while sendq and len(taken) < max_count and size < max_bytes:
             entry = sendq[0]
             if entry.state is not WAITING:
                 sendq.popleft()
                 continue
             if entry.isolated:
-                if len(self.tracker):
-                    return None  # it goes alone: wait until nothing else is on the wire
+                if taken or len(self.tracker):
+                    break  # it goes alone: wait until nothing else is on the wire
                 self._probe = entry
-            return sendq.popleft()
-        return None
+                taken.append(sendq.popleft())
+                break
+            taken.append(sendq.popleft())
+            size += entry.size
+        return taken
+
+    def written_as_made(self, entry: Entry[H]) -> bool:
+        """Whether ``entry`` goes out with the headers it was made with (then :meth:`sent`
+        records it), rather than with headers of its own (:meth:`mark_sent`): not with a dedup
+        header, nor when mandatory with headers a broker alters in a return
+        (:func:`~reliable_amqp._core.tracker.returns_altered`), which need the attempt header.
+        """
+        if self.dedup_header is not None:
+            return False
+        headers = entry.base.headers
+        return headers is None or not entry.mandatory or not returns_altered(headers)
+
+    def sent(self, entries: Sequence[Entry[H]]) -> None:
+        """Record that ``entries`` (from :meth:`take`) were written as they were made, in this
+        order: the next publishes on the channel, now awaiting their confirms."""
+        for entry in entries:
+            entry.state = WIRE
+        self.tracker.track_all(entries)
+
+    def take_back(self, entry: Entry[H]) -> None:
+        """The entry :meth:`mark_sent` just recorded was not written after all (its frames
+        failed to encode): its delivery tag goes to the next publish."""
+        self.tracker.untrack(entry)
 
     def mark_sent(self, entry: Entry[H]) -> Mapping[str, Any] | None:
-        """Record that ``entry`` is being written now (the next publish on the channel).
-
-        Returns the headers to write: the message's own, plus the attempt header on mandatory
-        messages (to correlate a ``basic.return``) and the dedup header when configured; None
-        when the message's headers go out unchanged.
+        """Record that ``entry`` (from :meth:`take`) is being written now, alone (the next
+        publish on the channel), and return the headers to write it with: the message's own,
+        plus the attempt header on mandatory messages (to correlate a ``basic.return``) and the
+        dedup header when configured; None when the message's headers go out unchanged.
         """
         self.tracker.track(entry)
         entry.state = WIRE

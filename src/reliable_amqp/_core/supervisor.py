@@ -31,7 +31,7 @@ from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import EventKind
-from reliable_amqp._core.tracker import Entry, Stage, returns_altered
+from reliable_amqp._core.tracker import Entry
 
 H = TypeVar("H")
 
@@ -53,8 +53,6 @@ CONNECTION_CULPRIT_CODES = frozenset({501, 502, 505, 541})
 
 #: what encoding a message's frames can raise (a gap in publish()'s checks)
 ENCODE_ERRORS = (InvalidMessage, TypeError, ValueError, OverflowError)
-_WIRE = Stage.WIRE
-_WAITING = Stage.WAITING
 
 
 def _unencodable(entry: Entry[Any], exc: Exception) -> MessageRejected:
@@ -299,52 +297,30 @@ class Supervisor(Generic[H]):
         """
         engine = self.engine
         frame_max = self.frame_max
-        count = size = 0
+        count = 0
         failed: list[Entry[H]] = []
-        next_to_send = engine.next_to_send
-        plain = engine.dedup_header is None  # else every message gets a header of its own
-        tracker = engine.tracker
-        # the plain publishes written and not tracked yet (tracked in one call, in wire order)
-        written: list[Entry[H]] = []
-        keep = written.append
+        as_made = engine.written_as_made
         encoder = self._encoder
         if encoder is None or encoder.channel != channel or encoder.frame_max != frame_max:
             encoder = self._encoder = PublishEncoder(channel, frame_max)
         encode = encoder.encode
-        # engine.next_to_send(), inlined while no suspects are sent alone (the common case)
-        sendq = None if engine.isolating else engine.sendq
+        # written as made, not recorded yet: recorded together (sent), in wire order
+        written: list[Entry[H]] = []
+        keep = written.append
         try:
-            while count < BATCH_COUNT and size < BATCH_BYTES:
-                if sendq is None:
-                    if written:  # isolating looks at what is on the wire
-                        tracker.track_all(written)
-                        written.clear()
-                    entry = next_to_send()
-                    if entry is None:
-                        break
-                elif sendq:
-                    entry = sendq.popleft()
-                    if entry.state is not _WAITING:
-                        continue  # resolved while queued (expired, closed)
-                else:
-                    break
-                own = entry.base.headers
-                if plain and (own is None or not entry.mandatory or not returns_altered(own)):
-                    # The common case, inlined: frames that do not depend on the delivery tag are
-                    # encoded first (nothing to take back if that fails), the batch's publishes
-                    # tracked together after. A mandatory one goes out as it is too: its return
-                    # is matched by what it carries (ConfirmTracker.on_return), unless the broker
-                    # alters that (returns_altered: it then takes the attempt header below).
+            for entry in engine.take(BATCH_COUNT, BATCH_BYTES):
+                if as_made(entry):
+                    # frames that do not depend on the delivery tag: nothing to take back if
+                    # encoding fails, and the batch's publishes are recorded together after
                     try:
                         encode(entry, out)
                     except ENCODE_ERRORS as exc:
                         failed.append(engine.fail(entry, _unencodable(entry, exc)))
                         continue
                     keep(entry)
-                    entry.state = _WIRE
                 else:
                     if written:  # delivery tags follow the wire order
-                        tracker.track_all(written)
+                        engine.sent(written)
                         written.clear()
                     headers = engine.mark_sent(entry)
                     mark = len(out)
@@ -352,14 +328,13 @@ class Supervisor(Generic[H]):
                         publish_frames(channel, entry, headers, frame_max, out)
                     except ENCODE_ERRORS as exc:
                         del out[mark:]
-                        engine.tracker.untrack(entry)
+                        engine.take_back(entry)
                         failed.append(engine.fail(entry, _unencodable(entry, exc)))
                         continue
                 count += 1
-                size += entry.size
-        finally:  # what went into out is tracked, whatever happens
+        finally:  # what went into out is recorded, whatever happens
             if written:
-                tracker.track_all(written)
+                engine.sent(written)
         return count, failed
 
     # --- time -----------------------------------------------------------------------------------
