@@ -2,22 +2,36 @@
 
 Every message handed to a publisher resolves exactly once: confirmed by the broker, or failed with
 a :class:`PublishError` subclass that says why. See ``docs/`` for the delivery contract.
+
+``__all__`` below is the whole public surface: the publishers, what goes into them, what they
+report, and every exception they raise (``reliable_amqp.spark`` exports the Spark extra's own).
+The modules behind it are private.
 """
 
-from typing import TYPE_CHECKING
+import typing as _typing
 
+from reliable_amqp._compat import IncompatibleDependency
 from reliable_amqp._core.errors import (
     AccessRefused,
     AmqpConnectionError,
+    AmqpNotImplemented,
+    AmqpSyntaxError,
     AuthenticationFailed,
     BrokerError,
+    ChannelError,
+    CommandInvalid,
     ConfigurationError,
     ConnectionForced,
+    ContentTooLarge,
     DeliveryTimeout,
+    FrameError,
+    InternalError,
     InvalidMessage,
     MessageNacked,
     MessageRejected,
     MessageReturned,
+    NoConsumers,
+    NoRoute,
     NotAllowed,
     NotFound,
     OperationTimeout,
@@ -28,24 +42,58 @@ from reliable_amqp._core.errors import (
     PublishTimeout,
     RecoveryFailed,
     ReliableAmqpError,
+    ResourceError,
+    ResourceLocked,
     SpoolError,
     SpoolFull,
     SpoolWriteError,
     TlsError,
+    UnexpectedFrame,
     WouldDeadlock,
-    broker_error,
 )
 from reliable_amqp._core.message import Confirmation, MessageProperties, OutgoingMessage
-from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import EventKind, LatencySummary, PublisherEvent, Stats
 from reliable_amqp._sync.publisher import Publisher
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from reliable_amqp._async.publisher import AsyncPublisher as AsyncPublisher
 
 __version__ = "0.1.0"
+
+# fmt: off
+__all__ = [
+    "__version__",
+    # publishers (AsyncPublisher needs the `aio` extra: it is imported on first use)
+    "Publisher", "AsyncPublisher",
+    # messages and options
+    "OutgoingMessage", "MessageProperties", "Confirmation", "PublisherOptions", "RetryPolicy",
+    # state, events and stats
+    "State", "EventKind", "PublisherEvent", "Stats", "LatencySummary",
+    # errors: the root of all of them
+    "ReliableAmqpError",
+    # ... raised by a call: bad input or options, timeouts, misuse
+    "ConfigurationError", "InvalidMessage", "PublishTimeout", "OperationTimeout",
+    "WouldDeadlock", "PublisherForked",
+    # ... the connection
+    "AmqpConnectionError", "AuthenticationFailed", "TlsError", "RecoveryFailed",
+    # ... what the broker closed a channel or connection with, by reply code (311 ... 541)
+    "BrokerError",
+    "ContentTooLarge", "NoRoute", "NoConsumers", "ConnectionForced",
+    "AccessRefused", "NotFound", "ResourceLocked", "PreconditionFailed",
+    "FrameError", "AmqpSyntaxError", "CommandInvalid", "ChannelError", "UnexpectedFrame",
+    "ResourceError", "NotAllowed", "AmqpNotImplemented", "InternalError",
+    # ... one message not confirmed: each carries the message
+    "PublishError",
+    "MessageNacked", "MessageReturned", "MessageRejected", "DeliveryTimeout", "PublisherClosed",
+    # ... the durable spool
+    "SpoolError", "SpoolWriteError", "SpoolFull",
+    # ... an installed pika / aio-pika / aiormq lacks what this library relies on
+    "IncompatibleDependency",
+]
+# fmt: on
 
 
 def __getattr__(name: str) -> object:
@@ -58,50 +106,6 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    # the public names (AsyncPublisher among them, though loaded on first use), not the
-    # helpers of this module (TYPE_CHECKING) nor the private submodules
-    return sorted({*__all__, "AsyncPublisher"})
-
-
-__all__ = [
-    "AccessRefused",
-    "AmqpConnectionError",
-    "AuthenticationFailed",
-    "BrokerError",
-    "ConfigurationError",
-    "Confirmation",
-    "ConnectionForced",
-    "DeliveryTimeout",
-    "EventKind",
-    "InvalidMessage",
-    "LatencySummary",
-    "MessageNacked",
-    "MessageProperties",
-    "MessageRejected",
-    "MessageReturned",
-    "NotAllowed",
-    "NotFound",
-    "OperationTimeout",
-    "OutgoingMessage",
-    "PreconditionFailed",
-    "PublishError",
-    "PublishTimeout",
-    "Publisher",
-    "PublisherClosed",
-    "PublisherForked",
-    "PublisherEvent",
-    "PublisherOptions",
-    "RecoveryFailed",
-    "ReliableAmqpError",
-    "RetryPolicy",
-    "SpoolError",
-    "SpoolFull",
-    "SpoolWriteError",
-    "State",
-    "Stats",
-    "TlsError",
-    "WouldDeadlock",
-    "__version__",
-    "broker_error",
-    "redact_url",
-]
+    # exactly __all__ (AsyncPublisher among it, though loaded on first use): not the helpers of
+    # this module nor the private submodules
+    return sorted(__all__)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from reliable_amqp import ConfigurationError, Publisher, redact_url
+from reliable_amqp import ConfigurationError, Publisher
+from reliable_amqp._core.options import redact_url
 
 
 @pytest.mark.parametrize(

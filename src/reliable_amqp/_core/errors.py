@@ -123,8 +123,9 @@ class FrameError(BrokerError):
     reply_code = 501
 
 
-class SyntaxError_(BrokerError):
-    """502: a frame with illegal values."""
+class AmqpSyntaxError(BrokerError):
+    """502: a frame with illegal values (AMQP ``syntax-error``; named so as not to shadow the
+    built-in ``SyntaxError``)."""
 
     reply_code = 502
 
@@ -160,8 +161,9 @@ class NotAllowed(BrokerError):
     reply_code = 530
 
 
-class NotImplemented_(BrokerError):
-    """540: the broker does not implement this."""
+class AmqpNotImplemented(BrokerError):
+    """540: the broker does not implement this (AMQP ``not-implemented``; named so as not to
+    shadow the built-in ``NotImplemented``)."""
 
     reply_code = 540
 
@@ -186,13 +188,13 @@ REPLY_CODE_ERRORS: dict[int, type[BrokerError]] = {
         ResourceLocked,
         PreconditionFailed,
         FrameError,
-        SyntaxError_,
+        AmqpSyntaxError,
         CommandInvalid,
         ChannelError,
         UnexpectedFrame,
         ResourceError,
         NotAllowed,
-        NotImplemented_,
+        AmqpNotImplemented,
         InternalError,
     )
 }

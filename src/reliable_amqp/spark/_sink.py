@@ -26,7 +26,8 @@ from pyspark import TaskContext
 from pyspark.sql import DataFrame, Row
 from pyspark.sql.types import StructType
 
-from reliable_amqp import ConfigurationError, PublisherOptions, redact_url
+from reliable_amqp import ConfigurationError, PublisherOptions
+from reliable_amqp._core.options import redact_url
 from reliable_amqp.spark._mapping import ColumnPlan
 from reliable_amqp.spark._publish import (
     PartitionResult,
