@@ -12,10 +12,15 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from reliable_amqp._compat.futures import SharedLockCondition, settle
-from reliable_amqp._core.errors import PublisherForked, ReliableAmqpError, WouldDeadlock
+from reliable_amqp._core.errors import (
+    PublisherForked,
+    PublishError,
+    ReliableAmqpError,
+    WouldDeadlock,
+)
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.tracker import Entry
@@ -25,7 +30,24 @@ from reliable_amqp._sync.topology import Request
 
 if TYPE_CHECKING:
     from reliable_amqp._otel._telemetry import Telemetry
-    from reliable_amqp._sync._spooled import SpooledPublishing
+
+
+class Backlog(Protocol):
+    """What settles along with the window: the durable spool's bookkeeping (``spool=DIR``,
+    :class:`~reliable_amqp._sync._spooled.SpooledPublishing`)."""
+
+    def refill(self) -> list[tuple[OutgoingMessage, PublishFuture] | PublishFuture]:
+        """On the I/O thread: the messages waiting on disk that the window has room for now."""
+        ...
+
+    def resolved_locked(self, resolutions: list[Entry[PublishFuture]]) -> list[PublishError]:
+        """Under :attr:`Handoff.lock`: note resolutions; returns the recovered messages that
+        failed for good (to report once the lock is released)."""
+        ...
+
+    def after_resolved(self, failed: list[PublishError]) -> None:
+        """After :meth:`resolved_locked`, off the lock: report ``failed``, read more back."""
+        ...
 
 
 class Handoff:
@@ -52,7 +74,7 @@ class Handoff:
         #: the process this publisher belongs to (a forked child inherits a copy, not the thread)
         self.pid = os.getpid()
         #: the durable spool's part (``spool=DIR``), else None
-        self.spooled: SpooledPublishing | None = None
+        self.spooled: Backlog | None = None
         #: OpenTelemetry (set at connect; None: off)
         self.telemetry: Telemetry | None = None
 

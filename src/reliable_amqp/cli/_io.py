@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -23,7 +24,7 @@ from typing import IO, Any
 from reliable_amqp._core.errors import InvalidMessage, PublishError
 from reliable_amqp._core.message import PROPERTY_NAMES, OutgoingMessage, build_message
 from reliable_amqp._core.stats import EventKind, PublisherEvent
-from reliable_amqp.cli._parse import printable
+from reliable_amqp.cli._parse import UsageError, printable
 
 #: Fields of a JSON line besides the AMQP properties.
 MESSAGE_FIELDS = frozenset({"body", "body_encoding", "exchange", "routing_key", "mandatory"})
@@ -388,3 +389,32 @@ class RetryStatus:
                 self.stream.write("\r\033[K")
                 self.stream.flush()
                 self._shown = False
+
+
+def open_failed_file(path: str, flag: str = "--failed") -> IO[str]:
+    """Open ``--failed PATH`` (or ``flag``'s file) for writing: created 0600, never through a
+    symlink (truncated only when the failures are written).
+
+    Failed messages are message bodies: they get the permissions of a private file. An existing
+    file is made 0600 as well. ``O_NOFOLLOW`` refuses a symbolic link planted at ``PATH``
+    (which could point the write at any file the user may write).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        if os.path.islink(path):
+            raise UsageError(f"refusing to write {flag} {path}: it is a symbolic link")
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise UsageError(f"refusing to write {flag} {path}: it is a symbolic link") from None
+        raise UsageError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"refusing to write {flag} {path}: not a regular file")
+        os.fchmod(fd, 0o600)
+        # truncated when written, after publishing: a run stopped before that leaves it as it was
+        return os.fdopen(fd, "w", encoding="utf-8")
+    except BaseException:
+        os.close(fd)
+        raise

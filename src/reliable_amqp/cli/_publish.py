@@ -8,8 +8,6 @@ every confirm; write the ones that were not confirmed to ``--failed``; print a s
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 import sys
 import threading
 import time
@@ -40,6 +38,7 @@ from reliable_amqp.cli._io import (
     Item,
     Progress,
     RetryStatus,
+    open_failed_file,
     read_messages,
     set_properties,
 )
@@ -260,35 +259,6 @@ def run_publish(args: argparse.Namespace) -> int:
     if spool_run is not None:
         code = spool_run.exit_code(code)
     return code
-
-
-def open_failed_file(path: str, flag: str = "--failed") -> IO[str]:
-    """Open ``--failed PATH`` (or ``flag``'s file) for writing: created 0600, never through a
-    symlink (truncated only when the failures are written).
-
-    Failed messages are message bodies: they get the permissions of a private file. An existing
-    file is made 0600 as well. ``O_NOFOLLOW`` refuses a symbolic link planted at ``PATH``
-    (which could point the write at any file the user may write).
-    """
-    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    try:
-        if os.path.islink(path):
-            raise UsageError(f"refusing to write {flag} {path}: it is a symbolic link")
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise UsageError(f"refusing to write {flag} {path}: it is a symbolic link") from None
-        raise UsageError(f"cannot write {flag} {path}: {exc.strerror or exc}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise UsageError(f"refusing to write {flag} {path}: not a regular file")
-        os.fchmod(fd, 0o600)
-        # truncated when written, after publishing: a run stopped before that leaves it as it was
-        return os.fdopen(fd, "w", encoding="utf-8")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _publish_all(

@@ -22,7 +22,7 @@ from reliable_amqp._spool import check, failed_entries, inspect
 from reliable_amqp._spool import drop_failed as _drop_failed
 from reliable_amqp._spool._inspect import FailedEntry
 from reliable_amqp._spool._lock import in_use_by
-from reliable_amqp.cli._io import ERROR_FIELD, _json_default, set_properties
+from reliable_amqp.cli._io import ERROR_FIELD, _json_default, open_failed_file, set_properties
 from reliable_amqp.cli._parse import EXIT_NOT_CONFIRMED, EXIT_OK, UsageError
 
 
@@ -66,8 +66,6 @@ def run_spool(args: argparse.Namespace) -> int:
     summary = inspect(args.directory)  # SpoolError when it is no spool
     problems = check(args.directory) if args.check else None
     if args.export_failed:
-        from reliable_amqp.cli._publish import open_failed_file
-
         stream = open_failed_file(args.export_failed, flag="--export-failed")
         with stream:
             stream.truncate(0)
