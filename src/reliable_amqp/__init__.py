@@ -57,11 +57,11 @@ from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import EventKind, LatencySummary, PublisherEvent, Stats
 from reliable_amqp._sync.publisher import Publisher
+from reliable_amqp._version import __version__
 
 if _typing.TYPE_CHECKING:
     from reliable_amqp._async.publisher import AsyncPublisher as AsyncPublisher
 
-__version__ = "0.1.0"
 
 # fmt: off
 __all__ = [

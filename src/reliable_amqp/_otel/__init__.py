@@ -24,6 +24,7 @@ from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import Stats
 from reliable_amqp._core.supervisor import Supervisor
+from reliable_amqp._version import __version__
 
 if TYPE_CHECKING:
     from reliable_amqp._otel._telemetry import Telemetry
@@ -121,8 +122,6 @@ def _is_proxy_or_noop(provider: object, metrics: Any) -> bool:
 
 
 def _version() -> str:
-    from reliable_amqp import __version__
-
     return __version__
 
 

@@ -22,6 +22,7 @@ from reliable_amqp._core.options import (
     default_url,
 )
 from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._version import __version__
 
 #: Exit codes (documented in ``docs/cli.md``).
 EXIT_OK = 0
@@ -350,8 +351,6 @@ def build_parser(
     add_spool: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> argparse.ArgumentParser:
     """The top-level parser with its ``publish``, ``bench`` and ``spool`` sub-commands."""
-    from reliable_amqp import __version__
-
     parser = argparse.ArgumentParser(
         prog="reliable-amqp",
         description="Publish to RabbitMQ/LavinMQ with publisher confirms, losing nothing.",
