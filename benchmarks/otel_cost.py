@@ -172,7 +172,7 @@ def micro(calls: int = 500_000) -> None:
     from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 
     from reliable_amqp import PublisherOptions
-    from reliable_amqp._core.message import build_message
+    from reliable_amqp._core.builder import build_message
     from reliable_amqp._core.tracker import Entry
     from reliable_amqp._otel import telemetry_for
 
@@ -189,7 +189,7 @@ def micro(calls: int = 500_000) -> None:
             "telemetry is not None", globals={"telemetry": none}, number=calls
         ),
         "ParentBased(ALWAYS_OFF), no parent: on_publish()": timeit.timeit(
-            lambda: telemetry.on_publish(message, 1), number=calls
+            lambda: telemetry.on_publish(entries[0], 1), number=calls
         ),
         "nothing to record: on_resolved(), per message": timeit.timeit(
             lambda: telemetry.on_resolved(entries), number=calls // 100

@@ -18,8 +18,8 @@ from urllib.parse import unquote, urlparse
 import pika.frame
 import pika.spec
 
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.frames import publish_frames
-from reliable_amqp._core.message import build_message
 
 
 class _Conn:

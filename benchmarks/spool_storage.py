@@ -32,7 +32,8 @@ import sys
 import tempfile
 import time
 
-from reliable_amqp._core.message import OutgoingMessage, build_message
+from reliable_amqp._core.builder import build_message
+from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._spool import Spool, _codec, _files
 
 PERSIST_EVERY = 10_000

@@ -96,6 +96,17 @@ class BlockingAsyncPublisher:
 
         return self._call(publish())
 
+    def publish_message(self, message: Any) -> concurrent.futures.Future[Confirmation]:
+        """``Publisher.publish_message``: the asyncio future mirrored to a concurrent one."""
+
+        async def publish_message() -> concurrent.futures.Future[Confirmation]:
+            future = await self._publisher.publish_message(message)
+            mirror: concurrent.futures.Future[Confirmation] = concurrent.futures.Future()
+            future.add_done_callback(lambda f: _copy(f, mirror))
+            return mirror
+
+        return self._call(publish_message())
+
     def publish_many(
         self, exchange: str, routing_key: str, bodies: Any, **kwargs: Any
     ) -> list[concurrent.futures.Future[Confirmation]]:

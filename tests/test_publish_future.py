@@ -17,14 +17,24 @@ from typing import Any, cast
 import pytest
 
 from reliable_amqp._compat import futures as compat_futures
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.errors import MessageNacked
-from reliable_amqp._core.message import Confirmation, build_message
-from reliable_amqp._sync._future import PublishFuture
+from reliable_amqp._core.message import DEFAULT_BASE, Confirmation
+from reliable_amqp._sync._future import PublishFuture, future_factory
+
+
+def _made(condition: compat_futures.SharedLockCondition, n: int) -> list[PublishFuture]:
+    """``n`` futures as a publisher makes them (each its message's entry), sharing
+    ``condition``."""
+    new = future_factory(condition, None)
+    futures = [new("", "q", b"", DEFAULT_BASE, False, f"m-{i}") for i in range(n)]
+    for i, future in enumerate(futures):
+        future.index = i
+    return futures
 
 
 def _futures(n: int) -> list[PublishFuture]:
-    lock = threading.RLock()
-    return [PublishFuture(lock, i) for i in range(n)]
+    return _made(compat_futures.SharedLockCondition(threading.RLock()), n)
 
 
 def _later(seconds: float, fn: object) -> threading.Thread:
@@ -46,12 +56,12 @@ def test_this_python_gets_the_light_future() -> None:
     expected = {lazy.get(name, name) for name in vars(Future())}
     # (and guard: the future is also the publisher's entry for its message, whose fields,
     # index among them, are slots)
-    assert set(vars(PublishFuture(threading.RLock(), 1))) == expected | {"guard"}
+    assert set(vars(_futures(1)[0])) == expected | {"guard"}
 
 
 def test_futures_sharing_a_condition_settle_in_one_go_and_skip_cancelled_ones() -> None:
     condition = compat_futures.SharedLockCondition(threading.RLock())
-    futures = [PublishFuture(condition, i) for i in range(4)]
+    futures = _made(condition, 4)
     seen: list[object] = []
     futures[0].add_done_callback(lambda f: seen.append(f.result()))
     assert futures[2].cancel()

@@ -20,9 +20,11 @@ from reliable_amqp import (
     DeliveryTimeout,
     InvalidMessage,
     MessageNacked,
+    MessageProperties,
     MessageRejected,
     MessageReturned,
     OperationTimeout,
+    OutgoingMessage,
     PreconditionFailed,
     Publisher,
     PublisherClosed,
@@ -311,6 +313,47 @@ def test_messages_alike_but_for_their_headers_each_get_their_own_outcome(
         publisher.flush(timeout=30)
     assert [type(f.exception()).__name__ for f in futures] == ["NoneType", "MessageReturned"] * 5
     assert broker.count(queue) == 5
+
+
+def test_publish_message_sends_a_message_made_beforehand(
+    amqp_url: str, broker: BrokerAdmin, publisher_class: PublisherClass
+) -> None:
+    # what users holding an OutgoingMessage need, and the CLI's --failed replay: the message
+    # as it was made (its id kept), checked as publish() checks its arguments
+    queue = broker.queue()
+    made = OutgoingMessage(
+        "",
+        queue,
+        b"again",
+        MessageProperties(message_id="order-7", headers={"n": 1}, priority=3, delivery_mode=1),
+        mandatory=True,
+    )
+    with publisher_class(amqp_url) as publisher:
+        first = publisher.publish_message(made)
+        lost = publisher.publish("", "ra-test-nowhere", b"lost", message_id="lost-1")
+        publisher.flush(timeout=30)
+        returned = lost.exception(30)
+        assert isinstance(returned, MessageReturned)
+        # the message an error carries goes out again as it was
+        again = publisher.publish_message(returned.message.replace(routing_key=queue))
+        assert first.result(30).message_id == "order-7"
+        assert again.result(30).message_id == "lost-1"
+        with pytest.raises(InvalidMessage, match="message") as info:
+            publisher.publish_message(b"not a message")
+        assert info.value.field == "message"
+        bad = OutgoingMessage("", queue, b"x", MessageProperties(priority=300))
+        with pytest.raises(InvalidMessage) as info:
+            publisher.publish_message(bad)
+        assert info.value.field == "priority"
+    (props, body), (props2, body2) = broker.drain(queue)
+    assert (body, props.message_id, props.priority, props.delivery_mode) == (
+        b"again",
+        "order-7",
+        3,
+        1,
+    )
+    assert props.headers == {"n": 1}
+    assert (body2, props2.message_id) == (b"lost", "lost-1")
 
 
 def test_a_publisher_may_opt_out_of_mandatory(

@@ -19,13 +19,9 @@ from pamqp import decode
 
 from reliable_amqp import InvalidMessage
 from reliable_amqp._core import frames
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.frames import PublishEncoder, encode_table, publish_frames
-from reliable_amqp._core.message import (
-    OutgoingMessage,
-    build_message,
-    new_message_id,
-    new_outgoing,
-)
+from reliable_amqp._core.message import OutgoingMessage, new_message_id, new_outgoing
 
 shortstr = st.text(max_size=40)
 # pika before 1.3.1 wrote a negative long-long as 'L' (RabbitMQ reads 'l': signed 64-bit, which

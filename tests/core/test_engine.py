@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
+from engine_support import accept
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.engine import PublishEngine, is_permanent_channel_close
-from reliable_amqp._core.message import Confirmation, build_message
+from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.tracker import ATTEMPT_HEADER, Entry
 
@@ -31,7 +33,7 @@ def test_which_channel_closes_blame_a_message(code: int | None, text: str, perma
     assert is_permanent_channel_close(code, text) is permanent
 
 
-def _next(engine: PublishEngine[Any]) -> Entry[Any] | None:
+def _next(engine: PublishEngine[Entry[Any]]) -> Entry[Any] | None:
     """The next message :meth:`PublishEngine.take` gives, taken alone."""
     taken = engine.take(1, 1)
     return taken[0] if taken else None
@@ -40,7 +42,7 @@ def _next(engine: PublishEngine[Any]) -> Entry[Any] | None:
 # --- what mark_sent writes --------------------------------------------------------------------
 
 
-def _engine(dedup_header: str | None = None) -> PublishEngine[str]:
+def _engine(dedup_header: str | None = None) -> PublishEngine[Entry[str]]:
     return PublishEngine(
         delivery_timeout=10.0,
         nack_policy=RetryPolicy(max_attempts=2, jitter=0.0),
@@ -50,7 +52,7 @@ def _engine(dedup_header: str | None = None) -> PublishEngine[str]:
 
 def test_plain_messages_go_out_with_their_own_headers() -> None:
     engine = _engine()
-    entry = engine.accept(build_message("ex", "rk", b"", properties={"headers": {"a": 1}}), "h", 0)
+    entry = accept(engine, build_message("ex", "rk", b"", properties={"headers": {"a": 1}}), "h", 0)
     assert _next(engine) is entry
     assert engine.mark_sent(entry) is None
 
@@ -59,7 +61,7 @@ def test_mandatory_messages_carry_their_attempt_tag() -> None:
     engine = _engine()
     own = {"a": 1}
     message = build_message("ex", "rk", b"", mandatory=True, properties={"headers": own})
-    entry = engine.accept(message, "h", 0)
+    entry = accept(engine, message, "h", 0)
     assert engine.mark_sent(_next(engine) or entry) == {"a": 1, ATTEMPT_HEADER: "0.1"}
     assert message.properties.headers == own  # the message itself is left as it was
 
@@ -67,7 +69,7 @@ def test_mandatory_messages_carry_their_attempt_tag() -> None:
 def test_the_dedup_header_carries_the_message_id() -> None:
     engine = _engine(dedup_header="x-dedup")
     message = build_message("ex", "rk", b"", properties={"message_id": "m-9"})
-    entry = engine.accept(message, "h", 0)
+    entry = accept(engine, message, "h", 0)
     assert engine.mark_sent(entry) == {"x-dedup": "m-9"}
     resolutions = engine.on_ack(0, 1, multiple=False, now=0.5)
     assert [r.ok for r in resolutions] == [True]
@@ -80,7 +82,7 @@ def test_the_dedup_header_carries_the_message_id() -> None:
 # --- a connection closed for a frame error (501, 502, 505) -------------------------------------
 
 
-def _sent(engine: PublishEngine[str], count: int) -> list[str]:
+def _sent(engine: PublishEngine[Entry[str]], count: int) -> list[str]:
     """Take up to ``count`` messages off the send queue as the adapter would; their handles."""
     sent = []
     for _ in range(count):
@@ -95,7 +97,7 @@ def _sent(engine: PublishEngine[str], count: int) -> list[str]:
 def test_a_frame_error_with_one_message_on_the_wire_fails_that_message_alone() -> None:
     engine = _engine()
     for name in ("a", "b"):
-        engine.accept(build_message("", "q", name.encode()), name, 0)
+        accept(engine, build_message("", "q", name.encode()), name, 0)
     assert _sent(engine, 1) == ["a"]
     [failed] = engine.on_connection_error(501, "FRAME_ERROR - type 2, all octets", 1.0)
     assert failed.handle == "a" and not failed.ok
@@ -108,7 +110,7 @@ def test_a_frame_error_with_one_message_on_the_wire_fails_that_message_alone() -
 def test_suspects_of_a_frame_error_go_one_at_a_time_until_the_culprit_is_named() -> None:
     engine = _engine()
     for name in "abcd":
-        engine.accept(build_message("", "q", name.encode()), name, 0)
+        accept(engine, build_message("", "q", name.encode()), name, 0)
     assert _sent(engine, 3) == ["a", "b", "c"]  # d is still waiting
     assert engine.on_connection_error(501, "FRAME_ERROR", 1.0) == []  # who did it? not known
     assert engine.isolating and engine.counters.republished == 3
@@ -134,7 +136,7 @@ def test_suspects_of_a_frame_error_go_one_at_a_time_until_the_culprit_is_named()
 def test_isolation_ends_when_the_suspects_expire_or_close() -> None:
     engine = _engine()
     for name in "ab":
-        engine.accept(build_message("", "q", name.encode()), name, 0)
+        accept(engine, build_message("", "q", name.encode()), name, 0)
     _sent(engine, 2)
     engine.on_connection_error(502, "SYNTAX_ERROR", 1.0)
     assert engine.isolating
@@ -151,14 +153,14 @@ def test_resolved_messages_are_not_kept_until_the_next_deadline() -> None:
     class Handle:
         pass
 
-    engine: PublishEngine[Handle] = PublishEngine(
+    engine: PublishEngine[Entry[Handle]] = PublishEngine(
         delivery_timeout=120.0, nack_policy=RetryPolicy(max_attempts=2, jitter=0.0)
     )
-    engine.accept(build_message("", "q", b"slow"), Handle(), 0.0)  # tag 1: never confirmed
+    accept(engine, build_message("", "q", b"slow"), Handle(), 0.0)  # tag 1: never confirmed
     handles = [Handle() for _ in range(5000)]
     refs = [weakref.ref(h) for h in handles]
     for h in handles:
-        engine.accept(build_message("", "q", b"x"), h, 0.0)
+        accept(engine, build_message("", "q", b"x"), h, 0.0)
     while (entry := _next(engine)) is not None:
         engine.mark_sent(entry)
     generation = engine.tracker.generation

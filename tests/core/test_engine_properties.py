@@ -24,6 +24,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from engine_support import accept
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.errors import (
     DeliveryTimeout,
@@ -32,7 +34,7 @@ from reliable_amqp._core.errors import (
     MessageReturned,
     PublisherClosed,
 )
-from reliable_amqp._core.message import Confirmation, OutgoingMessage, build_message
+from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.tracker import ATTEMPT_HEADER, Entry
 
@@ -57,7 +59,7 @@ def nack_delay(nacks: int) -> float:
     return delay
 
 
-def _next(engine: PublishEngine[int]) -> Entry[int] | None:
+def _next(engine: PublishEngine[Entry[int]]) -> Entry[int] | None:
     """The next message :meth:`PublishEngine.take` gives, taken alone."""
     taken = engine.take(1, 1)
     return taken[0] if taken else None
@@ -95,7 +97,7 @@ class EngineMachine(RuleBasedStateMachine):
             multiplier=2.0,
             jitter=JITTER,
         )
-        self.engine: PublishEngine[int] = PublishEngine(
+        self.engine: PublishEngine[Entry[int]] = PublishEngine(
             delivery_timeout=TIMEOUT,
             nack_policy=policy,
             dedup_header=DEDUP if dedup else None,
@@ -233,7 +235,7 @@ class EngineMachine(RuleBasedStateMachine):
                 mandatory=mandatory,
                 properties={"headers": headers} if headers else None,
             )
-            entry = self.engine.accept(message, handle, self.now)
+            entry = accept(self.engine, message, handle, self.now)
             assert entry.message == message and entry.handle == handle
             assert entry.deadline == self.now + TIMEOUT
             msg = Msg(handle, message, self.now, self.now + TIMEOUT)
@@ -491,7 +493,7 @@ test_engine_against_model = EngineMachine.TestCase
 # --- fixed scenarios: the paths above, one at a time -------------------------------------------
 
 
-def _engine(max_attempts: int = 3) -> PublishEngine[int]:
+def _engine(max_attempts: int = 3) -> PublishEngine[Entry[int]]:
     policy = RetryPolicy(
         max_attempts=max_attempts,
         initial_delay=INITIAL_DELAY,
@@ -503,15 +505,15 @@ def _engine(max_attempts: int = 3) -> PublishEngine[int]:
 
 
 def _accept(
-    engine: PublishEngine[int], n: int, exchange: str = "good", now: float = 0.0
+    engine: PublishEngine[Entry[int]], n: int, exchange: str = "good", now: float = 0.0
 ) -> list[Entry[int]]:
     return [
-        engine.accept(build_message(exchange, "rk", bytes(i + 1)), len(engine) + i, now)
+        accept(engine, build_message(exchange, "rk", bytes(i + 1)), len(engine) + i, now)
         for i in range(n)
     ]
 
 
-def _send_all(engine: PublishEngine[int]) -> list[Entry[int]]:
+def _send_all(engine: PublishEngine[Entry[int]]) -> list[Entry[int]]:
     sent = []
     while (entry := _next(engine)) is not None:
         engine.mark_sent(entry)
@@ -659,8 +661,8 @@ def test_delivery_timeout_fires_at_the_deadline_not_before() -> None:
 
 def test_returned_then_acked_resolves_as_returned_and_a_stale_return_is_ignored() -> None:
     engine = _engine()
-    returned = engine.accept(build_message("good", "rk", b"a", mandatory=True), 0, 0.0)
-    other = engine.accept(build_message("good", "rk", b"b", mandatory=True), 1, 0.0)
+    returned = accept(engine, build_message("good", "rk", b"a", mandatory=True), 0, 0.0)
+    other = accept(engine, build_message("good", "rk", b"b", mandatory=True), 1, 0.0)
     tags = [engine.mark_sent(e)[ATTEMPT_HEADER] for e in _take(engine, 2)]  # type: ignore[index]
     engine.on_channel_lost(None, "lost", 0.0)
     _take_and_send(engine, 2)
@@ -673,13 +675,13 @@ def test_returned_then_acked_resolves_as_returned_and_a_stale_return_is_ignored(
     ]
 
 
-def _take(engine: PublishEngine[int], n: int) -> list[Entry[int]]:
+def _take(engine: PublishEngine[Entry[int]], n: int) -> list[Entry[int]]:
     taken = [_next(engine) for _ in range(n)]
     assert all(e is not None for e in taken)
     return taken  # type: ignore[return-value]
 
 
-def _take_and_send(engine: PublishEngine[int], n: int) -> None:
+def _take_and_send(engine: PublishEngine[Entry[int]], n: int) -> None:
     for entry in _take(engine, n):
         engine.mark_sent(entry)
 

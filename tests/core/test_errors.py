@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.errors import (
     CONNECTION_FAILURES,
     REPLY_CODE_ERRORS,
@@ -44,9 +45,6 @@ from reliable_amqp._core.errors import (
     UnexpectedFrame,
     broker_error,
     connection_failure,
-)
-from reliable_amqp._core.message import (
-    build_message,
 )
 
 # --- errors ---------------------------------------------------------------------------------------

@@ -13,22 +13,25 @@ import pytest
 from reliable_amqp._core.errors import AmqpConnectionError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.supervisor import Supervisor
+from reliable_amqp._core.tracker import Entry
 
 
-def _opened(heartbeat: int | None = None) -> Supervisor[int]:
+def _opened(heartbeat: int | None = None) -> Supervisor[Entry[int]]:
     options = (
         PublisherOptions.create("amqp://h/")
         if heartbeat is None
         else PublisherOptions.create("amqp://h/", heartbeat=heartbeat)
     )
-    sup: Supervisor[int] = Supervisor(options)
+    sup: Supervisor[Entry[int]] = Supervisor(options)
     sup.next_attempt()
     # Both adapters negotiate the option's value (the client's heartbeat wins in pika and aiormq).
     assert sup.connection_opened(131072, options.heartbeat, 0, 0.0) is None
     return sup
 
 
-def _loss_time(sup: Supervisor[int], received: list[tuple[float, float]], until: float) -> float:
+def _loss_time(
+    sup: Supervisor[Entry[int]], received: list[tuple[float, float]], until: float
+) -> float:
     """Run the checks as an adapter's timer does; ``received`` is (time, stamp) of what the
     broker sent. Returns when the link was declared lost (inf: never before ``until``)."""
     stamp: float = 0

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from pika.spec import BasicProperties
 
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.errors import (
     InvalidMessage,
 )
@@ -24,7 +25,6 @@ from reliable_amqp._core.message import (
     Confirmation,
     MessageProperties,
     OutgoingMessage,
-    build_message,
     new_confirmation,
     new_message_id,
     new_message_ids,

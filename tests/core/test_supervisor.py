@@ -10,6 +10,8 @@ import dataclasses
 
 import pytest
 
+from engine_support import accept as accept_entry
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     AuthenticationFailed,
@@ -20,12 +22,7 @@ from reliable_amqp._core.errors import (
     RecoveryFailed,
 )
 from reliable_amqp._core.frames import publish_frames
-from reliable_amqp._core.message import (
-    Confirmation,
-    MessageProperties,
-    OutgoingMessage,
-    build_message,
-)
+from reliable_amqp._core.message import Confirmation, MessageProperties, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.state import State
@@ -54,7 +51,7 @@ def make(
     *,
     borrowed: bool = False,
     heartbeat: int = 10,
-) -> tuple[Supervisor[int], list[PublisherEvent]]:
+) -> tuple[Supervisor[Entry[int]], list[PublisherEvent]]:
     events: list[PublisherEvent] = []
     options = PublisherOptions.create(
         list(urls),
@@ -67,7 +64,7 @@ def make(
     return Supervisor(options, borrowed=borrowed), events
 
 
-def state_of(sup: Supervisor[int]) -> State:
+def state_of(sup: Supervisor[Entry[int]]) -> State:
     return sup.state.state  # a call: mypy would narrow the property across calls
 
 
@@ -76,16 +73,16 @@ def kinds(events: list[PublisherEvent]) -> list[EventKind]:
 
 
 def accept(
-    sup: Supervisor[int], exchanges: list[str], now: float = 0.0, body: bytes = b"body"
+    sup: Supervisor[Entry[int]], exchanges: list[str], now: float = 0.0, body: bytes = b"body"
 ) -> list[Entry[int]]:
     start = sup.engine.counters.published
     return [
-        sup.engine.accept(build_message(x, "rk", body), start + i, now)
+        accept_entry(sup.engine, build_message(x, "rk", body), start + i, now)
         for i, x in enumerate(exchanges)
     ]
 
 
-def write(sup: Supervisor[int], channel: int = 1) -> tuple[int, list[Entry[int]], bytes]:
+def write(sup: Supervisor[Entry[int]], channel: int = 1) -> tuple[int, list[Entry[int]], bytes]:
     out: list[bytes | memoryview] = []
     if not sup.frame_max:  # as if the connection had negotiated it
         sup.frame_max = FRAME_MAX
@@ -93,12 +90,12 @@ def write(sup: Supervisor[int], channel: int = 1) -> tuple[int, list[Entry[int]]
     return count, failed, b"".join(out)
 
 
-def on_wire(sup: Supervisor[int]) -> list[tuple[int, int]]:
+def on_wire(sup: Supervisor[Entry[int]]) -> list[tuple[int, int]]:
     """(handle, attempts) of what the tracker holds, in publish order."""
     return [(e.handle, e.attempts) for e in sup.engine.tracker]
 
 
-def opened(sup: Supervisor[int]) -> int:
+def opened(sup: Supervisor[Entry[int]]) -> int:
     """Connect and open the channel; returns the URL index used."""
     index = sup.next_attempt()
     sup.channel_opened()
@@ -511,7 +508,7 @@ def test_a_mandatory_message_with_bcc_goes_out_with_its_attempt_header() -> None
         build_message("good", "rk", b"2", properties={"headers": {"CC": ["q"]}}, mandatory=True),
         build_message("good", "rk", b"3", properties={"headers": {"BCC": ["q"]}}),
     ]
-    entries = [engine.accept(message, i, 0.0) for i, message in enumerate(messages)]
+    entries = [accept_entry(engine, message, i, 0.0) for i, message in enumerate(messages)]
     _, _, data = write(sup, channel=3)
     expected: list[bytes | memoryview] = []
     tagged = {**(messages[0].base.headers or {}), ATTEMPT_HEADER: "0.1"}
@@ -560,9 +557,9 @@ def _unencodable() -> OutgoingMessage:
 def test_a_message_that_cannot_be_encoded_fails_alone_and_gives_its_tag_back() -> None:
     sup, _ = make()
     opened(sup)
-    first = sup.engine.accept(build_message("good", "rk", b"1"), 0, 0.0)
-    bad = sup.engine.accept(_unencodable(), 1, 0.0)
-    last = sup.engine.accept(build_message("good", "rk", b"3"), 2, 0.0)
+    first = accept_entry(sup.engine, build_message("good", "rk", b"1"), 0, 0.0)
+    bad = accept_entry(sup.engine, _unencodable(), 1, 0.0)
+    last = accept_entry(sup.engine, build_message("good", "rk", b"3"), 2, 0.0)
     count, failed, data = write(sup)
     assert count == 2
     [rejected] = failed

@@ -29,6 +29,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from engine_support import accept
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     AuthenticationFailed,
@@ -39,7 +41,7 @@ from reliable_amqp._core.errors import (
     RecoveryFailed,
     ReliableAmqpError,
 )
-from reliable_amqp._core.message import Confirmation, MessageProperties, build_message
+from reliable_amqp._core.message import Confirmation, MessageProperties
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.state import State
@@ -82,7 +84,7 @@ class ConnectMachine(RuleBasedStateMachine):
         options = PublisherOptions.create(
             list(URLS[:urls]), connect_policy=policy, on_event=self.events.append
         )
-        self.sup: Supervisor[int] = Supervisor(options, borrowed=borrowed)
+        self.sup: Supervisor[Entry[int]] = Supervisor(options, borrowed=borrowed)
         self.n = urls
         self.max_attempts = max_attempts
         self.deadline = deadline
@@ -303,7 +305,7 @@ class SupervisorMachine(RuleBasedStateMachine):
             delivery_timeout=TIMEOUT,
             max_in_flight=1000,
         )
-        self.sup: Supervisor[Handle] = Supervisor(options)
+        self.sup: Supervisor[Entry[Handle]] = Supervisor(options)
         self.window = Window(options.max_in_flight, options.max_in_flight_bytes)
         self.now = 0.0
         self.published = 0
@@ -325,7 +327,7 @@ class SupervisorMachine(RuleBasedStateMachine):
                 assert r.outcome.attempts >= 1
             else:
                 assert r.outcome is not None  # resolved: a Confirmation or a PublishError
-                assert r.outcome.message is r.message.plain()
+                assert r.outcome.message is r.message  # the message, not the entry
         self.window.release(resolutions)
 
     @precondition(lambda self: not self.closed)
@@ -336,7 +338,7 @@ class SupervisorMachine(RuleBasedStateMachine):
             props = MessageProperties(headers={"k": object()}, message_id="bad")
             message = message.replace(properties=props)
         index = self.window.take(size)
-        self.sup.engine.accept(message, Handle(index), self.now)
+        accept(self.sup.engine, message, Handle(index), self.now)
         self.published += 1
         self.exchange[index] = kind
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from reliable_amqp._core.message import build_message
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.tracker import (
     ATTEMPT_HEADER,
     ConfirmTracker,
@@ -81,7 +81,7 @@ def test_the_largest_seq_still_parses() -> None:
 
 
 def test_on_return_with_an_unknown_attempt_marks_nothing() -> None:
-    tracker: ConfirmTracker[str] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[str]] = ConfirmTracker()
     entry = _entry("a")
     tracker.track(entry)
     assert tracker.on_return("0.2", 312, "NO_ROUTE") is None  # no such seq
@@ -103,7 +103,7 @@ def _mandatory(
 
 
 def test_a_return_without_attempt_header_names_its_message_by_what_it_carries() -> None:
-    tracker: ConfirmTracker[str] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[str]] = ConfirmTracker()
     routed, lost, other = _mandatory(b"r", "same"), _mandatory(b"l", "same"), _mandatory(b"o", "o")
     tracker.track_all([routed, lost, other])
     # the same id on two messages: the body tells them apart
@@ -144,7 +144,7 @@ def test_messages_alike_but_for_their_headers_are_told_apart_by_them() -> None:
     bare = _mandatory(b"b", "id")
     bool_one = _mandatory(b"b", "id", headers={"f": True})
     int_one = _mandatory(b"b", "id", headers={"f": 1})
-    tracker: ConfirmTracker[str] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[str]] = ConfirmTracker()
     tracker.track_all([cc, bare, bool_one, int_one])
     assert tracker.on_return(None, 312, "NO_ROUTE", returned=("id", "ex", "rk", b"b", {})) is bare
     assert cc.returned is None
@@ -166,7 +166,7 @@ def test_headers_a_decoder_renders_its_own_way_still_name_their_message() -> Non
     late = dt.datetime(2500, 1, 1, tzinfo=dt.timezone.utc)
     routed = _mandatory(b"b", "id", headers={"CC": ["q"], "f": 5.5, "at": late})
     lost = _mandatory(b"b", "id", headers={"f": 5.5, "at": late})
-    tracker: ConfirmTracker[str] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[str]] = ConfirmTracker()
     tracker.track_all([routed, lost])
     by_pika = {"f": 5, "at": dt.datetime(2500, 1, 1)}
     assert tracker.on_return(None, 312, "X", returned=("id", "ex", "rk", b"b", by_pika)) is lost
@@ -180,7 +180,7 @@ def test_headers_a_decoder_renders_its_own_way_still_name_their_message() -> Non
 
 
 def test_only_the_latest_publish_can_be_taken_back() -> None:
-    tracker: ConfirmTracker[str] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[str]] = ConfirmTracker()
     first, second = _entry("a"), _entry("b")
     assert (tracker.track(first), tracker.track(second)) == (1, 2)
     assert tracker.untrack(first) is False and first.attempts == 1
@@ -191,7 +191,7 @@ def test_only_the_latest_publish_can_be_taken_back() -> None:
 
 
 def test_discard_forgets_only_a_tracked_entry() -> None:
-    tracker: ConfirmTracker[str] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[str]] = ConfirmTracker()
     entry = _entry("a")
     assert tracker.discard(entry) is False
     tracker.track(entry)
@@ -205,7 +205,7 @@ def test_a_return_without_attempt_header_is_never_a_message_with_bcc() -> None:
     # the one without BCC, though listed after (CI found the return settled on the routed one).
     routed = _mandatory(b"b", "id", headers={"BCC": ["q"], "n": 1})
     lost = _mandatory(b"b", "id", headers={"n": 1})
-    tracker: ConfirmTracker[str] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[str]] = ConfirmTracker()
     tracker.track_all([routed, lost])
     assert returns_altered({"BCC": []}) and not returns_altered({"CC": ["q"]})
     assert tracker.on_return(None, 312, "X", returned=("id", "ex", "rk", b"b", {"n": 1})) is lost

@@ -36,7 +36,7 @@ ACKED, NACKED, RETURNED = "acked", "nacked", "returned"
 
 
 def settled(
-    tracker: ConfirmTracker[int], generation: int, tag: int, multiple: bool, *, ack: bool
+    tracker: ConfirmTracker[Entry[int]], generation: int, tag: int, multiple: bool, *, ack: bool
 ) -> list[tuple[Entry[int], str]]:
     """What an ack (or nack) settles, and how: an acked entry with ``returned`` set was returned."""
     return [
@@ -65,7 +65,7 @@ class _Model:
 class TrackerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.tracker: ConfirmTracker[int] = ConfirmTracker()
+        self.tracker: ConfirmTracker[Entry[int]] = ConfirmTracker()
         self.model = _Model()
         self.entries: list[Entry[int]] = []
         #: (entry handle, attempt number) -> how often the tracker let go of that attempt
@@ -329,7 +329,7 @@ def test_tracker_against_model_with_short_runs(
 
 
 def test_lavinmq_ack_multiple_skips_tags_nacked_before() -> None:
-    tracker: ConfirmTracker[int] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[int]] = ConfirmTracker()
     entries = [_entry(n) for n in range(1, 6)]
     for e in entries:
         tracker.track(e)
@@ -341,7 +341,7 @@ def test_lavinmq_ack_multiple_skips_tags_nacked_before() -> None:
 
 
 def test_return_then_ack_settles_as_returned_and_retrack_clears_it() -> None:
-    tracker: ConfirmTracker[int] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[int]] = ConfirmTracker()
     entry = _entry(1)
     tracker.track(entry)
     assert tracker.on_return(attempt_tag(entry.key).encode(), 312, "NO_ROUTE") is entry
@@ -352,7 +352,7 @@ def test_return_then_ack_settles_as_returned_and_retrack_clears_it() -> None:
 
 
 def test_frames_of_an_old_generation_are_ignored() -> None:
-    tracker: ConfirmTracker[int] = ConfirmTracker()
+    tracker: ConfirmTracker[Entry[int]] = ConfirmTracker()
     first, second = _entry(1), _entry(2)
     tracker.track(first)
     old_tag = attempt_tag(first.key)

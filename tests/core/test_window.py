@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.errors import PublisherClosed, PublishTimeout
-from reliable_amqp._core.message import build_message, new_confirmation
+from reliable_amqp._core.message import new_confirmation
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Barrier, Window
 

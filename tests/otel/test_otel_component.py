@@ -39,7 +39,8 @@ from reliable_amqp import (
     PublisherEvent,
     PublisherOptions,
 )
-from reliable_amqp._core.message import MessageProperties, build_message
+from reliable_amqp._core.builder import build_message
+from reliable_amqp._core.message import MessageProperties
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._otel import telemetry_for
 from reliable_amqp._otel._metrics import (
@@ -70,8 +71,10 @@ def _telemetry(stats_fn: Any = None, **options: Any) -> Telemetry | None:
 
 def _message(
     exchange: str = "orders", routing_key: str = "eu", body: bytes = b"twelve bytes", **props: Any
-) -> OutgoingMessage:
-    return build_message(exchange, routing_key, body, mandatory=False, properties=props)
+) -> Entry[None]:
+    """A message as a publisher holds it while in flight (its entry)."""
+    message = build_message(exchange, routing_key, body, mandatory=False, properties=props)
+    return Entry(message, None, 0.0, len(body))
 
 
 def _on(otel: Otel, **kwargs: Any) -> Telemetry:
@@ -81,30 +84,31 @@ def _on(otel: Otel, **kwargs: Any) -> Telemetry:
 
 
 _issued = itertools.count(1)
-_index_of: dict[int, int] = {}  # id(message sent) -> its issue number, as the window gives
 
 
-def _entry(message: OutgoingMessage) -> Entry[None]:
-    """The engine's entry for a message :func:`_publish` sent."""
-    entry: Entry[None] = Entry(message, None, 0.0, len(message.body))
-    entry.index = _index_of[id(message)]
-    return entry
-
-
-def _resolve(telemetry: Telemetry, message: OutgoingMessage, result: Any, seconds: float) -> None:
-    """Resolve one message as an adapter does: an engine entry with its result, accepted
+def _resolve(telemetry: Telemetry, entry: Entry[None], result: Any, seconds: float) -> None:
+    """Resolve one message as an adapter does: its entry with its result, accepted
     ``seconds`` ago (the span is the one :meth:`Telemetry.on_publish` kept)."""
-    entry = _entry(message)
     entry.accepted = telemetry._clock() - seconds
     entry.outcome = result
     telemetry.on_resolved([entry])
 
 
-def _publish(telemetry: Telemetry, message: OutgoingMessage | None = None) -> OutgoingMessage:
-    index = next(_issued)
-    sent = telemetry.on_publish(message or _message(), index)
-    _index_of[id(sent)] = index
-    return sent
+def _publish(telemetry: Telemetry, entry: Entry[None] | None = None) -> Entry[None]:
+    """Publish as a publisher does: the message's issue number set, then its span started."""
+    entry = entry or _message()
+    entry.index = next(_issued)
+    telemetry.on_publish(entry, entry.index)
+    return entry
+
+
+def _start(telemetry: Telemetry, entry: Entry[None]) -> tuple[Any, Entry[None]]:
+    """:meth:`Telemetry.start` as ``on_publish`` uses it: the span, and the entry with the
+    headers it carries added."""
+    span, extra = telemetry.start(entry)
+    if extra:
+        entry.add_headers(extra)
+    return span, entry
 
 
 def _parent(sampled: bool, remote: bool) -> Any:
@@ -137,8 +141,9 @@ def test_always_off_with_metrics_records_metrics_only(otel: Otel) -> None:
     )
     assert telemetry is not None and not telemetry.tracing and telemetry.metrics
     message = _message()
-    token, sent = telemetry.start(message)
-    assert token is None and sent is message
+    base = message.base
+    token, sent = _start(telemetry, message)
+    assert token is None and sent.base is base  # no headers added
 
 
 def test_tracing_without_meter_provider_records_no_metrics(otel: Otel) -> None:
@@ -202,33 +207,31 @@ def test_no_server_attributes_with_several_urls(otel: Otel) -> None:
 def test_traceparent_header_names_the_span_and_keeps_user_headers(otel: Otel) -> None:
     telemetry = _on(otel)
     original = _message(headers={"tenant": "acme", "traceparent": "stale"})
-    token, message = telemetry.start(original)
+    before = (original.exchange, original.routing_key, original.body, original.mandatory)
+    shared = original.base  # properties other messages may share: replaced, never changed
+    message_id = original.message_id
+    token, message = _start(telemetry, original)
     assert token is not None
-    assert message is not original and message.message_id == original.message_id
-    assert (message.exchange, message.routing_key, message.body, message.mandatory) == (
-        original.exchange,
-        original.routing_key,
-        original.body,
-        original.mandatory,
-    )
-    headers = dict(message.properties.headers or {})
+    assert message.base is not shared and message.message_id == message_id
+    assert (message.exchange, message.routing_key, message.body, message.mandatory) == before
+    headers = dict(message.base.headers or {})
     assert headers["tenant"] == "acme"
     extracted = TraceContextTextMapPropagator().extract(headers)
     remote = trace.get_current_span(extracted).get_span_context()
     assert remote.span_id == token.get_span_context().span_id
     assert remote.trace_id == token.get_span_context().trace_id
-    assert original.properties.headers == {"tenant": "acme", "traceparent": "stale"}
+    assert shared.headers == {"tenant": "acme", "traceparent": "stale"}
 
 
 def test_failure_sets_error_status_and_error_type(otel: Otel) -> None:
     telemetry = _on(otel)
     message = _publish(telemetry)
-    entry = _entry(message)
+    entry = message
     entry.nacks = 1
     telemetry.on_resend(entry, "retry")
     entry.attempts = 2
     telemetry.on_resend(entry, "republish")
-    _resolve(telemetry, message, MessageNacked(message, 2), 0.3)
+    _resolve(telemetry, message, MessageNacked(message.message, 2), 0.3)
     (span,) = otel.finished()
     assert span.status.status_code is StatusCode.ERROR
     assert "nacked" in (span.status.description or "")
@@ -244,8 +247,9 @@ def test_parent_based_off_drops_roots_without_asking_the_sdk(otel: Otel) -> None
     telemetry = _telemetry(tracer_provider=provider)
     assert telemetry is not None and telemetry.tracing
     message = _message()
-    token, sent = telemetry.start(message)
-    assert token is None and sent is message  # nothing to carry: no headers, same message
+    base = message.base
+    token, sent = _start(telemetry, message)
+    assert token is None and sent.base is base  # nothing to carry: no headers added
 
 
 @pytest.mark.parametrize("remote", [True, False])
@@ -254,12 +258,12 @@ def test_parent_based_off_records_children_of_sampled_parents(remote: bool) -> N
     telemetry = _on(otel)
     token = otel_context.attach(_parent(sampled=True, remote=remote))
     try:
-        span, message = telemetry.start(_message())
+        span, message = _start(telemetry, _message())
     finally:
         otel_context.detach(token)
     assert span is not None and span.is_recording()
     assert span.get_span_context().trace_id == 0xABC
-    assert "traceparent" in (message.properties.headers or {})
+    assert "traceparent" in (message.base.headers or {})
     otel.shutdown()
 
 
@@ -268,11 +272,11 @@ def test_parent_based_off_carries_an_unsampled_parents_decision() -> None:
     assert telemetry is not None
     token = otel_context.attach(_parent(sampled=False, remote=True))
     try:
-        span, message = telemetry.start(_message())
+        span, message = _start(telemetry, _message())
     finally:
         otel_context.detach(token)
     assert span is None
-    traceparent = (message.properties.headers or {})["traceparent"]
+    traceparent = (message.base.headers or {})["traceparent"]
     assert traceparent == f"00-{0xABC:032x}-{0xDEF:016x}-00"
 
 
@@ -280,8 +284,9 @@ def test_a_sampler_that_is_asked_and_drops_a_root_adds_no_header() -> None:
     telemetry = _telemetry(tracer_provider=TracerProvider(sampler=TraceIdRatioBased(0.0)))
     assert telemetry is not None
     original = _message()
-    span, message = telemetry.start(original)
-    assert span is None and message is original
+    base = original.base
+    span, message = _start(telemetry, original)
+    assert span is None and message.base is base
 
 
 def test_a_sampler_that_is_asked_and_drops_a_child_carries_the_decision() -> None:
@@ -289,11 +294,11 @@ def test_a_sampler_that_is_asked_and_drops_a_child_carries_the_decision() -> Non
     assert telemetry is not None
     token = otel_context.attach(_parent(sampled=False, remote=True))
     try:
-        span, message = telemetry.start(_message())
+        span, message = _start(telemetry, _message())
     finally:
         otel_context.detach(token)
     assert span is None
-    trace_id, _, flags = (message.properties.headers or {})["traceparent"].split("-")[1:]
+    trace_id, _, flags = (message.base.headers or {})["traceparent"].split("-")[1:]
     assert int(trace_id, 16) == 0xABC
     assert int(flags, 16) & 1 == 0  # carried, as not sampled
 
@@ -307,16 +312,16 @@ def test_a_custom_subclass_is_always_asked() -> None:
 
     telemetry = _telemetry(tracer_provider=TracerProvider(sampler=Odd(Decision.DROP)))
     assert telemetry is not None
-    span, _ = telemetry.start(_message())
+    span, _ = _start(telemetry, _message())
     assert span is not None and span.is_recording()
 
 
 def test_headers_are_built_for_properties_objects(otel: Otel) -> None:
     telemetry = _on(otel)
-    message = OutgoingMessage("x", "y", b"z", MessageProperties(message_id="m-1", priority=3))
-    _, sent = telemetry.start(message)
-    assert sent.properties.priority == 3 and sent.message_id == "m-1"
-    assert set(sent.properties.headers or {}) == {"traceparent"}
+    made = OutgoingMessage("x", "y", b"z", MessageProperties(message_id="m-1", priority=3))
+    _, sent = _start(telemetry, Entry(made, None, 0.0, 1))
+    assert sent.message.properties.priority == 3 and sent.message_id == "m-1"
+    assert set(sent.message.properties.headers or {}) == {"traceparent"}
 
 
 # --- metrics ------------------------------------------------------------------------------------
@@ -329,9 +334,9 @@ def test_sent_messages_and_duration_count_every_resolution(otel: Otel) -> None:
         if i < 4:
             result: Any = Confirmation(message.message_id, 1)
         elif i < 6:
-            result = MessageNacked(message, 5)
+            result = MessageNacked(message.message, 5)
         else:
-            result = MessageReturned(message, 1, 312, "NO_ROUTE")
+            result = MessageReturned(message.message, 1, 312, "NO_ROUTE")
         _resolve(telemetry, message, result, 0.01 * (i + 1))
     metrics = otel.metrics()
     sent = points_by(metrics[SENT_MESSAGES], "error.type")
@@ -442,19 +447,21 @@ def test_a_failing_sdk_never_breaks_publishing(
 
     telemetry._tracer = Broken()  # type: ignore[assignment]
     message = _message()
-    assert telemetry.on_publish(message, 1) is message
-    assert telemetry.on_publish(message, 2) is message
+    base = message.base
+    telemetry.on_publish(message, 1)
+    telemetry.on_publish(message, 2)
+    assert message.base is base  # published as it was
     assert sum("OpenTelemetry failed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_properties_with_trace_headers_equal_what_replace_builds() -> None:
     import dataclasses
 
-    from reliable_amqp._otel._telemetry import _replace_headers
+    from reliable_amqp._core.message import with_headers
 
     base = MessageProperties(
         content_type="a/b", headers={"x": 1}, priority=4, expiration="60000", app_id="app"
     )
-    built = _replace_headers(base, {"x": 1, "traceparent": "00-1-2-01"})
+    built = with_headers(base, {"x": 1, "traceparent": "00-1-2-01"})
     assert built == dataclasses.replace(base, headers={"x": 1, "traceparent": "00-1-2-01"})
     assert base.headers == {"x": 1}

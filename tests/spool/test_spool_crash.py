@@ -23,7 +23,7 @@ from reliable_amqp._spool import Spool
 
 CHILD = r"""
 import sys
-from reliable_amqp._core.message import build_message
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._spool import Spool
 
 directory, policy, start = sys.argv[1], sys.argv[2], int(sys.argv[3])

@@ -20,7 +20,7 @@ import pytest
 
 from broker_support import BrokerAdmin
 from reliable_amqp import SpoolError
-from reliable_amqp._core.message import build_message
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._spool import Spool, _files, failed_entries, inspect
 from spool_support import Kind, write_v1_spool
 

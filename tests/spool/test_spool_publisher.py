@@ -25,7 +25,7 @@ from reliable_amqp import (
     PublisherEvent,
     PublishTimeout,
 )
-from reliable_amqp._core.message import build_message
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._spool import Spool, failed_entries, inspect
 from reliable_amqp._spool._feed import PRUNE_MIN
 from spool_support import Kind, SpooledAsync

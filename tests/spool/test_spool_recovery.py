@@ -22,7 +22,7 @@ from reliable_amqp import (
     PublisherEvent,
     PublishError,
 )
-from reliable_amqp._core.message import build_message
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._spool import Spool, failed_entries, inspect
 from spool_support import Kind
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from reliable_amqp import ConfigurationError, PublishTimeout, SpoolError
-from reliable_amqp._core.message import OutgoingMessage
+from reliable_amqp._core.message import OutgoingMessage, as_message
 from reliable_amqp._spool import Spool, _files, check, drop_failed, failed_entries, inspect
 from spool_support import messages
 
@@ -37,7 +37,7 @@ def _all(spool: Spool, chunk: int = 1000) -> list[OutgoingMessage]:
         if not entries:
             return out
         assert [e.seq for e in entries] == sorted(e.seq for e in entries)
-        out.extend(e.message for e in entries)
+        out.extend(as_message(e.message) for e in entries)
         after = entries[-1].seq
 
 

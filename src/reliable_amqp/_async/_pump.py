@@ -44,21 +44,21 @@ from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
 from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER, Entry
 
-H = TypeVar("H")
+E = TypeVar("E", bound="Entry[Any]")
 
 log = logging.getLogger("reliable_amqp")
 
 
-class Pump(Generic[H]):
+class Pump(Generic[E]):
     """Moves messages between a :class:`Supervisor` and the broker, and keeps a link up."""
 
     def __init__(
         self,
-        supervisor: Supervisor[H],
+        supervisor: Supervisor[E],
         source: ConnectionSource,
         topology: Topology,
         *,
-        settle: Callable[[list[Entry[H]]], None],
+        settle: Callable[[list[E]], None],
         on_end: Callable[[], None],
     ) -> None:
         self.supervisor = supervisor

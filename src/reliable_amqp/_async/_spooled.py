@@ -14,25 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 from collections.abc import Callable
 
+from reliable_amqp._compat.futures import watched_async
 from reliable_amqp._core.errors import PublisherClosed
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.message import Confirmation, OutgoingMessage, as_message
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.tracker import Entry, new_entry
 from reliable_amqp._core.window import Window
-from reliable_amqp._spool import Spool
 from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
 
-log = logging.getLogger("reliable_amqp")
-
-
-#: what the async publisher's engine holds per message: the caller's future
+#: the caller's future of a message
 Handle = asyncio.Future[Confirmation]
+#: what the async publisher's engine holds per message: its entry, the caller's future its handle
+AsyncEntry = Entry[Handle]
 
 
 class AsyncSpooled:
@@ -41,16 +39,14 @@ class AsyncSpooled:
     def __init__(
         self,
         options: PublisherOptions,
-        supervisor: Supervisor[Handle],
+        supervisor: Supervisor[AsyncEntry],
         window: Window,
         wake: Callable[[], None],
     ) -> None:
         assert options.spool is not None
         self.options = options
-        self.spool = Spool(
-            options.spool, max_bytes=options.spool_max_bytes, fsync=options.spool_fsync
-        )
-        self.feed: SpoolFeed[Handle] = SpoolFeed(self.spool, _watched)
+        self.feed: SpoolFeed[Handle] = SpoolFeed.open(options, watched_async)
+        self.spool = self.feed.spool
         self._supervisor = supervisor
         self._engine = supervisor.engine
         self._window = window
@@ -62,13 +58,6 @@ class AsyncSpooled:
         #: set when the window stayed full for PACE_WAIT: publish() no longer waits for room
         #: until something resolves (see _keep_pace)
         self.stalled = False
-        if self.spool.pending:
-            log.warning(
-                "reliable-amqp: spool %s holds %d messages from before: they go out first, "
-                "with the first publish(), flush() or close() (declare what they need before)",
-                self.spool.directory,
-                self.spool.pending,
-            )
         self.spool.on_commit = self._on_commit
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -78,9 +67,7 @@ class AsyncSpooled:
 
     # --- publishing -----------------------------------------------------------------------------
 
-    def publish_now(
-        self, message: OutgoingMessage, queued: bool
-    ) -> asyncio.Future[Confirmation] | None:
+    def publish_now(self, message: AsyncEntry, queued: bool) -> Handle | None:
         """The usual case, with no coroutine: nothing on disk ahead, room in the window and in
         the spool: append ``message`` and hand it to the engine; its future. None when
         :meth:`publish` has to wait (or park it): the caller awaits that instead. The caller
@@ -93,17 +80,19 @@ class AsyncSpooled:
         index = feed.append_direct(message, self._window)  # InvalidMessage: cannot be stored
         if not index:
             return None
-        future: asyncio.Future[Confirmation] = loop.create_future()
-        self._engine.accept(message, future, time.monotonic(), index)
+        future: Handle = loop.create_future()
+        message.handle = future
+        message.index = index
+        self._engine.accept((message,), time.monotonic())
         self._wake()
         return future
 
     async def publish(
         self,
-        message: OutgoingMessage,
-        check: Callable[[OutgoingMessage], None],
+        message: AsyncEntry,
+        check: Callable[[AsyncEntry], None],
         queued: Callable[[], bool],
-    ) -> asyncio.Future[Confirmation]:
+    ) -> Handle:
         """Append ``message`` to the spool; its future (see the module docstring).
 
         ``check`` raises when the publisher no longer accepts messages; ``queued`` says whether
@@ -140,7 +129,9 @@ class AsyncSpooled:
         if feed.direct(seq) and not queued() and window.fits(body_size):
             index = window.take(body_size)
             feed.track(index, seq, size)
-            self._engine.accept(message, future, time.monotonic(), index)
+            message.handle = future
+            message.index = index
+            self._engine.accept((message,), time.monotonic())
             self._wake()
         else:
             feed.park(future, seq)
@@ -222,7 +213,7 @@ class AsyncSpooled:
                 for entry in entries:
                     future = waiting.pop(entry.seq, None)
                     if future is not None and not future.done():
-                        future.set_exception(PublisherClosed(entry.message, 0, reason))
+                        future.set_exception(PublisherClosed(as_message(entry.message), 0, reason))
                 after = entries[-1].seq
             for future in waiting.values():  # never written (the disk failed): say so
                 if not future.done():
@@ -256,19 +247,22 @@ class AsyncSpooled:
         entries = feed.read(window.free_slots(), new_entry)
         if not entries:
             return
-        items: list[tuple[OutgoingMessage, Handle]] = []
-        first = window.issued + 1  # one loop, nothing else takes room meanwhile: consecutive
+        items: list[AsyncEntry] = []
         for entry in entries:
-            size = len(entry.message.body)
+            read = entry.message
+            assert isinstance(read, Entry)  # what new_entry makes
+            size = len(read.body)
             if entry.seq <= feed.fed or not window.fits(size):
                 break
             future = feed.take(entry.seq)
             if future is None:  # recovered, or the caller dropped it
                 future = self._recovered_future(loop)
-            feed.track(window.take(size), entry.seq, entry.size)
-            items.append((entry.message, future))
+            read.handle = future
+            read.index = window.take(size)
+            feed.track(read.index, entry.seq, entry.size)
+            items.append(read)
         if items:
-            self._engine.accept_many(items, time.monotonic(), first)
+            self._engine.accept(items, time.monotonic())
             self._wake()
             if window.free_slots() > 0:
                 self.schedule_refill()  # more room: the next chunk after what is queued
@@ -279,7 +273,7 @@ class AsyncSpooled:
         future.add_done_callback(_discard_outcome)  # nobody awaits it: no "never retrieved"
         return future
 
-    def resolved(self, resolutions: list[Entry[Handle]]) -> None:
+    def resolved(self, resolutions: list[AsyncEntry]) -> None:
         """The publisher settled ``resolutions`` and freed their room."""
         for error in self.feed.resolved(resolutions):
             self._supervisor.events.emit(
@@ -305,11 +299,6 @@ class AsyncSpooled:
             self.feed.want_commit = False
             with contextlib.suppress(RuntimeError):  # the loop is closed
                 loop.call_soon_threadsafe(self.schedule_refill)
-
-
-def _watched(future: Handle) -> bool:
-    """Whether an asyncio future has done-callbacks (an awaiting task adds one)."""
-    return bool(getattr(future, "_callbacks", True))
 
 
 def _discard_outcome(future: asyncio.Future[Confirmation]) -> None:

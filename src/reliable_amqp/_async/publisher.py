@@ -27,18 +27,19 @@ import aio_pika.abc
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._async._pump import Pump
-from reliable_amqp._async._spooled import AsyncSpooled
+from reliable_amqp._async._spooled import AsyncEntry, AsyncSpooled, Handle
+from reliable_amqp._core.builder import MessageBuilder
 from reliable_amqp._core.errors import (
     ConfigurationError,
     OperationTimeout,
     PublisherClosed,
     PublishTimeout,
 )
-from reliable_amqp._core.message import Confirmation, OutgoingMessage, new_confirmation
+from reliable_amqp._core.message import Confirmation, new_confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
-from reliable_amqp._core.tracker import CONFIRMED, Entry
+from reliable_amqp._core.tracker import CONFIRMED, new_entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
@@ -47,8 +48,6 @@ from reliable_amqp._unclosed import report_unclosed
 if TYPE_CHECKING:
     from reliable_amqp._otel._telemetry import Telemetry
 
-#: what the engine holds per message: the caller's future
-_Handle = asyncio.Future[Confirmation]
 
 _FIX = "Call `await publisher.aclose()` (or use `async with`) before the event loop ends."
 
@@ -81,7 +80,13 @@ def _collected(state: _Open) -> None:
     )
 
 
-class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, Any, str]]):
+class AsyncPublisher(
+    PublisherSurface[
+        Coroutine[Any, Any, None],
+        Coroutine[Any, Any, str],
+        Coroutine[Any, Any, asyncio.Future[Confirmation]],
+    ]
+):
     """A confirming publisher for asyncio; share one between the tasks of one event loop.
 
     ``AsyncPublisher(url, **options)`` takes a broker URL (or a list to fail over between) and the
@@ -107,11 +112,12 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             url = url.partition("?")[0]
         assert url is not None
         self.options = PublisherOptions.create(url, **options)
-        self._supervisor: Supervisor[_Handle] = Supervisor(
+        self._supervisor: Supervisor[AsyncEntry] = Supervisor(
             self.options, borrowed=connection is not None
         )
         self._engine = self._supervisor.engine
-        self._init_checks()
+        #: checks and builds each message: as an engine entry (the caller's future its handle)
+        self._builder: MessageBuilder[AsyncEntry] = self._init_builder(new_entry)
         self._window = Window(self.options.max_in_flight, self.options.max_in_flight_bytes)
         self._topology = Topology()
         self._pump = Pump(
@@ -268,18 +274,12 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         mandatory: bool | None = None,
         **properties: Any,
     ) -> asyncio.Future[Confirmation]:
-        """Send a message; return its future once accepted (waits only while the window is full).
-
-        The future's result is a :class:`Confirmation`, or it raises the :class:`PublishError`
-        subclass that says what became of the message. Keyword properties are AMQP basic
-        properties (``headers``, ``message_id``, ``content_type``, ``correlation_id``,
-        ``expiration``, ``priority``, ...); ``delivery_mode`` defaults to 2 (persistent) and a
-        ``message_id`` is generated when none is given. Raises :class:`InvalidMessage` for a
-        message AMQP cannot carry and :class:`PublishTimeout` when no room frees up within
-        ``publish_timeout``. Cancelling the returned future only means the caller stopped
-        caring: the message stays tracked until the broker settles it.
+        """As :meth:`Publisher.publish <reliable_amqp.Publisher.publish>`: the message's
+        asyncio future, once accepted (this waits only while the window is full). Cancelling
+        that future only means the caller stopped caring: the message stays tracked until the
+        broker settles it.
         """
-        message = self._message(exchange, routing_key, body, mandatory, properties)
+        message = self._builder.message(exchange, routing_key, body, mandatory, properties)
         pump = self._pump
         if self._spooled is not None:
             if not pump.started:
@@ -302,10 +302,12 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         if not index:
             await self._wait_for_room(size, message)
             index = window.take(size)
-        future: asyncio.Future[Confirmation] = pump.loop.create_future()
+        future: Handle = pump.loop.create_future()
+        message.handle = future
+        message.index = index
         if self._telemetry is not None:  # the span starts once nothing can refuse it
-            message = self._telemetry.on_publish(message, index)
-        self._engine.accept(message, future, time.monotonic(), index)
+            self._telemetry.on_publish(message, index)
+        self._engine.accept((message,), time.monotonic())
         pump.wake()
         return future
 
@@ -319,21 +321,13 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         message_ids: Iterable[str] | None = None,
         **properties: Any,
     ) -> list[asyncio.Future[Confirmation]]:
-        """Send many messages to one route with the same properties; one future per body.
-
-        Each message is as if published alone by :meth:`publish` (its own generated
-        ``message_id``, or the one ``message_ids`` gives it, one per body; its own outcome and
-        retries), in the order of ``bodies``; the shared
-        arguments are checked once, and the whole call takes the window and wakes the writer
-        once. The ``message_id`` keyword cannot be given (each message has its own: use
-        ``message_ids``). Raises :class:`InvalidMessage` (naming ``bodies[i]`` or
-        ``message_ids[i]`` for a bad one) before sending any.
-
-        Waits only as :meth:`publish` does, while the window is full; when the window stays full
-        for ``publish_timeout``, :class:`PublishTimeout` is raised if no message of the call was
-        taken yet, else the futures of the messages left over fail with it.
+        """As :meth:`Publisher.publish_many <reliable_amqp.Publisher.publish_many>`: one
+        asyncio future per body, the shared arguments checked once, the window taken and the
+        writer woken once per call (this waits only while the window is full).
         """
-        messages = self._messages(exchange, routing_key, bodies, mandatory, properties, message_ids)
+        messages = self._builder.messages(
+            exchange, routing_key, bodies, mandatory, properties, message_ids
+        )
         if not messages:
             return []
         if self._spooled is not None:
@@ -364,14 +358,14 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
                     break
             first = window.issued + 1
             taken = window.take_many(sizes, done)
-            if self._telemetry is not None:
-                for i in range(done, done + taken):
-                    messages[i] = self._telemetry.on_publish(messages[i], first + i - done)
-            engine.accept_many(
-                zip(messages[done : done + taken], futures[done : done + taken], strict=True),
-                time.monotonic(),
-                first,
-            )
+            telemetry = self._telemetry
+            for i in range(done, done + taken):
+                message = messages[i]
+                message.handle = futures[i]
+                message.index = first + i - done
+                if telemetry is not None:  # the span starts once nothing can refuse it
+                    telemetry.on_publish(message, message.index)
+            engine.accept(messages[done : done + taken], time.monotonic())
             done += taken
             self._pump.wake()
         return futures
@@ -427,7 +421,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             raise ConfigurationError("persist() needs a spool: AsyncPublisher(url, spool=DIR)")
         return await self._spooled.persist(timeout)
 
-    async def _wait_for_room(self, size: int, message: OutgoingMessage) -> None:
+    async def _wait_for_room(self, size: int, message: AsyncEntry) -> None:
         # FIFO: a publish that finds others waiting queues behind them even if it would fit.
         loop = asyncio.get_running_loop()
         end = loop.time() + self.options.publish_timeout
@@ -470,16 +464,16 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
             if not waiter.done():
                 waiter.set_result(None)
 
-    def _check_accepting(self, message: OutgoingMessage) -> None:
+    def _check_accepting(self, message: AsyncEntry) -> None:
         fatal = self._pump.fatal
         if fatal is not None:
-            raise PublisherClosed(message, 0, str(fatal)) from fatal
+            raise PublisherClosed(message.message, 0, str(fatal)) from fatal
         if not self._accepting:
-            raise PublisherClosed.refused("publish()", message)
+            raise PublisherClosed.refused("publish()", message.message)
 
     # --- settling ----------------------------------------------------------------------------
 
-    def _resolve(self, resolutions: list[Entry[_Handle]]) -> None:
+    def _resolve(self, resolutions: list[AsyncEntry]) -> None:
         if not resolutions:
             return
         if self._telemetry is not None:  # before the futures: a span ends with its message
@@ -487,7 +481,7 @@ class AsyncPublisher(PublisherSurface[Coroutine[Any, Any, None], Coroutine[Any, 
         for entry in resolutions:
             future = entry.handle
             if not future.done():  # done: the caller cancelled it; the message was settled
-                result = entry._outcome
+                result = entry.resolution
                 if result is CONFIRMED:  # (entry.outcome, inlined: the entry is let go next)
                     future.set_result(new_confirmation(entry.message_id, entry.attempts))
                 elif isinstance(result, Confirmation):

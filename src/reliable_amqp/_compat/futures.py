@@ -18,6 +18,7 @@ which the test suite asserts is True on every supported Python.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterable
@@ -117,9 +118,9 @@ class LightFuture(Future[T]):
     """
 
     def __init__(self, condition: SharedLockCondition) -> None:
-        self._init_light(condition)
+        self.init_light(condition)
 
-    def _init_light(self, condition: SharedLockCondition) -> None:
+    def init_light(self, condition: SharedLockCondition) -> None:
         """What ``__init__`` does (for an object made without calling it)."""
         if LIGHT_FUTURES:
             # Future.__init__, with the shared condition and the lists left for later.
@@ -227,3 +228,17 @@ def settle(
         condition.notify_all()
     for future in with_callbacks:
         future._invoke_callbacks()  # type: ignore[attr-defined]
+
+
+def watched(future: LightFuture[Any]) -> bool:
+    """Whether ``future`` has done-callbacks or waiters (``concurrent.futures.wait``): someone
+    will look at it, though nothing else may reference it."""
+    if LIGHT_FUTURES:  # the lists are made only when something is put in them
+        return bool(future._lazy_callbacks or future._lazy_waiters)
+    return bool(future._done_callbacks or future._waiters)  # pragma: no cover
+
+
+def watched_async(future: asyncio.Future[Any]) -> bool:
+    """Whether an asyncio future has done-callbacks (an awaiting task adds one); True when
+    this Python's futures do not say (then nothing is taken for unwatched)."""
+    return bool(getattr(future, "_callbacks", True))

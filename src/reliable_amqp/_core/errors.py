@@ -341,8 +341,8 @@ class PublishError(ReliableAmqpError):
 
     def __init__(self, message: OutgoingMessage, attempts: int, detail: str) -> None:
         super().__init__(f"message {message.message_id!r} {detail}")
-        #: the message (a plain copy: not the publisher's bookkeeping of it)
-        self.message = message.plain()
+        #: the message
+        self.message = message
         self.attempts = attempts
 
 
@@ -429,7 +429,7 @@ class PublisherClosed(PublishError):
         text = f"the publisher is closed: {call} sends nothing"
         ReliableAmqpError.__init__(error, f"{text} ({reason})" if reason else text)
         # None only for a call that was given no message (documented above)
-        error.message = message.plain() if message is not None else None  # type: ignore[assignment]
+        error.message = message  # type: ignore[assignment]
         error.attempts = 0
         error.reason = reason or "publisher is closed"
         return error

@@ -2,8 +2,8 @@
 
 pamqp (under aiormq and aio-pika) builds a ``Basic.Publish``, a ``ContentHeader`` with a
 ``Basic.Properties`` and a ``ContentBody`` object per message and walks each one's attributes to
-encode it: about 8 us a message, the largest single cost on the publish path. Here one function
-packs the three frames with ``struct`` (about 2 us).
+encode it: the largest single cost on the publish path, four times what one function packing
+the three frames with ``struct`` costs here (docs/benchmarks.md).
 
 Both publishers write with it (the sync one hands the bytes to pika's connection, the async one
 to aiormq's). Field tables (``headers``) are encoded the way pika encodes them, byte for byte
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from reliable_amqp._core.errors import InvalidMessage
-from reliable_amqp._core.message import MessageProperties, OutgoingMessage, decimal_parts
+from reliable_amqp._core.message import MessageParts, MessageProperties
 
 FRAME_METHOD = 1
 FRAME_HEADER = 2
@@ -260,11 +260,11 @@ def header_too_large(size: int, frame_max: int) -> str:
     )
 
 
-def header_frame_size(message: OutgoingMessage, extra: int = 0) -> int:
-    """Bytes of ``message``'s content-header frame, plus ``extra`` for headers added later."""
-    base = message.base
+def header_frame_size(base: MessageProperties, message_id: str, extra: int = 0) -> int:
+    """Bytes of the content-header frame of a message with properties ``base`` and id
+    ``message_id``, plus ``extra`` for headers added later."""
     _, before, after = _properties(base, base.headers)
-    mid = len(message.message_id.encode("utf-8")) + 1 if message.message_id else 0
+    mid = len(message_id.encode("utf-8")) + 1 if message_id else 0
     return _content_head_size + len(before) + mid + len(after) + FRAME_OVERHEAD + extra
 
 
@@ -277,7 +277,7 @@ _HEADER_FIXED = _content_head_size + FRAME_OVERHEAD
 
 def publish_frames(
     channel: int,
-    message: OutgoingMessage,
+    message: MessageParts,
     headers: Mapping[str, Any] | None,
     frame_max: int,
     out: list[bytes | memoryview],
@@ -389,7 +389,7 @@ class PublishEncoder:
         self._pack: Any = None
         self._parts: tuple[bytes, bytes, bytes] = (b"", b"", b"")
 
-    def encode(self, message: OutgoingMessage, out: list[bytes | memoryview]) -> None:
+    def encode(self, message: MessageParts, out: list[bytes | memoryview]) -> None:
         """Append the frames of one publish of ``message`` (its own headers) to ``out``."""
         if (
             message.base is not self._base
@@ -410,7 +410,7 @@ class PublishEncoder:
         head, before, after = self._parts
         out += (self._pack(head, length, before, data, after, length), body, FRAME_END)
 
-    def _switch(self, message: OutgoingMessage) -> None:
+    def _switch(self, message: MessageParts) -> None:
         base = message.base
         flags, before, after = _properties(base, base.headers)
         route = (self.channel, message.exchange, message.routing_key, message.mandatory)
@@ -444,3 +444,43 @@ class PublishEncoder:
         self._parts = (head, before_id, self._after)
         self._id_size = id_size
         return True
+
+
+#: AMQP's decimal holds a signed 32-bit value: at most 10 digits
+_DECIMAL_DIGITS = 10
+
+
+def decimal_parts(path: str, value: decimal.Decimal) -> tuple[int, int]:
+    """AMQP's decimal for ``value``: (scale octet, signed 32-bit value), value / 10**scale.
+
+    Works on the digit tuple alone, so a huge exponent (``Decimal('1E+1000000')``) is refused at
+    once instead of being expanded (or overflowing the decimal context). Raises
+    :class:`InvalidMessage` naming ``path`` when AMQP cannot hold it.
+    """
+    if not value.is_finite():
+        raise InvalidMessage(path, f"Decimal {value} is not finite")
+    sign, digits, exponent = value.as_tuple()
+    assert isinstance(exponent, int)
+    if not any(digits):
+        return 0, 0  # any zero (0.000, -0) is 0 with scale 0, as pika writes it
+    end = len(digits)
+    while end > 1 and digits[end - 1] == 0 and exponent < 0:  # 1.500 -> 1.5: drop zeros
+        end -= 1
+        exponent += 1
+    while end > 1 and digits[0] == 0:
+        digits = digits[1:]
+        end -= 1
+    width = end + max(exponent, 0)  # digits of the scaled integer
+    scale = max(0, -exponent)
+    if width > _DECIMAL_DIGITS or scale > 255:
+        raise InvalidMessage(
+            path, f"Decimal {value} does not fit AMQP's decimal (32-bit digits, scale up to 255)"
+        )
+    raw = int("".join(map(str, digits[:end]))) * 10 ** max(exponent, 0)
+    if sign:
+        raw = -raw
+    if not -(2**31) <= raw < 2**31:
+        raise InvalidMessage(
+            path, f"Decimal {value} does not fit AMQP's decimal (32-bit digits, scale up to 255)"
+        )
+    return scale, raw

@@ -1,43 +1,18 @@
-"""Messages as the library holds them, and the checks that run before anything is sent.
+"""Messages as the library holds them: :class:`OutgoingMessage`, its properties, the
+:class:`Confirmation` of one, and message ids.
 
-``build_message`` turns what a caller hands to ``publish()`` into an :class:`OutgoingMessage` or
-raises :class:`~reliable_amqp.InvalidMessage` naming the field; a bad message therefore never
-reaches the wire, where it would close the channel under every other message in flight.
+Values only: the checks that turn what a caller gives ``publish()`` into one of these are in
+:mod:`reliable_amqp._core.builder`.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import calendar
 import dataclasses
-import datetime as _dt
 import itertools
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from decimal import Decimal
-from typing import Any
-
-from reliable_amqp._core.errors import InvalidMessage
-
-#: AMQP ``shortstr`` limit, which bounds exchange names, routing keys and string properties.
-SHORTSTR_MAX = 255
-_INT64 = (-(2**63), 2**63 - 1)
-_NESTING_MAX = 32
-_YEAR_10000 = 253_402_300_800  # POSIX seconds of 10000-01-01T00:00Z
-#: RabbitMQ refuses a per-message TTL over ten years (406 "invalid expiration", value_too_large)
-EXPIRATION_MAX = 315_360_000_000
-#: Direct reply-to (RabbitMQ): a ``reply_to`` naming the pseudo-queue needs a consumer on it on
-#: the publishing channel, which a publisher never has (406 "fast reply consumer does not
-#: exist"); a routing key under the prefix, on the default exchange, is an address the broker
-#: decodes, and one it cannot decode closes the whole connection (541 INTERNAL_ERROR, 3.10)
-DIRECT_REPLY_TO = "amq.rabbitmq.reply-to"
-_REPLY_TO_PREFIX = DIRECT_REPLY_TO + "."
-#: headers RabbitMQ reads as extra routing keys (sender-selected distribution): an array, or the
-#: broker closes the channel (406 unacceptable_type_in_header)
-_ROUTING_HEADERS = ("CC", "BCC")
+from typing import Any, Protocol
 
 #: AMQP 0-9-1 basic properties, in the order of their flag bits (bit 15 first)
 PROPERTY_ORDER = (
@@ -57,17 +32,6 @@ PROPERTY_ORDER = (
 )
 #: Basic properties a caller may pass as keywords to ``publish()`` (AMQP 0-9-1 names).
 PROPERTY_NAMES: frozenset[str] = frozenset(PROPERTY_ORDER)
-_SHORTSTR_PROPERTIES = (
-    "content_type",
-    "content_encoding",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "type",
-    "user_id",
-    "app_id",
-)
 
 PERSISTENT = 2
 TRANSIENT = 1
@@ -177,16 +141,6 @@ class OutgoingMessage:
             (self.exchange, self.routing_key, self.body, self.properties, self.mandatory),
         )
 
-    def plain(self) -> OutgoingMessage:
-        """This message as a plain :class:`OutgoingMessage` (itself, unless it is a subclass,
-        such as the publisher's bookkeeping entry)."""
-        if type(self) is OutgoingMessage:
-            return self
-        message = new_outgoing(
-            self.exchange, self.routing_key, self.body, self.base, self.mandatory, self.message_id
-        )
-        return message
-
     def replace(self, **changes: Any) -> OutgoingMessage:
         """A copy with some of the constructor's arguments changed."""
         args: dict[str, Any] = {
@@ -205,6 +159,50 @@ class OutgoingMessage:
             f"message_id={self.message_id!r}, body=<{len(self.body)} bytes>, "
             f"mandatory={self.mandatory})"
         )
+
+
+class MessageParts(Protocol):
+    """What a message is made of, as what encodes it reads it (its frames, its spool record):
+    an :class:`OutgoingMessage`, or a publisher's in-flight entry for one."""
+
+    @property
+    def exchange(self) -> str:
+        """The exchange it is published to."""
+        ...
+
+    @property
+    def routing_key(self) -> str:
+        """Its routing key."""
+        ...
+
+    @property
+    def body(self) -> bytes:
+        """Its body."""
+        ...
+
+    @property
+    def base(self) -> MessageProperties:
+        """Its properties without ``message_id``."""
+        ...
+
+    @property
+    def mandatory(self) -> bool:
+        """Whether the broker returns it when no queue takes it."""
+        ...
+
+    @property
+    def message_id(self) -> str:
+        """Its id."""
+        ...
+
+
+def as_message(parts: MessageParts) -> OutgoingMessage:
+    """``parts`` as an :class:`OutgoingMessage` (itself when it is one): what errors carry."""
+    if isinstance(parts, OutgoingMessage):
+        return parts
+    return new_outgoing(
+        parts.exchange, parts.routing_key, parts.body, parts.base, parts.mandatory, parts.message_id
+    )
 
 
 def _without_id(props: MessageProperties) -> MessageProperties:
@@ -251,8 +249,8 @@ def new_message_ids(count: int) -> list[str]:
 
 # The hot path builds its two frozen dataclasses through their slot descriptors: a frozen
 # dataclass's __init__ sets every field with object.__setattr__, which made building them the
-# largest single cost of publish() (2.5x this way). Same classes, same objects: still frozen,
-# equal to what the constructors build (tests/core checks).
+# largest single cost of publish() (docs/benchmarks.md, "Why the hot path reads as it does").
+# Same classes, same objects: still frozen, equal to what the constructors build (tests/core).
 _new = object.__new__
 
 
@@ -316,339 +314,20 @@ def new_confirmation(message_id: str, attempts: int) -> Confirmation:
     return confirmation
 
 
-def build_message(
-    exchange: object,
-    routing_key: object,
-    body: object,
-    *,
-    mandatory: bool = False,
-    properties: Mapping[str, Any] | None = None,
-) -> OutgoingMessage:
-    """Validate what a caller gave ``publish()`` and return the message to send.
-
-    Raises :class:`InvalidMessage` naming the field for anything AMQP cannot carry: a body that is
-    not bytes-like, a name over 255 bytes, an unknown property, a header value with no AMQP type.
-    """
-    check_route(exchange, routing_key)
-    assert isinstance(exchange, str) and isinstance(routing_key, str)
-    data = check_body(body)
-    check_mandatory(mandatory)
-    if not properties:
-        return new_outgoing(exchange, routing_key, data, DEFAULT_BASE, mandatory, new_message_id())
-    given = dict(properties)
-    message_id = check_message_id(given.pop("message_id", None))
-    base = build_base(given)
-    return new_outgoing(
-        exchange, routing_key, data, base, mandatory, message_id or new_message_id()
-    )
+# ``dataclasses.replace`` on the frozen properties sets each field through object.__setattr__;
+# copying the slots through their descriptors costs a fifth of it (docs/benchmarks.md).
+_PROPERTY_SLOTS = [
+    (vars(MessageProperties)[f.name].__get__, vars(MessageProperties)[f.name].__set__)
+    for f in dataclasses.fields(MessageProperties)
+    if f.name != "headers"
+]
+_set_headers: Callable[[object, Any], None] = vars(MessageProperties)["headers"].__set__
 
 
-def check_route(exchange: object, routing_key: object) -> None:
-    """Raise :class:`InvalidMessage` unless ``exchange`` and ``routing_key`` can be sent."""
-    _check_shortstr("exchange", exchange)
-    _check_shortstr("routing_key", routing_key)
-    assert isinstance(exchange, str) and isinstance(routing_key, str)
-    if not exchange and routing_key.startswith(_REPLY_TO_PREFIX):
-        _check_reply_address(routing_key)
-
-
-def check_body(body: object) -> bytes:
-    """``body`` as bytes; :class:`InvalidMessage` when it is not bytes-like."""
-    if isinstance(body, bytes):
-        return body
-    if isinstance(body, (bytearray, memoryview)):
-        return bytes(body)
-    raise InvalidMessage(
-        "body",
-        f"must be bytes, bytearray or memoryview, not {type(body).__name__}"
-        + (" (encode str bodies first, e.g. body.encode())" if isinstance(body, str) else ""),
-    )
-
-
-def check_mandatory(mandatory: object) -> None:
-    """Raise :class:`InvalidMessage` unless ``mandatory`` is a bool."""
-    if mandatory is not True and mandatory is not False:
-        raise InvalidMessage("mandatory", f"must be a bool, not {type(mandatory).__name__}")
-
-
-def check_message_id(message_id: object) -> str | None:
-    """A caller's ``message_id`` checked (None: generate one)."""
-    if message_id is None:
-        return None
-    _check_shortstr("message_id", message_id)
-    assert isinstance(message_id, str)
-    if not message_id:
-        raise InvalidMessage("message_id", "must not be empty")
-    return message_id
-
-
-def build_base(given: Mapping[str, Any]) -> MessageProperties:
-    """Checked properties other than ``message_id`` (which must not be among ``given``)."""
-    if not given:
-        return DEFAULT_BASE
-    unknown = sorted(set(given) - _BASE_NAMES)
-    if unknown:
-        raise InvalidMessage(
-            unknown[0],
-            f"is not an AMQP basic property (known: {', '.join(sorted(PROPERTY_NAMES))})",
-        )
-    values = {k: v for k, v in given.items() if v is not None}
-    for name in _SHORTSTR_PROPERTIES:
-        if name in values:
-            if (
-                name == "expiration"
-                and isinstance(values[name], int)
-                and not isinstance(values[name], bool)
-            ):
-                values[name] = str(values[name])
-            _check_shortstr(name, values[name])
-    expiration = values.get("expiration")
-    if expiration is not None:
-        if not (expiration.isascii() and expiration.isdigit()):
-            raise InvalidMessage(
-                "expiration",
-                f"must be a non-negative whole number of milliseconds, got {expiration!r}",
-            )
-        if int(expiration) > EXPIRATION_MAX:
-            raise InvalidMessage(
-                "expiration",
-                f"{expiration} ms is over the broker's limit of {EXPIRATION_MAX} (ten years)",
-            )
-    if values.get("reply_to") == DIRECT_REPLY_TO:
-        raise InvalidMessage(
-            "reply_to",
-            f"{DIRECT_REPLY_TO!r} needs a consumer of it on the publishing channel, which a "
-            "publisher does not have (the broker would close the channel)",
-        )
-    mode = values.get("delivery_mode", PERSISTENT)
-    if type(mode) is not int or mode not in (TRANSIENT, PERSISTENT):
-        raise InvalidMessage(
-            "delivery_mode",
-            f"must be 1 (transient) or 2 (persistent), got {values['delivery_mode']!r}",
-        )
-    if "priority" in values:
-        p = values["priority"]
-        if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p <= 255:
-            raise InvalidMessage("priority", f"must be an int from 0 to 255, got {p!r}")
-    if "timestamp" in values:
-        values["timestamp"] = _timestamp(values["timestamp"])
-    if "headers" in values:
-        headers = values["headers"]
-        if not isinstance(headers, Mapping):
-            raise InvalidMessage("headers", f"must be a mapping, not {type(headers).__name__}")
-        checked = _check_table("headers", headers, 0)
-        for name in _ROUTING_HEADERS:
-            if name in checked:
-                _check_routing_header(name, checked[name])
-        values["headers"] = checked
-    if not values or values == {"delivery_mode": PERSISTENT}:
-        return DEFAULT_BASE
-    return MessageProperties(**values)
-
-
-_BASE_NAMES = PROPERTY_NAMES - {"message_id"}
-
-
-def _check_routing_header(name: str, value: object) -> None:
-    if not isinstance(value, list) or not all(isinstance(key, str) for key in value):
-        raise InvalidMessage(
-            f"headers[{name!r}]",
-            "RabbitMQ routes on this header: it must be a list of routing keys (str), "
-            "or the broker closes the channel",
-        )
-
-
-def _check_reply_address(routing_key: str) -> None:
-    """A direct reply-to address must be one the broker can decode (``<pid>.<key>``, base64).
-
-    The broker splits the suffix at dots (empty parts dropped): other than two parts is merely
-    unroutable, but two parts whose first is not an Erlang pid term close the connection.
-    """
-    parts = [part for part in routing_key[len(_REPLY_TO_PREFIX) :].split(".") if part]
-    if len(parts) != 2:
-        return
-    try:
-        term = base64.b64decode(parts[0], validate=True)
-    except (binascii.Error, ValueError):
-        term = b""
-    if not _is_pid_term(term):
-        raise InvalidMessage(
-            "routing_key",
-            f"{routing_key!r} is not a direct reply-to address the broker issued (the broker "
-            "would close the connection decoding it)",
-        )
-
-
-def _is_pid_term(term: bytes) -> bool:
-    """Whether ``term`` is an Erlang external-format pid (PID_EXT or NEW_PID_EXT), exactly."""
-    if len(term) < 4 or term[0] != 131 or term[1] not in (88, 103):  # 131 version, 'X', 'g'
-        return False
-    tag, at = term[2], 3
-    if tag in (100, 118):  # ATOM_EXT, ATOM_UTF8_EXT: u16 length
-        if len(term) < 5:
-            return False
-        size, at = int.from_bytes(term[3:5], "big"), 5
-    elif tag in (115, 119):  # SMALL_ATOM_EXT, SMALL_ATOM_UTF8_EXT: u8 length
-        size, at = term[3], 4
-    else:
-        return False
-    tail = 12 if term[1] == 88 else 9  # id, serial, creation (u32 or u8)
-    return len(term) == at + size + tail
-
-
-def _timestamp(value: object) -> int:
-    if isinstance(value, _dt.datetime):
-        seconds = _epoch_seconds(value)
-        if seconds < 0:
-            raise InvalidMessage("timestamp", f"{value} is before 1970; AMQP timestamps are u64")
-        if seconds >= _YEAR_10000:
-            raise InvalidMessage("timestamp", f"{value} is after 9999-12-31 in UTC")
-        return seconds
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64:
-        return value
-    raise InvalidMessage(
-        "timestamp", f"must be a datetime or POSIX seconds as an int, got {value!r}"
-    )
-
-
-def shortstr_problem(value: str) -> str | None:
-    """Why ``value`` cannot be an AMQP ``shortstr`` (too long, or not UTF-8), or None if it can.
-
-    Messages (``publish()``) and topology declarations check names with it.
-    """
-    if value.isascii() and len(value) <= SHORTSTR_MAX:  # the usual case, without encoding
-        return None
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        return _not_utf8(value, exc)
-    if size > SHORTSTR_MAX:
-        return f"is {size} bytes long; AMQP allows at most {SHORTSTR_MAX}"
-    return None
-
-
-def _check_shortstr(name: str, value: object) -> None:
-    if not isinstance(value, str):
-        raise InvalidMessage(name, f"must be a str, not {type(value).__name__}")
-    problem = shortstr_problem(value)
-    if problem is not None:
-        raise InvalidMessage(name, problem)
-
-
-def _not_utf8(value: str, exc: UnicodeEncodeError) -> str:
-    return (
-        f"is not valid Unicode text: {value[exc.start : exc.end]!r} at position {exc.start} "
-        "cannot be encoded as UTF-8 (a lone surrogate)"
-    )
-
-
-def _utf8(name: str, value: str) -> bytes:
-    """``value`` as UTF-8; a string UTF-8 cannot carry (a lone surrogate) is rejected here."""
-    try:
-        return value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidMessage(name, _not_utf8(value, exc)) from None
-
-
-def _epoch_seconds(value: _dt.datetime) -> int:
-    """Whole POSIX seconds (rounded down, as the encoder writes them); naive means UTC."""
-    try:
-        # utctimetuple: what the encoder uses; naive datetimes are taken as UTC
-        return calendar.timegm(value.utctimetuple())
-    except OverflowError:  # year 1 or 9999 moved past the calendar by its UTC offset
-        return -1 if value.year == _dt.MINYEAR else 2**64
-
-
-def _check_table(path: str, table: Mapping[Any, Any], depth: int) -> dict[str, Any]:
-    """Check a field table; return it as a plain dict with tuples made lists (as encoders want)."""
-    checked: dict[str, Any] = {}
-    for key, value in table.items():
-        if not isinstance(key, str):
-            raise InvalidMessage(f"{path}[{key!r}]", "field table keys must be str")
-        problem = shortstr_problem(key)
-        if problem is not None:
-            raise InvalidMessage(f"{path}[{key!r}]", f"key {problem}")
-        checked[key] = _check_value(f"{path}[{key!r}]", value, depth + 1)
-    return checked
-
-
-def _check_value(path: str, value: object, depth: int) -> Any:
-    if depth > _NESTING_MAX:
-        raise InvalidMessage(path, f"nested deeper than {_NESTING_MAX} levels")
-    if isinstance(value, str):
-        if not value.isascii():
-            _utf8(path, value)
-        return value
-    if value is None or isinstance(value, (bool, bytes)):
-        return value
-    if isinstance(value, int):
-        if not _INT64[0] <= value <= _INT64[1]:
-            raise InvalidMessage(path, f"int {value} does not fit AMQP's signed 64 bits")
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise InvalidMessage(path, f"{value} is not a finite number")
-        return value
-    if isinstance(value, Decimal):
-        _check_decimal(path, value)
-        return value
-    if isinstance(value, _dt.datetime):
-        seconds = _epoch_seconds(value)
-        if seconds < 0:
-            raise InvalidMessage(path, f"{value} is before 1970; AMQP timestamps are u64")
-        if seconds >= _YEAR_10000:
-            raise InvalidMessage(path, f"{value} is after 9999-12-31 in UTC")
-        return value
-    if isinstance(value, Mapping):
-        return _check_table(path, value, depth)
-    if isinstance(value, (list, tuple)):
-        return [_check_value(f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value)]
-    raise InvalidMessage(
-        path,
-        f"a {type(value).__name__} has no AMQP field type (use str, bytes, int, float, bool, "
-        "Decimal, datetime, None, list or dict)",
-    )
-
-
-def _check_decimal(path: str, value: Decimal) -> None:
-    decimal_parts(path, value)
-
-
-#: AMQP's decimal holds a signed 32-bit value: at most 10 digits
-_DECIMAL_DIGITS = 10
-
-
-def decimal_parts(path: str, value: Decimal) -> tuple[int, int]:
-    """AMQP's decimal for ``value``: (scale octet, signed 32-bit value), value / 10**scale.
-
-    Works on the digit tuple alone, so a huge exponent (``Decimal('1E+1000000')``) is refused at
-    once instead of being expanded (or overflowing the decimal context). Raises
-    :class:`InvalidMessage` naming ``path`` when AMQP cannot hold it.
-    """
-    if not value.is_finite():
-        raise InvalidMessage(path, f"Decimal {value} is not finite")
-    sign, digits, exponent = value.as_tuple()
-    assert isinstance(exponent, int)
-    if not any(digits):
-        return 0, 0  # any zero (0.000, -0) is 0 with scale 0, as pika writes it
-    end = len(digits)
-    while end > 1 and digits[end - 1] == 0 and exponent < 0:  # 1.500 -> 1.5: drop zeros
-        end -= 1
-        exponent += 1
-    while end > 1 and digits[0] == 0:
-        digits = digits[1:]
-        end -= 1
-    width = end + max(exponent, 0)  # digits of the scaled integer
-    scale = max(0, -exponent)
-    if width > _DECIMAL_DIGITS or scale > 255:
-        raise InvalidMessage(
-            path, f"Decimal {value} does not fit AMQP's decimal (32-bit digits, scale up to 255)"
-        )
-    raw = int("".join(map(str, digits[:end]))) * 10 ** max(exponent, 0)
-    if sign:
-        raw = -raw
-    if not -(2**31) <= raw < 2**31:
-        raise InvalidMessage(
-            path, f"Decimal {value} does not fit AMQP's decimal (32-bit digits, scale up to 255)"
-        )
-    return scale, raw
+def with_headers(base: MessageProperties, headers: dict[str, Any]) -> MessageProperties:
+    """``dataclasses.replace(base, headers=headers)``, built fast (the same frozen object)."""
+    props: MessageProperties = object.__new__(MessageProperties)
+    for get, set_ in _PROPERTY_SLOTS:
+        set_(props, get(base))
+    _set_headers(props, headers)
+    return props

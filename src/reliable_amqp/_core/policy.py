@@ -12,7 +12,7 @@ import math
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, SupportsFloat, SupportsInt
 
 import tenacity
 
@@ -175,8 +175,13 @@ def _optional_int(name: str, raw: object) -> int | None:
     if _is_none(raw):
         return None
     try:
-        value = int(str(raw).strip()) if isinstance(raw, str) else int(raw)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
+        if isinstance(raw, str):
+            value = int(raw.strip())
+        elif isinstance(raw, SupportsInt):  # int, float, Decimal, ...
+            value = int(raw)
+        else:
+            raise TypeError(raw)
+    except (TypeError, ValueError, OverflowError):
         raise ConfigurationError(f"{name} must be a whole number or none, got {raw!r}") from None
     if isinstance(raw, float) and raw != value:
         raise ConfigurationError(f"{name} must be a whole number or none, got {raw!r}")
@@ -187,6 +192,8 @@ def _float(name: str, raw: object) -> float:
     if isinstance(raw, bool):
         raise ConfigurationError(f"{name} must be a number of seconds, got {raw!r}")
     try:
-        return float(raw)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+        if isinstance(raw, (str, SupportsFloat)):
+            return float(raw)
+        raise TypeError(raw)
+    except (TypeError, ValueError, OverflowError):
         raise ConfigurationError(f"{name} must be a number, got {raw!r}") from None

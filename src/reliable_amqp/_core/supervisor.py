@@ -33,7 +33,7 @@ from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.tracker import Entry
 
-H = TypeVar("H")
+E = TypeVar("E", bound="Entry[Any]")
 
 log = logging.getLogger("reliable_amqp")
 
@@ -74,12 +74,12 @@ class GiveUp:
     error: ReliableAmqpError
 
 
-class Supervisor(Generic[H]):
+class Supervisor(Generic[E]):
     """The connection's life and the engine's clock, for one publisher."""
 
     def __init__(self, options: PublisherOptions, *, borrowed: bool = False) -> None:
         self.options = options
-        self.engine: PublishEngine[H] = PublishEngine(
+        self.engine: PublishEngine[E] = PublishEngine(
             delivery_timeout=options.delivery_timeout,
             nack_policy=options.nack_policy,
             dedup_header=options.dedup_header,
@@ -170,7 +170,7 @@ class Supervisor(Generic[H]):
         *,
         established: bool,
         reply: tuple[int, str] | None = None,
-    ) -> tuple[list[Entry[H]], Reconnect | GiveUp | None]:
+    ) -> tuple[list[E], Reconnect | GiveUp | None]:
         """The connection is gone, or an attempt failed (``established`` False).
 
         ``reply`` is the broker's ``connection.close`` (code, text) when it sent one. Whatever
@@ -233,7 +233,7 @@ class Supervisor(Generic[H]):
 
     def channel_closed(
         self, reply_code: int | None, reply_text: str, now: float
-    ) -> tuple[list[Entry[H]], float]:
+    ) -> tuple[list[E], float]:
         """The broker closed the publishing channel while its connection stays open.
 
         The message that caused a permanent close (404, 406, ...) fails alone; the others go out
@@ -259,7 +259,7 @@ class Supervisor(Generic[H]):
 
     def on_confirm(
         self, generation: int, ack: bool, tag: int, multiple: bool, now: float
-    ) -> list[Entry[H]]:
+    ) -> list[E]:
         """``basic.ack`` (``ack``) or ``basic.nack`` from the channel of ``generation``."""
         self._channel_failures = 0
         if ack:
@@ -288,7 +288,7 @@ class Supervisor(Generic[H]):
         """Whether messages may be written now (channel open, not blocked, not closing)."""
         return self.state.writable and not self.stopping
 
-    def write(self, channel: int, out: list[bytes | memoryview]) -> tuple[int, list[Entry[H]]]:
+    def write(self, channel: int, out: list[bytes | memoryview]) -> tuple[int, list[E]]:
         """Append the frames of the next batch to ``out``: (messages written, resolutions).
 
         Bodies are split at the ``frame_max`` the connection negotiated. A message whose
@@ -298,14 +298,14 @@ class Supervisor(Generic[H]):
         engine = self.engine
         frame_max = self.frame_max
         count = 0
-        failed: list[Entry[H]] = []
+        failed: list[E] = []
         as_made = engine.written_as_made
         encoder = self._encoder
         if encoder is None or encoder.channel != channel or encoder.frame_max != frame_max:
             encoder = self._encoder = PublishEncoder(channel, frame_max)
         encode = encoder.encode
         # written as made, not recorded yet: recorded together (sent), in wire order
-        written: list[Entry[H]] = []
+        written: list[E] = []
         keep = written.append
         try:
             for entry in engine.take(BATCH_COUNT, BATCH_BYTES):
@@ -339,7 +339,7 @@ class Supervisor(Generic[H]):
 
     # --- time -----------------------------------------------------------------------------------
 
-    def tick(self, now: float) -> list[Entry[H]]:
+    def tick(self, now: float) -> list[E]:
         """Release due nack retries and expire messages past their deadline."""
         return self.engine.tick(now)
 
@@ -390,7 +390,7 @@ class Supervisor(Generic[H]):
         if self.state.state not in (State.CLOSING, State.CLOSED):
             self.state.transition(State.CLOSING)
 
-    def shutdown(self) -> list[Entry[H]]:
+    def shutdown(self) -> list[E]:
         """The end (closing begins if it had not): fail what is left, with the fatal error as
         cause when the publisher gave up."""
         self.begin_close()

@@ -11,8 +11,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from reliable_amqp._core.builder import shortstr_problem
 from reliable_amqp._core.errors import ConfigurationError
-from reliable_amqp._core.message import shortstr_problem
 
 #: The AMQP method (as named by pika and aiormq) each operation kind maps to.
 METHODS = {"exchange": "exchange_declare", "queue": "queue_declare", "bind": "queue_bind"}

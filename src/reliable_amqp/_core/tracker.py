@@ -25,8 +25,9 @@ from reliable_amqp._core.message import (
     Confirmation,
     MessageProperties,
     OutgoingMessage,
-    _init_message,
     new_confirmation,
+    new_outgoing,
+    with_headers,
 )
 
 H = TypeVar("H")
@@ -89,34 +90,47 @@ class Outcome(enum.Enum):
     NACKED = "nacked"
 
 
-class Entry(OutgoingMessage, Generic[H]):
-    """One accepted message and its bookkeeping; ``handle`` is the adapter's (a future).
+class Entry(Generic[H]):
+    """One accepted message in flight and its bookkeeping; ``handle`` is the adapter's (the
+    async publisher's future; the sync publisher's entries are their own futures).
 
-    An entry *is* its message (an :class:`OutgoingMessage` with bookkeeping added, ``message``
-    is the entry itself): a message in flight is one object for the garbage collector, not two.
-    ``publish()`` builds it (:func:`new_entry`) and the engine adopts it (``accept_many`` sets the
-    bookkeeping). Every field is a slot: an instance dict would be a second object (a subclass
-    of a class with slots gets a real dict, not CPython's inline one). Entries compare by
-    identity; errors carry a plain copy of the message (``plain()``).
+    Not a message to the user: it holds a message's parts (what the encoders read, as an
+    :class:`OutgoingMessage` has them) and :attr:`message` builds the plain
+    :class:`OutgoingMessage` errors carry, once, when something asks. A message in flight is one
+    object for the garbage collector: ``publish()`` builds it (:func:`new_entry`) and the
+    engine takes it (:meth:`PublishEngine.accept` sets the rest). Every field is a slot: an
+    instance dict would be a second object. Entries compare by identity.
     """
 
     __slots__ = (
-        "_outcome",
+        "_message",
         "accepted",
-        "adopted",
         "attempts",
+        "base",
+        "body",
         "deadline",
+        "exchange",
         "handle",
         "index",
         "isolated",
         "key",
+        "mandatory",
+        "message_id",
         "nacks",
-        "origin",
+        "resolution",
         "returned",
+        "routing_key",
         "size",
         "state",
     )
 
+    exchange: str
+    routing_key: str
+    body: bytes
+    #: the properties without ``message_id`` (shared between messages; replaced, never changed)
+    base: MessageProperties
+    mandatory: bool
+    message_id: str
     handle: H
     deadline: float
     size: int
@@ -133,20 +147,12 @@ class Entry(OutgoingMessage, Generic[H]):
     accepted: float
     #: where the message is (see PublishEngine)
     state: Stage
-    #: the outcome as the engine set it: CONFIRMED, the PublishError, or None (unresolved)
-    _outcome: Confirmed | Confirmation | PublishError | None
+    #: what the engine resolved it to: CONFIRMED (the :class:`Confirmation` is built when
+    #: :attr:`outcome` is asked), a Confirmation, the PublishError, or None (unresolved)
+    resolution: Confirmed | Confirmation | PublishError | None
     #: its issue number in the publisher's window (flush() counts by it)
     index: int
-    #: True once an engine accepted it (an entry is accepted once; a message given again is
-    #: copied into a new entry)
-    adopted: bool
-    #: the message it was copied from (what errors carry), when it was not built as an entry
-    origin: OutgoingMessage | None
-
-    __setattr__ = object.__setattr__  # type: ignore[assignment]
-    __delattr__ = object.__delattr__
-    __eq__ = object.__eq__
-    __hash__ = object.__hash__
+    _message: OutgoingMessage | None
 
     def __init__(  # noqa: PLR0917
         self,
@@ -164,9 +170,13 @@ class Entry(OutgoingMessage, Generic[H]):
         outcome: Confirmation | PublishError | None = None,
         index: int = 0,
     ) -> None:
-        _copy_message(self, message)
-        self.origin = message.plain()
-        self.adopted = False
+        self.exchange = message.exchange
+        self.routing_key = message.routing_key
+        self.body = message.body
+        self.base = message.base
+        self.mandatory = message.mandatory
+        self.message_id = message.message_id
+        self._message = message
         self.handle = handle
         self.deadline = deadline
         self.size = size
@@ -177,45 +187,55 @@ class Entry(OutgoingMessage, Generic[H]):
         self.nacks = nacks
         self.accepted = accepted
         self.state = state
-        self.outcome = outcome
+        self.resolution = outcome
         self.index = index
 
     @property
     def message(self) -> OutgoingMessage:
-        """The message: the entry itself."""
-        return self
+        """The message as an :class:`OutgoingMessage` (what errors carry), built once."""
+        message = self._message
+        if message is None:
+            message = self._message = new_outgoing(
+                self.exchange,
+                self.routing_key,
+                self.body,
+                self.base,
+                self.mandatory,
+                self.message_id,
+            )
+        return message
 
-    def plain(self) -> OutgoingMessage:
-        """The message as a plain :class:`OutgoingMessage`: the one it was copied from, or a
-        copy made once (errors carry it, not the entry)."""
-        origin = self.origin
-        if origin is None:
-            origin = self.origin = super().plain()
-        return origin
+    def add_headers(self, extra: Mapping[str, Any]) -> None:
+        """Add ``extra`` to the message's headers (they win over its own): its properties,
+        often shared with other messages, are replaced, never changed."""
+        base = self.base
+        self.base = with_headers(base, {**base.headers, **extra} if base.headers else {**extra})
+        self._message = None
 
     @property
     def outcome(self) -> Confirmation | PublishError | None:
         """The outcome, once resolved: a :class:`Confirmation` or the :class:`PublishError`."""
-        outcome = self._outcome
-        if outcome is CONFIRMED:
-            outcome = self._outcome = new_confirmation(self.message_id, self.attempts)
-        return outcome  # type: ignore[return-value]
+        resolution = self.resolution
+        if isinstance(resolution, Confirmed):
+            confirmation = new_confirmation(self.message_id, self.attempts)
+            self.resolution = confirmation
+            return confirmation
+        return resolution
 
     @outcome.setter
     def outcome(self, value: Confirmation | PublishError | None) -> None:
-        self._outcome = value
+        self.resolution = value
 
     @property
     def ok(self) -> bool:
         """True when the message was confirmed."""
-        outcome = self._outcome
-        return outcome is CONFIRMED or isinstance(outcome, Confirmation)
+        resolution = self.resolution
+        return resolution is CONFIRMED or isinstance(resolution, Confirmation)
 
     def __repr__(self) -> str:
-        state = getattr(self, "state", None)
         return (
             f"<Entry {self.message_id!r} to {self.exchange!r}/{self.routing_key!r} "
-            f"{state.value if state else 'new'}, {getattr(self, 'attempts', 0)} attempts>"
+            f"{self.state.value}, {self.attempts} attempts>"
         )
 
 
@@ -225,18 +245,6 @@ _new = object.__new__
 _WAITING = Stage.WAITING
 
 
-def _copy_message(entry: Entry[Any], message: OutgoingMessage) -> None:
-    _init_message(
-        entry,
-        message.exchange,
-        message.routing_key,
-        message.body,
-        message.base,
-        message.mandatory,
-        message.message_id,
-    )
-
-
 def new_entry(  # noqa: PLR0917
     exchange: str,
     routing_key: str,
@@ -244,14 +252,24 @@ def new_entry(  # noqa: PLR0917
     base: MessageProperties,
     mandatory: bool,
     message_id: str,
-    cls: type[E] = Entry,  # type: ignore[assignment]
+) -> Entry[Any]:
+    """A message to publish, from checked parts (``base`` has no message_id), built fast as
+    the entry an engine will take, its bookkeeping that of a fresh entry."""
+    return fresh_entry(Entry, exchange, routing_key, body, base, mandatory, message_id)
+
+
+def fresh_entry(  # noqa: PLR0917
+    cls: type[E],
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    base: MessageProperties,
+    mandatory: bool,
+    message_id: str,
 ) -> E:
-    """A message to publish, from checked parts, built fast as the entry an engine will adopt
-    (``base`` has no message_id), its bookkeeping that of a fresh entry; ``cls`` is ``Entry`` or
-    a subclass (the sync future), whose own fields the caller sets."""
-    # Plain attribute stores: an entry allows them (OutgoingMessage's frozen __setattr__ is
-    # undone), and on a slot they are the interpreter's cheapest store, far cheaper than a call
-    # to the slot's setter (what _init_message must do for a plain OutgoingMessage).
+    """:func:`new_entry` for ``cls``, ``Entry`` or a subclass (the sync publisher's future),
+    whose own fields the caller sets."""
+    # Plain attribute stores on slots: the interpreter's cheapest store
     entry: E = _new(cls)
     entry.exchange = exchange
     entry.routing_key = routing_key
@@ -259,9 +277,7 @@ def new_entry(  # noqa: PLR0917
     entry.base = base
     entry.mandatory = mandatory
     entry.message_id = message_id
-    entry._properties = None
-    entry.adopted = False
-    entry.origin = None
+    entry._message = None
     entry.handle = None
     # a fresh entry's bookkeeping (Entry.__init__'s defaults); accepting sets the rest
     entry.size = len(body)
@@ -272,7 +288,7 @@ def new_entry(  # noqa: PLR0917
     entry.isolated = False
     entry.nacks = 0
     entry.state = _WAITING
-    entry._outcome = None
+    entry.resolution = None
     return entry
 
 
@@ -312,17 +328,17 @@ def parse_attempt_tag(value: object) -> int | None:
 RUN_MAX = 256
 
 
-class _Run(Generic[H]):
+class _Run(Generic[E]):
     """Publishes with consecutive delivery tags; ``None`` where one was settled alone."""
 
     __slots__ = ("entries", "live")
 
-    def __init__(self, entries: list[Entry[H] | None], live: int) -> None:
+    def __init__(self, entries: list[E | None], live: int) -> None:
         self.entries = entries
         self.live = live
 
 
-class ConfirmTracker(Generic[H]):
+class ConfirmTracker(Generic[E]):
     """Unconfirmed publish attempts of the current channel generation, in publish order.
 
     The sorted map (sortedcontainers) is keyed by the packed ``(generation, seq)`` of the first
@@ -334,8 +350,8 @@ class ConfirmTracker(Generic[H]):
     """
 
     def __init__(self) -> None:
-        self._runs: SortedDict[int, _Run[H]] = SortedDict()
-        self._open: _Run[H] | None = None  # the run new publishes are appended to
+        self._runs: SortedDict[int, _Run[E]] = SortedDict()
+        self._open: _Run[E] | None = None  # the run new publishes are appended to
         self._generation = 0
         self._seq = 0
         self._live = 0
@@ -351,10 +367,10 @@ class ConfirmTracker(Generic[H]):
     def __len__(self) -> int:
         return self._live
 
-    def __iter__(self) -> Iterator[Entry[H]]:
+    def __iter__(self) -> Iterator[E]:
         return self._wire(0)
 
-    def _wire(self, low: int, high: int | None = None) -> Iterator[Entry[H]]:
+    def _wire(self, low: int, high: int | None = None) -> Iterator[E]:
         """The entries on the wire whose keys are from ``low`` to ``high`` (None: no limit), in
         publish order."""
         runs = self._runs
@@ -371,12 +387,12 @@ class ConfirmTracker(Generic[H]):
                 ):
                     yield entry
 
-    def track(self, entry: Entry[H]) -> int:
+    def track(self, entry: E) -> int:
         """Record that ``entry`` is being published now; return its delivery tag (seq)."""
         self.track_all((entry,))
         return self._seq
 
-    def track_all(self, entries: Sequence[Entry[H]]) -> None:
+    def track_all(self, entries: Sequence[E]) -> None:
         """:meth:`track` each of ``entries``, in order: the order they go on the wire."""
         seq = self._seq
         high = self._generation << _SEQ_BITS
@@ -399,7 +415,7 @@ class ConfirmTracker(Generic[H]):
         self._seq = seq
         self._live += count
 
-    def _slot(self, key: int) -> tuple[int, _Run[H], int] | None:
+    def _slot(self, key: int) -> tuple[int, _Run[E], int] | None:
         """(first key, run, offset) of the live entry tracked under ``key``, or None."""
         runs = self._runs
         at = runs.bisect_right(key) - 1
@@ -415,7 +431,7 @@ class ConfirmTracker(Generic[H]):
             return None
         return first, run, offset
 
-    def _take(self, first: int, run: _Run[H], offset: int) -> Entry[H]:
+    def _take(self, first: int, run: _Run[E], offset: int) -> E:
         """Empty one live slot; the run leaves the map once all its slots are empty."""
         entry = run.entries[offset]
         assert entry is not None
@@ -435,7 +451,7 @@ class ConfirmTracker(Generic[H]):
         *,
         returned: tuple[object, str, str, bytes, object] | None = None,
         generation: int | None = None,
-    ) -> Entry[H] | None:
+    ) -> E | None:
         """Note a ``basic.return``; the ack that follows it settles the entry as returned.
 
         ``attempt`` is the :data:`ATTEMPT_HEADER` value of the returned message, None when it
@@ -455,7 +471,7 @@ class ConfirmTracker(Generic[H]):
         """
         if generation is not None and generation != self._generation:
             return None
-        entry: Entry[H] | None
+        entry: E | None
         if attempt is None:
             entry = self._find_returned(returned) if returned is not None else None
             if entry is None:
@@ -471,10 +487,10 @@ class ConfirmTracker(Generic[H]):
         entry.returned = (reply_code, reply_text)
         return entry
 
-    def _find_returned(self, returned: tuple[object, str, str, bytes, object]) -> Entry[H] | None:
+    def _find_returned(self, returned: tuple[object, str, str, bytes, object]) -> E | None:
         message_id, exchange, routing_key, body, headers = returned
         after = self._returned_at
-        loose: Entry[H] | None = None  # the first that carries the other four
+        loose: E | None = None  # the first that carries the other four
         # after the last match first (the broker's order), then from the start up to it
         for entry in itertools.chain(self._wire(after + 1), self._wire(0, after)):
             sent = entry.base.headers
@@ -496,7 +512,7 @@ class ConfirmTracker(Generic[H]):
             self._returned_at = loose.key
         return loose
 
-    def untrack(self, entry: Entry[H]) -> bool:
+    def untrack(self, entry: E) -> bool:
         """Take back the latest :meth:`track` (its publish never reached the wire).
 
         Only the last tracked entry can be taken back, since the broker numbers publishes in
@@ -522,7 +538,7 @@ class ConfirmTracker(Generic[H]):
         self._live -= 1
         return True
 
-    def discard(self, entry: Entry[H]) -> bool:
+    def discard(self, entry: E) -> bool:
         """Forget ``entry`` (its deadline passed); a later ack for it is ignored."""
         slot = self._slot(entry.key) if entry.key >= 0 else None
         if slot is None or slot[1].entries[slot[2]] is not entry:
@@ -530,7 +546,7 @@ class ConfirmTracker(Generic[H]):
         self._take(*slot)
         return True
 
-    def new_generation(self) -> list[Entry[H]]:
+    def new_generation(self) -> list[E]:
         """Start a new channel generation; hand back every unconfirmed entry in publish order.
 
         Called when the channel the entries went out on is gone: their confirms will never come,
@@ -547,7 +563,7 @@ class ConfirmTracker(Generic[H]):
         self._seq = 0
         return unconfirmed
 
-    def settle(self, generation: int, tag: int, multiple: bool) -> list[Entry[H]]:
+    def settle(self, generation: int, tag: int, multiple: bool) -> list[E]:
         """The entries an ack or nack of ``tag`` (with ``multiple``) settles, in publish order,
         taken out of the tracker (an acked entry with ``returned`` set was returned)."""
         if generation != self._generation or tag <= 0:
@@ -559,7 +575,7 @@ class ConfirmTracker(Generic[H]):
         # Everything up to and including ``tag``: whole runs off the front of the map, then the
         # head of the run that holds ``tag`` (its rest goes back under the key of its new head).
         runs = self._runs
-        settled: list[Entry[H]] = []
+        settled: list[E] = []
         while runs:
             first, run = runs.peekitem(0)
             if first > key:

@@ -1,10 +1,11 @@
 """Knowing, before asking the SDK, that a span would be dropped.
 
-The OpenTelemetry SDK's ``Tracer.start_span`` costs about 4 us even when its sampler drops the
-span (it builds the sampling arguments, mints ids and a ``NonRecordingSpan``): half of what a
-whole publish costs. The two samplers that drop without looking at anything but the parent,
-``ALWAYS_OFF`` and ``ParentBased`` with ``ALWAYS_OFF`` delegates, are read here once, so that a
-publish whose span they would drop asks nothing of the SDK. Any other sampler (a ratio, a custom
+The OpenTelemetry SDK's ``Tracer.start_span`` costs much of what a whole publish costs even when
+its sampler drops the span (it builds the sampling arguments, mints ids and a
+``NonRecordingSpan``; docs/benchmarks.md has the figure). The two samplers that drop without
+looking at anything but the parent, ``ALWAYS_OFF`` and ``ParentBased`` with ``ALWAYS_OFF``
+delegates, are read here once, so that a publish whose span they would drop asks nothing of
+the SDK. Any other sampler (a ratio, a custom
 one, a subclass that overrides ``should_sample``) is always asked.
 """
 

@@ -16,7 +16,6 @@ message goes on without its span.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -37,9 +36,6 @@ from opentelemetry.trace import (
 
 from reliable_amqp._core.message import (
     Confirmation,
-    MessageProperties,
-    OutgoingMessage,
-    new_outgoing,
 )
 from reliable_amqp._core.stats import PublisherEvent, Stats
 from reliable_amqp._core.tracker import Entry
@@ -118,52 +114,54 @@ class Telemetry:
 
     # --- the hot path --------------------------------------------------------------------------
 
-    def on_publish(self, message: OutgoingMessage, index: int) -> OutgoingMessage:
-        """Start the message's PRODUCER span (a child of the caller's current span); return
-        the message to send: with the propagator's headers (``traceparent``, ...) when there is
-        a trace context to carry, else ``message`` itself. ``index`` is the message's issue
-        number in the window (what the engine's entry for it will carry as ``index``)."""
+    def on_publish(self, entry: Entry[Any], index: int) -> None:
+        """Start the message's PRODUCER span (a child of the caller's current span) and add
+        the propagator's headers (``traceparent``, ...) to the message when there is a trace
+        context to carry. ``index`` is the message's issue number in the window (what the
+        entry carries as ``index`` once the engine takes it)."""
         if self._tracer is None:
-            return message
+            return
         drop = self._drop
         if drop is not None and drop.root and get_current_span() is _NO_SPAN:
-            return message  # a root the sampler drops: nothing to record, nothing to carry
+            return  # a root the sampler drops: nothing to record, nothing to carry
         try:
-            span, sent = self.start(message)
+            span, extra = self.start(entry)
         except Exception:
             self._report_failure()
-            return message
+            return
         if span is not None:
             self._spans[index] = span
-        return sent
+        if extra:
+            entry.add_headers(extra)
 
-    def start(self, message: OutgoingMessage) -> tuple[Span | None, OutgoingMessage]:
-        """The span of ``message`` (None when not recorded) and the message to send."""
+    def start(self, entry: Entry[Any]) -> tuple[Span | None, dict[str, str]]:
+        """The span of ``entry``'s message (None when not recorded) and the headers to add to
+        it (none: nothing to carry)."""
         tracer = self._tracer
         if tracer is None:
-            return None, message
+            return None, {}
         drop = self._drop
         if drop is not None:
             parent = get_current_span().get_span_context()
             if drop.drops(parent):
                 if parent.is_valid:  # carry the caller's (unsampled) decision downstream
-                    return None, _with_headers(message, _inject(None))
-                return None, message
-        exchange = message.exchange
+                    return None, _inject(None)
+                return None, {}
+        exchange = entry.exchange
         name = self._names.get(exchange)
         if name is None:
             name = self._names[exchange] = f"publish {exchange or 'amq.default'}"
-        attributes = dict(self._route(exchange, message.routing_key))
-        attributes["messaging.message.id"] = message.message_id
-        attributes["messaging.message.body.size"] = len(message.body)
+        attributes = dict(self._route(exchange, entry.routing_key))
+        attributes["messaging.message.id"] = entry.message_id
+        attributes["messaging.message.body.size"] = len(entry.body)
         span = tracer.start_span(name, kind=_PRODUCER, attributes=attributes)
         if span.is_recording():
-            return span, _with_headers(message, _inject(span))
+            return span, _inject(span)
         # Not sampled: carry the decision when the caller is in a trace; a dropped root gets no
         # header (the propagator's inject would cost more than the sampler did)
         if span.get_span_context().is_valid and get_current_span().get_span_context().is_valid:
-            return None, _with_headers(message, _inject(span))
-        return None, message
+            return None, _inject(span)
+        return None, {}
 
     def on_resend(self, entry: Entry[Any], kind: str) -> None:
         """The engine's hook: ``entry`` goes out again, ``kind`` "retry" (after a nack, with
@@ -267,41 +265,6 @@ def _inject(span: Span | None) -> dict[str, str]:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=set_span_in_context(span) if span is not None else None)
     return carrier
-
-
-def _with_headers(message: OutgoingMessage, extra: dict[str, str]) -> OutgoingMessage:
-    """``message`` with ``extra`` added to its headers (they win over the caller's own)."""
-    if not extra:
-        return message
-    base = message.base  # the properties without the id, often shared: never changed here
-    headers = {**base.headers, **extra} if base.headers else extra
-    return new_outgoing(
-        message.exchange,
-        message.routing_key,
-        message.body,
-        _replace_headers(base, headers),
-        message.mandatory,
-        message.message_id,
-    )
-
-
-# ``dataclasses.replace`` on the frozen properties costs about 5 us (its __init__ sets each field
-# through object.__setattr__); copying the slots through their descriptors, about 1 us.
-_PROPERTY_SLOTS = [
-    (vars(MessageProperties)[f.name].__get__, vars(MessageProperties)[f.name].__set__)
-    for f in dataclasses.fields(MessageProperties)
-    if f.name != "headers"
-]
-_set_headers: Callable[[object, Any], None] = vars(MessageProperties)["headers"].__set__
-
-
-def _replace_headers(base: MessageProperties, headers: dict[str, Any]) -> MessageProperties:
-    """``dataclasses.replace(base, headers=headers)``, built fast (the same frozen object)."""
-    props: MessageProperties = object.__new__(MessageProperties)
-    for get, set_ in _PROPERTY_SLOTS:
-        set_(props, get(base))
-    _set_headers(props, headers)
-    return props
 
 
 def _server_attributes(urls: tuple[str, ...]) -> dict[str, Any]:

@@ -21,7 +21,6 @@ zone key, fold), ``M`` mapping, ``L`` list,
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as _dt
 import struct
 import zoneinfo
@@ -33,8 +32,8 @@ from reliable_amqp._core.message import (
     DEFAULT_BASE,
     PERSISTENT,
     PROPERTY_ORDER,
+    MessageParts,
     MessageProperties,
-    OutgoingMessage,
     new_outgoing,
 )
 
@@ -128,7 +127,7 @@ def _base(base: MessageProperties) -> tuple[int, bytes]:
     return mask, encoded
 
 
-def encode(message: OutgoingMessage) -> bytes:
+def encode(message: MessageParts) -> bytes:
     """The stored record of everything in ``message`` but its body.
 
     Raises :class:`Unstorable` for a value with no stored form (``build_message`` lets none
@@ -151,7 +150,7 @@ def encode(message: OutgoingMessage) -> bytes:
             prefix: bytes = last[4]
             return prefix + _LENGTHS[len(data)] + data
     mandatory = message.mandatory
-    base = getattr(message, "base", None)
+    base = message.base
     if type(given_id) is str and given_id:
         # the usual case: the record is a prefix shared by every message with this route and
         # these properties (the base object), and the id
@@ -165,13 +164,8 @@ def encode(message: OutgoingMessage) -> bytes:
             return cached[1] + _u32.pack(len(data)) + data
     if type(mandatory) is not bool:
         raise Unstorable("mandatory", f"must be a bool, not {type(mandatory).__name__}")
-    if base is not None:  # properties held apart from the id ("" when there is none)
-        mask, encoded = _base(base)
-        message_id: object = message.message_id or None
-    else:
-        props = message.properties
-        mask, encoded = _properties(props)
-        message_id = props.message_id
+    mask, encoded = _base(base)  # properties held apart from the id ("" when there is none)
+    message_id: object = message.message_id or None
     head = _route(message.exchange, message.routing_key, mandatory)
     encoded = _u32.pack(len(encoded)) + encoded
     if message_id is None:
@@ -248,15 +242,15 @@ def _value(parts: list[bytes], value: Any, path: str, depth: int) -> None:
 
 
 #: what :func:`decode` builds a message with, from checked parts (``new_outgoing``'s signature)
-Build = Callable[[str, str, bytes, MessageProperties, bool, str], OutgoingMessage]
+Build = Callable[[str, str, bytes, MessageProperties, bool, str], MessageParts]
 
 
-def decode(meta: bytes, body: bytes, build: Build = new_outgoing) -> OutgoingMessage:
+def decode(meta: bytes, body: bytes, build: Build = new_outgoing) -> MessageParts:
     """The message a record (and its body) stands for; raises :class:`CodecError` if corrupt.
 
     ``build`` makes it from its parts (a publisher passes what makes its engine's entries, so
     that a message read back is one object, not a message copied into an entry); a message
-    whose id is not a str is always a plain :class:`OutgoingMessage`.
+    whose id is not a str (a hand-made message's) is built so too, and fails when encoded.
     """
     last = _last_decoded
     prefix: bytes = last[0]
@@ -328,11 +322,7 @@ def decode(meta: bytes, body: bytes, build: Build = new_outgoing) -> OutgoingMes
         if type(message_id) is str and meta[base_end : base_end + 1] == b"s" and message_id:
             # checked whole: the next record that starts the same way needs only its id read
             _last_decoded[:] = (meta[: base_end + 1], exchange, routing_key, base, mandatory)
-        if message_id is None or type(message_id) is str:
-            return build(exchange, routing_key, bytes(body), base, mandatory, message_id or "")
-        if message_id is not None:
-            base = dataclasses.replace(base, message_id=message_id)
-        return OutgoingMessage(exchange, routing_key, bytes(body), base, mandatory)
+        return build(exchange, routing_key, bytes(body), base, mandatory, message_id or "")
     except CodecError:
         raise
     except (struct.error, IndexError, UnicodeDecodeError, ValueError, InvalidOperation) as exc:

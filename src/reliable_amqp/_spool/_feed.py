@@ -31,12 +31,14 @@ Not thread-safe: the sync publisher calls it under its handoff lock, the async o
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Callable, Iterable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.errors import PublisherClosed, PublishError
-from reliable_amqp._core.message import OutgoingMessage, new_outgoing
+from reliable_amqp._core.message import MessageParts, new_outgoing
+from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._spool._codec import Build
@@ -44,6 +46,8 @@ from reliable_amqp._spool._read import SpoolEntry
 from reliable_amqp._spool._store import Spool, encode_record
 
 H = TypeVar("H")
+
+log = logging.getLogger("reliable_amqp")
 
 #: entries read back from the spool at a time, at most
 READ_CHUNK = 1000
@@ -58,7 +62,7 @@ SEQ_MASK = (1 << SEQ_BITS) - 1
 PRUNE_MIN = 4096
 
 
-def _refcounts(handles: dict[int, object]) -> list[tuple[int, int]]:
+def _refcounts(handles: Mapping[int, object]) -> list[tuple[int, int]]:
     """(seq, reference count) of each handle; the same code measures :data:`_UNREFERENCED`."""
     return [(seq, sys.getrefcount(handle)) for seq, handle in handles.items()]
 
@@ -70,6 +74,22 @@ _UNREFERENCED = _refcounts({0: object()})[0][1]
 class SpoolFeed(Generic[H]):
     """Which messages are on disk only, which seq each message in memory has, what ``flush()``
     waits for (see the module docstring)."""
+
+    @classmethod
+    def open(cls, options: PublisherOptions, watched: Callable[[H], bool]) -> SpoolFeed[H]:
+        """The feed of a publisher's spool (``options.spool``, opened with its size and fsync
+        options: its lock taken, or :class:`SpoolError`). Messages an earlier process left
+        there are announced in the log: they go out first."""
+        assert options.spool is not None
+        spool = Spool(options.spool, max_bytes=options.spool_max_bytes, fsync=options.spool_fsync)
+        if spool.pending:
+            log.warning(
+                "reliable-amqp: spool %s holds %d messages from before: they go out first, "
+                "with the first publish(), flush() or close() (declare what they need before)",
+                spool.directory,
+                spool.pending,
+            )
+        return cls(spool, watched)
 
     def __init__(self, spool: Spool, watched: Callable[[H], bool]) -> None:
         """``watched(handle)`` says whether a future has done-callbacks or waiters."""
@@ -115,7 +135,7 @@ class SpoolFeed(Generic[H]):
         self._held[index] = size << SEQ_BITS | seq
         self.fed = max(self.fed, seq)
 
-    def append_direct(self, message: OutgoingMessage, window: Window) -> int:
+    def append_direct(self, message: MessageParts, window: Window) -> int:
         """The usual case of a publish, in one call: when nothing waits on disk ahead of it
         and ``window`` and the spool have room at once, append ``message`` to the spool, take
         its room in ``window`` and :meth:`track` it; its window index. 0 (and nothing taken)
@@ -154,7 +174,7 @@ class SpoolFeed(Generic[H]):
         comes. CPython's reference counts tell; the dict's own reference is the baseline."""
         waiting = self.waiting
         watched = self._watched
-        for seq, count in _refcounts(waiting):  # type: ignore[arg-type]
+        for seq, count in _refcounts(waiting):
             if count <= _UNREFERENCED and not watched(waiting[seq]):
                 del waiting[seq]
         self._prune_at = max(PRUNE_MIN, 2 * len(waiting))
@@ -210,7 +230,7 @@ class SpoolFeed(Generic[H]):
         message = entry.message
         if message.mandatory:
             return entry
-        if isinstance(message, Entry) and not message.adopted:  # built by the adapter's build
+        if isinstance(message, Entry):  # built by the adapter's build
             message.mandatory = True
             return entry
         mandatory = new_outgoing(
@@ -230,7 +250,7 @@ class SpoolFeed(Generic[H]):
 
     # --- resolving ------------------------------------------------------------------------------
 
-    def resolved(self, entries: Iterable[Entry[H]]) -> list[PublishError]:
+    def resolved(self, entries: Iterable[Entry[Any]]) -> list[PublishError]:
         """Messages the engine resolved: remove, keep or move each one's spool entry.
 
         Returns the errors of the recovered messages that went to the failed table (the adapter

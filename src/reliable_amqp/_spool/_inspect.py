@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from reliable_amqp._core.errors import SpoolError
-from reliable_amqp._core.message import OutgoingMessage
+from reliable_amqp._core.message import OutgoingMessage, as_message
 from reliable_amqp._spool import _codec, _files, _legacy, _scan
 from reliable_amqp._spool._files import Found
 from reliable_amqp._spool._lock import DirectoryLock, in_use_by
@@ -106,7 +106,7 @@ def failed_entries(directory: str | os.PathLike[str]) -> Iterator[FailedEntry]:
             raise SpoolError(
                 f"{file}: failed entry {record.seq} cannot be decoded: {exc}"
             ) from None
-        yield FailedEntry(record.seq, message, record.reason, record.failed_at)
+        yield FailedEntry(record.seq, as_message(message), record.reason, record.failed_at)
 
 
 def check(directory: str | os.PathLike[str]) -> list[str]:

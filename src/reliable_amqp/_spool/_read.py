@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from reliable_amqp._core.errors import SpoolError
-from reliable_amqp._core.message import OutgoingMessage
+from reliable_amqp._core.message import MessageParts
 from reliable_amqp._spool import _codec
 
 
@@ -15,7 +15,7 @@ class SpoolEntry(NamedTuple):
     counts against ``spool_max_bytes``. (A tuple: a drain makes one a message.)"""
 
     seq: int
-    message: OutgoingMessage
+    message: MessageParts
     size: int
 
 

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from reliable_amqp._core.errors import (
     SpoolFull,
     SpoolWriteError,
 )
-from reliable_amqp._core.message import OutgoingMessage, new_outgoing
+from reliable_amqp._core.message import MessageParts, as_message, new_outgoing
 from reliable_amqp._core.options import SPOOL_FSYNC_POLICIES
 from reliable_amqp._spool import _codec, _files, _legacy, _scan
 from reliable_amqp._spool._files import Segment
@@ -49,11 +50,11 @@ from reliable_amqp._spool._read import SpoolEntry, undecodable
 
 log = logging.getLogger("reliable_amqp.spool")
 _encode = _codec.encode
-_crc32 = _files._crc32
+_crc32 = zlib.crc32  # a module global: the append below is the hot path
 _pack_record = _files.RECORD.pack
 
 
-def encode_record(message: OutgoingMessage) -> bytes:
+def encode_record(message: MessageParts) -> bytes:
     """The stored record of ``message``, all but its body (:func:`_codec.encode`).
 
     Raises :class:`InvalidMessage` for a value the spool cannot store.
@@ -93,7 +94,7 @@ class SpoolCounts:
 #: the seq a record holds (its header's second field)
 _seq_of = _files.RECORD.unpack_from
 #: a queued failure: (seq, message, reason)
-_Fail = tuple[int, OutgoingMessage, str]
+_Fail = tuple[int, MessageParts, str]
 
 
 class Spool:
@@ -237,7 +238,7 @@ class Spool:
         return self._committed_seq
 
     @staticmethod
-    def encode(message: OutgoingMessage) -> tuple[bytes, int]:
+    def encode(message: MessageParts) -> tuple[bytes, int]:
         """The stored record of ``message`` (all but its body) and its size against the limit.
 
         Raises :class:`InvalidMessage` for a value the spool cannot store.
@@ -247,7 +248,7 @@ class Spool:
 
     def append(
         self,
-        message: OutgoingMessage,
+        message: MessageParts,
         timeout: float | None = None,
         encoded: bytes | None = None,
     ) -> int:
@@ -295,7 +296,7 @@ class Spool:
                 self._nudge()
         return seq
 
-    def check_writable(self, message: OutgoingMessage) -> None:
+    def check_writable(self, message: MessageParts) -> None:
         """Raise what refuses ``message`` for good, if anything: :class:`SpoolFull` (or
         :class:`SpoolWriteError`) while the writer cannot write, :class:`SpoolError` once the
         spool is closing. (What :meth:`try_append` refused otherwise is worth waiting for.)"""
@@ -306,7 +307,7 @@ class Spool:
         if self._closing:
             raise SpoolError(f"the spool {self.directory} is closed")
 
-    def _before_append(self, message: OutgoingMessage, size: int, timeout: float | None) -> None:
+    def _before_append(self, message: MessageParts, size: int, timeout: float | None) -> None:
         """Under the lock, when append() cannot go ahead at once: raise, or wait."""
         if self._error is not None:
             raise self._write_error(message)
@@ -317,7 +318,7 @@ class Spool:
         if self._queued_bytes > QUEUE_MAX_BYTES:
             self._wait_for_writer(message)
 
-    def _wait_for_room(self, size: int, timeout: float | None, message: OutgoingMessage) -> None:
+    def _wait_for_room(self, size: int, timeout: float | None, message: MessageParts) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.has_room(size):
             if self._error is not None:
@@ -344,7 +345,7 @@ class Spool:
             f"message of {size:,} bytes; the broker is not confirming (down or blocked?)"
         )
 
-    def _wait_for_writer(self, message: OutgoingMessage) -> None:
+    def _wait_for_writer(self, message: MessageParts) -> None:
         """The writer is behind by more than QUEUE_MAX_BYTES: wait for it (the disk)."""
         while self._queued_bytes > QUEUE_MAX_BYTES:
             if self._error is not None:
@@ -389,12 +390,12 @@ class Spool:
                 self._changed.wait(left)
         return True
 
-    def _write_error(self, message: OutgoingMessage) -> SpoolWriteError:
+    def _write_error(self, message: MessageParts) -> SpoolWriteError:
         error = self._error
         assert error is not None
         cls = SpoolFull if _files.is_disk_full(error) else SpoolWriteError
         reason = "is on a full disk" if cls is SpoolFull else "cannot be written"
-        exc = cls(message, self.directory, f"{reason}: {_files.describe(error)}")
+        exc = cls(as_message(message), self.directory, f"{reason}: {_files.describe(error)}")
         exc.__cause__ = error
         return exc
 
@@ -431,7 +432,7 @@ class Spool:
             with self._lock:
                 self._nudge()
 
-    def fail(self, seq: int, message: OutgoingMessage, reason: str) -> None:
+    def fail(self, seq: int, message: MessageParts, reason: str) -> None:
         """Move a message that failed for good (``seq``, read back as ``message``) to the failed
         log, with why."""
         with self._lock:

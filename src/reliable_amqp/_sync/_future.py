@@ -6,13 +6,12 @@ The machinery (CPython ``Future`` fields, the shared-lock condition) is in
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from reliable_amqp._compat.futures import LightFuture, SharedLockCondition
 from reliable_amqp._core.message import Confirmation, MessageProperties
-from reliable_amqp._core.tracker import CONFIRMED, Entry, new_entry
+from reliable_amqp._core.tracker import Entry, fresh_entry
 
 __all__ = ["PublishFuture", "SharedLockCondition", "WaitGuard", "future_factory"]
 
@@ -27,11 +26,12 @@ class WaitGuard(Protocol):
 class PublishFuture(LightFuture[Confirmation], Entry[Any]):
     """The future ``Publisher.publish()`` returns; ``index`` orders it for ``flush()``.
 
-    It is also the message and the engine's entry for it (:class:`Entry`): a message in flight
-    is one object for the garbage collector, which made the collector's full passes over the
-    messages in flight the largest cost left per message. Its attributes beyond the
-    ``Future`` ones (``exchange``, ``body``, ``message_id``, ``attempts``, ...) are the
-    publisher's bookkeeping, not API.
+    It is also the engine's entry for its message (:class:`Entry`), on every path (with a spool,
+    with telemetry): a message in flight is one object for the garbage collector, which made
+    the collector's full passes over the messages in flight the largest cost left per message.
+    Its attributes beyond the ``Future`` ones (``exchange``, ``body``, ``message_id``,
+    ``attempts``, ...) are the publisher's bookkeeping, not API. Made by :func:`future_factory`
+    only.
 
     Waiting for it (``result()``, ``exception()``) on the publisher's own I/O thread, say in a
     done-callback, raises at once: only that thread can resolve it.
@@ -39,30 +39,18 @@ class PublishFuture(LightFuture[Confirmation], Entry[Any]):
 
     guard: WaitGuard | None
 
-    def __init__(
-        self,
-        condition: SharedLockCondition | threading.RLock,
-        index: int,
-        guard: WaitGuard | None = None,
-    ) -> None:
-        # A future that is not a message (made apart from one: the spool's, tests')
-        if type(condition) is not SharedLockCondition:
-            # a lock of its own (tests); publishers pass the condition their futures share
-            condition = SharedLockCondition(condition)  # type: ignore[arg-type]
-        self._init_light(condition)
-        self.index = index
-        self.guard = guard
-        self.adopted = True  # not a message: never adopted as an entry
-
     def result(self, timeout: float | None = None) -> Confirmation:
         """The :class:`Confirmation`, or raise what became of the message."""
         guard = self.guard
         if guard is not None and not self.done():
             guard.check_wait("future.result()")
         result: object = super().result(timeout)
-        if result is CONFIRMED:  # settled with the entry's raw outcome: build it now, once
-            return self.outcome  # type: ignore[return-value]
-        return result  # type: ignore[return-value]
+        if isinstance(result, Confirmation):
+            return result
+        # settled with the entry's raw resolution (CONFIRMED): its Confirmation is built now
+        outcome = self.outcome
+        assert isinstance(outcome, Confirmation)
+        return outcome
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """What became of the message (None when it was confirmed)."""
@@ -86,8 +74,10 @@ def future_factory(
         mandatory: bool,
         message_id: str,
     ) -> PublishFuture:
-        future = new_entry(exchange, routing_key, body, base, mandatory, message_id, PublishFuture)
-        future._init_light(condition)
+        future = fresh_entry(
+            PublishFuture, exchange, routing_key, body, base, mandatory, message_id
+        )
+        future.init_light(condition)
         future.guard = guard
         return future
 

@@ -21,9 +21,7 @@ from reliable_amqp._core.errors import (
     ReliableAmqpError,
     WouldDeadlock,
 )
-from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
-from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync.topology import Request
@@ -36,11 +34,11 @@ class Backlog(Protocol):
     """What settles along with the window: the durable spool's bookkeeping (``spool=DIR``,
     :class:`~reliable_amqp._sync._spooled.SpooledPublishing`)."""
 
-    def refill(self) -> list[tuple[OutgoingMessage, PublishFuture] | PublishFuture]:
+    def refill(self) -> list[PublishFuture]:
         """On the I/O thread: the messages waiting on disk that the window has room for now."""
         ...
 
-    def resolved_locked(self, resolutions: list[Entry[PublishFuture]]) -> list[PublishError]:
+    def resolved_locked(self, resolutions: list[PublishFuture]) -> list[PublishError]:
         """Under :attr:`Handoff.lock`: note resolutions; returns the recovered messages that
         failed for good (to report once the lock is released)."""
         ...
@@ -57,7 +55,7 @@ class Handoff:
         self.lock = threading.Lock()  # publish() takes it bare: cheaper than the Condition
         self.room = threading.Condition(self.lock)
         self.window = Window(options.max_in_flight, options.max_in_flight_bytes)
-        self.outbox: deque[tuple[OutgoingMessage, PublishFuture] | PublishFuture] = deque()
+        self.outbox: deque[PublishFuture] = deque()
         self.requests: deque[Request] = deque()
         #: the condition (over one lock) this publisher's futures share
         self.futures = SharedLockCondition(threading.RLock())
@@ -79,18 +77,28 @@ class Handoff:
         self.telemetry: Telemetry | None = None
 
     def wake(self, force: bool = False) -> None:
-        """Make the I/O thread look at the outbox (once, however many publishes ask)."""
+        """Make the I/O thread look at the outbox and its requests (``force``: even when a
+        wake is on its way, for a request that must not wait for the next publish)."""
         with self.lock:
-            if self.wake_pending and not force:
-                return
-            self.wake_pending = True
-            wake = self.wake_loop
+            if force:
+                self.wake_pending = False
+            wake = self.wake_call()
         if wake is not None:
             wake()
-        else:
-            self.idle.set()
 
-    def take_outbox(self) -> deque[tuple[OutgoingMessage, PublishFuture] | PublishFuture] | None:
+    def wake_call(self) -> Callable[[], None] | None:
+        """Under :attr:`lock`, after adding to the outbox: the call that wakes the I/O thread,
+        to make once the lock is released; None when a wake is on its way already (one wake
+        however many publishes ask: the I/O thread takes the whole outbox). Between
+        connections it wakes the thread's wait, which takes the outbox too (so a message's
+        delivery deadline runs from its publish)."""
+        if self.wake_pending:
+            return None
+        self.wake_pending = True
+        wake = self.wake_loop
+        return self.idle.set if wake is None else wake
+
+    def take_outbox(self) -> deque[PublishFuture] | None:
         """Everything published since the last call (None when nothing was)."""
         with self.lock:
             self.wake_pending = False
@@ -107,22 +115,17 @@ class Handoff:
             self.requests.clear()
             return requests
 
-    def resolve(self, resolutions: list[Entry[PublishFuture]]) -> None:
-        """Turn resolutions into settled futures and free their room in the window."""
+    def resolve(self, resolutions: list[PublishFuture]) -> None:
+        """Settle the futures the engine resolved (each its message's entry) and free their
+        room in the window."""
         if not resolutions:
             return
         if self.telemetry is not None:  # before the futures: a span ends with its message
             self.telemetry.on_resolved(resolutions)
-        # a future the caller cancelled is left as it is; the message was still settled
-        # the handle is the future, or None when the entry is the future itself
-        futures = [e if (f := e.handle) is None else f for e in resolutions]
-        # an entry that is its own future keeps its raw outcome (CONFIRMED: the Confirmation is
-        # built by future.result(), if anyone asks); another future gets the real one
-        settle(
-            self.futures,
-            futures,
-            [e._outcome if e.handle is None else e.outcome for e in resolutions],
-        )
+        # a future the caller cancelled is left as it is; the message was still settled. A
+        # confirmed one keeps its raw resolution (CONFIRMED: the Confirmation is built by
+        # future.result(), if anyone asks).
+        settle(self.futures, resolutions, [e.resolution for e in resolutions])
         spooled = self.spooled
         with self.room:  # held briefly: publishing threads wait on this lock
             self.window.release(resolutions)

@@ -186,13 +186,13 @@ class IOThread:
         handoff = self._handoff
         items = handoff.take_outbox()
         if items is not None:
-            self._engine.accept_many(items, now)
+            self._engine.accept(items, now)
         read = 0
         if handoff.spooled is not None:  # then what waited on disk, in order, as room allows
             backlog = handoff.spooled.refill()
             read = len(backlog)
             if backlog:
-                self._engine.accept_many(backlog, now)
+                self._engine.accept(backlog, now)
             elif items is None:
                 return 0
         elif items is None:
@@ -374,8 +374,9 @@ class IOThread:
             return
         connection = self._connection
         assert connection is not None
-        # Frames are marshalled by the core straight to bytes (pika's own path costs ~3x the
-        # CPU) and gathered into one write per batch; pika still owns the socket.
+        # Frames are marshalled by the core straight to bytes (pika's own path costs several
+        # times the CPU: docs/benchmarks.md) and gathered into one write per batch; pika still
+        # owns the socket.
         out = connection.begin_gather()
         try:
             count, failed = self._supervisor.write(channel.channel_number, out)

@@ -15,33 +15,20 @@ made before it are in place when they go out. The bookkeeping is
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from reliable_amqp._compat.futures import LIGHT_FUTURES
+from reliable_amqp._compat.futures import watched
 from reliable_amqp._core.errors import PublisherClosed, PublishError
-from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
-from reliable_amqp._core.tracker import Entry
-from reliable_amqp._spool import Spool
 from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
 from reliable_amqp._sync._future import PublishFuture, future_factory
 
 if TYPE_CHECKING:
     from reliable_amqp._core.lifecycle import Lifecycle
     from reliable_amqp._sync._handoff import Handoff
-
-log = logging.getLogger("reliable_amqp")
-
-
-def _watched(future: PublishFuture) -> bool:
-    """Whether a future has done-callbacks or waiters (``concurrent.futures.wait``)."""
-    if LIGHT_FUTURES:  # the lists are made only when something is put in them
-        return bool(future._lazy_callbacks or future._lazy_waiters)
-    return bool(future._done_callbacks or future._waiters)
 
 
 class SpooledPublishing:
@@ -50,19 +37,10 @@ class SpooledPublishing:
     def __init__(self, options: PublisherOptions, handoff: Handoff, events: Lifecycle) -> None:
         assert options.spool is not None
         self.options = options
-        self.spool = Spool(
-            options.spool, max_bytes=options.spool_max_bytes, fsync=options.spool_fsync
-        )
-        self.feed: SpoolFeed[PublishFuture] = SpoolFeed(self.spool, _watched)
+        self.feed: SpoolFeed[PublishFuture] = SpoolFeed.open(options, watched)
+        self.spool = self.feed.spool
         self._handoff = handoff
         self._events = events
-        if self.spool.pending:
-            log.warning(
-                "reliable-amqp: spool %s holds %d messages from before: they go out first, "
-                "with the first publish(), flush() or close() (declare what they need before)",
-                self.spool.directory,
-                self.spool.pending,
-            )
         self.spool.on_commit = self._on_commit
         #: how a message read back is built: as its own future, like publish()'s
         self._build = future_factory(handoff.futures, handoff)
@@ -73,9 +51,9 @@ class SpooledPublishing:
     # --- the caller's side ----------------------------------------------------------------------
 
     def publish(
-        self, message: OutgoingMessage, check: Callable[[OutgoingMessage], None]
+        self, future: PublishFuture, check: Callable[[PublishFuture], None]
     ) -> PublishFuture:
-        """Append ``message`` to the spool and return its future (see the module docstring).
+        """Append ``future``'s message to the spool and return it (see the module docstring).
 
         ``check`` raises when the publisher no longer accepts messages (closed, gave up).
         """
@@ -83,8 +61,7 @@ class SpooledPublishing:
         handoff = self._handoff
         if feed.holding:
             self.release()
-        # the message is its own future (as without a spool: see Publisher.publish)
-        future: PublishFuture = message  # type: ignore[assignment]
+        message = future  # (as without a spool, the message is its own future)
         spool = self.spool
         window = handoff.window
         meta = b""  # the stored record, once the usual case did not take the message
@@ -93,7 +70,7 @@ class SpooledPublishing:
         while True:
             with handoff.lock:
                 if handoff.fatal is not None or not handoff.accepting:
-                    check(message)
+                    check(future)
                 # the usual case, in one call: nothing on disk ahead, room in the window and
                 # in the spool (InvalidMessage for what cannot be stored)
                 index = seq = feed.append_direct(message, window)
@@ -106,7 +83,7 @@ class SpooledPublishing:
                     ):
                         self._keep_pace(body_size)
                         if handoff.fatal is not None or not handoff.accepting:
-                            check(message)  # closed (or gave up) while it waited
+                            check(future)  # closed (or gave up) while it waited
                     seq = spool.try_append(meta, message.body, size)
                     if seq:
                         index = window.try_take(body_size) if feed.direct(seq) else 0
@@ -123,27 +100,22 @@ class SpooledPublishing:
                     future.index = index
                     handoff.outbox.append(future)
                 if seq:
-                    if handoff.wake_pending:
-                        return future
-                    wake = handoff.wake_loop
-                    handoff.wake_pending = wake is not None
+                    wake = handoff.wake_call()
             if seq:
                 if wake is not None:
                     wake()
-                else:
-                    handoff.idle.set()
                 return future
             # no room in the spool, or its writer behind: wait, off the lock, and try again
             end = end or time.monotonic() + self.options.publish_timeout
             if time.monotonic() >= end:
                 raise spool.timeout_error(size, self.options.publish_timeout)
-            self._wait_for_spool(message, size, check, end)
+            self._wait_for_spool(future, size, check, end)
 
     def _wait_for_spool(
         self,
-        message: OutgoingMessage,
+        future: PublishFuture,
         size: int,
-        check: Callable[[OutgoingMessage], None],
+        check: Callable[[PublishFuture], None],
         end: float,
     ) -> None:
         """Wait for room in the spool (confirms make it) or for its writer (the disk)."""
@@ -151,7 +123,7 @@ class SpooledPublishing:
         if not spool.has_room(size):
             # only confirms make room, and only the I/O thread reads them
             self._handoff.check_wait("publish() into a full spool")
-            check(message)
+            check(future)
             spool.wait_for_room(size, max(0.0, end - time.monotonic()))
         if spool.writer_behind:  # the disk is slower than the producer: wait for it
             spool.wait_for_writer(max(0.0, end - time.monotonic()))
@@ -232,15 +204,16 @@ class SpooledPublishing:
             )
             lost = "publisher closed; the spool could not store the message"
             for seq, future in waiting.items():
-                if not future.done():  # it is its own message (see publish())
+                if not future.done():
                     reason = kept if seq <= stored else lost
-                    future.set_exception(PublisherClosed(future.plain(), 0, reason))
+                    future.set_exception(PublisherClosed(future.message, 0, reason))
         self.spool.close(timeout)
 
     # --- the I/O thread's side ------------------------------------------------------------------
 
-    def refill(self) -> list[tuple[OutgoingMessage, PublishFuture] | PublishFuture]:
-        """The backlog messages the window has room for now, read back in order."""
+    def refill(self) -> list[PublishFuture]:
+        """The backlog messages the window has room for now, read back in order: each the
+        caller's future when the caller still holds it, else one built as it was read."""
         feed = self.feed
         if not feed.backlog:
             return []
@@ -255,27 +228,24 @@ class SpooledPublishing:
         entries = feed.read(room, self._build)  # the disk, outside the lock
         if not entries:
             return []
-        items: list[tuple[OutgoingMessage, PublishFuture] | PublishFuture] = []
-        condition = handoff.futures
+        items: list[PublishFuture] = []
         with handoff.lock:
             for entry in entries:
-                size = len(entry.message.body)
+                read = entry.message
+                assert isinstance(read, PublishFuture)  # what self._build makes
+                size = len(read.body)
                 if entry.seq <= feed.fed or not window.fits(size):
                     break
                 future = feed.take(entry.seq)
                 index = window.take(size)
                 feed.track(index, entry.seq, entry.size)
                 if future is None:  # recovered, or the caller dropped its future
-                    future = entry.message  # type: ignore[assignment]  # built as one (_build)
-                if type(future) is PublishFuture and not future.adopted:  # message and future
-                    future.index = index
-                    items.append(future)
-                else:  # a message decoded as a plain one (an id that is not a str)
-                    handle = PublishFuture(condition, index, handoff)
-                    items.append((entry.message, handle))
+                    future = read
+                future.index = index
+                items.append(future)
         return items
 
-    def resolved_locked(self, resolutions: list[Entry[PublishFuture]]) -> list[PublishError]:
+    def resolved_locked(self, resolutions: list[PublishFuture]) -> list[PublishError]:
         """Called by :meth:`Handoff.resolve` under its lock, before flushes are woken."""
         self.stalled = False  # confirms flow: publish() keeps pace again
         return self.feed.resolved(resolutions)

@@ -27,7 +27,7 @@ from reliable_amqp._core.errors import (
     PublisherClosed,
     PublishTimeout,
 )
-from reliable_amqp._core.message import Confirmation, OutgoingMessage
+from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
@@ -137,7 +137,7 @@ class _Parts:
         # The I/O thread settled everything it held; a publish that raced close() may remain.
         # The thread is gone, so the engine is this thread's to finish.
         engine = self.supervisor.engine
-        engine.accept_many(handoff.take_outbox() or (), time.monotonic())
+        engine.accept(handoff.take_outbox() or (), time.monotonic())
         handoff.resolve(engine.close_all("publisher closed"))
         if self.spooled is not None:  # what is left stays in the spool for the next publisher
             self.spooled.close(wait)
@@ -166,7 +166,7 @@ def _collected(parts: _Parts) -> None:
     ).start()
 
 
-class Publisher(PublisherSurface[None, str]):
+class Publisher(PublisherSurface[None, str, Future[Confirmation]]):
     """A confirming publisher over pika; share one between threads.
 
     ``Publisher(url, **options)`` takes a broker URL (or a list of URLs to fail over between) and
@@ -180,8 +180,8 @@ class Publisher(PublisherSurface[None, str]):
         self._handoff = Handoff(self.options)
         self._window = self._handoff.window
         self._supervisor: Supervisor[PublishFuture] = Supervisor(self.options)
-        self._init_checks()
-        self._new_entry = future_factory(self._handoff.futures, self._handoff)
+        #: checks and builds each message: as its own future (see PublishFuture)
+        self._builder = self._init_builder(future_factory(self._handoff.futures, self._handoff))
         #: the durable spool's part (spool=DIR): opening it takes its lock, or raises
         self._spooled = (
             SpooledPublishing(self.options, self._handoff, self._supervisor.events)
@@ -325,7 +325,7 @@ class Publisher(PublisherSurface[None, str]):
         ``correlation_id``, ``expiration``, ``priority``, ...); ``delivery_mode`` defaults to 2
         (persistent) and a ``message_id`` is generated when none is given.
         """
-        message = self._message(exchange, routing_key, body, mandatory, properties)
+        message = self._builder.message(exchange, routing_key, body, mandatory, properties)
         handoff = self._handoff
         if not self._io.opened.is_set():
             self._check_accepting(message)
@@ -334,7 +334,6 @@ class Publisher(PublisherSurface[None, str]):
             return self._spooled.publish(message, self._check_accepting)
         # The message is its own future (see PublishFuture). Cancelling the future only means
         # the caller stopped caring: the message stays tracked.
-        future: PublishFuture = message  # type: ignore[assignment]
         size = len(message.body)
         window = self._window
         with handoff.lock:
@@ -344,19 +343,14 @@ class Publisher(PublisherSurface[None, str]):
             if not index:
                 self._wait_for_room(size, message)
                 index = window.take(size)
-            future.index = index
-            if self._telemetry is None:
-                handoff.outbox.append(future)  # the message, the entry and its own handle
-            else:  # the span starts once nothing can refuse it
-                message = self._telemetry.on_publish(message, future.index)
-                handoff.outbox.append((message, future))
-            if handoff.wake_pending:
-                return future
-            wake = handoff.wake_loop
-            handoff.wake_pending = wake is not None
+            message.index = index
+            if self._telemetry is not None:  # the span starts once nothing can refuse it
+                self._telemetry.on_publish(message, index)
+            handoff.outbox.append(message)
+            wake = handoff.wake_call()
         if wake is not None:
             wake()
-        return future
+        return message
 
     def publish_many(
         self,
@@ -382,7 +376,9 @@ class Publisher(PublisherSurface[None, str]):
         for ``publish_timeout``, :class:`PublishTimeout` is raised if no message of the call was
         taken yet, else the futures of the messages left over fail with it.
         """
-        messages = self._messages(exchange, routing_key, bodies, mandatory, properties, message_ids)
+        messages = self._builder.messages(
+            exchange, routing_key, bodies, mandatory, properties, message_ids
+        )
         handoff = self._handoff
         if not messages:
             return []
@@ -391,10 +387,10 @@ class Publisher(PublisherSurface[None, str]):
             self.connect()
         if self._spooled is not None:
             return [self._spooled.publish(m, self._check_accepting) for m in messages]
-        futures: list[PublishFuture] = messages  # type: ignore[assignment]  # see publish()
-        messages = list(messages)
+        futures = messages  # each message is its own future (see publish())
         sizes = [len(m.body) for m in messages]
         window = self._window
+        telemetry = self._telemetry
         done = 0
         total = len(messages)
         while done < total:
@@ -414,23 +410,11 @@ class Publisher(PublisherSurface[None, str]):
                 taken = window.take_many(sizes, done)
                 for i in range(done, done + taken):
                     futures[i].index = first + i - done
-                if self._telemetry is None:
-                    handoff.outbox.extend(futures[done : done + taken])  # see publish()
-                else:
-                    for i in range(done, done + taken):
-                        messages[i] = self._telemetry.on_publish(messages[i], futures[i].index)
-                    handoff.outbox.extend(
-                        zip(
-                            messages[done : done + taken],
-                            futures[done : done + taken],
-                            strict=True,
-                        )
-                    )
+                    if telemetry is not None:  # the span starts once nothing can refuse it
+                        telemetry.on_publish(futures[i], first + i - done)
+                handoff.outbox.extend(futures[done : done + taken])
                 done += taken
-                wake = None
-                if not handoff.wake_pending:
-                    wake = handoff.wake_loop
-                    handoff.wake_pending = wake is not None
+                wake = handoff.wake_call()
             if wake is not None:
                 wake()
         return list(futures)
@@ -462,7 +446,7 @@ class Publisher(PublisherSurface[None, str]):
             raise ConfigurationError("persist() needs a spool: Publisher(url, spool=DIR)")
         return self._spooled.persist(timeout)
 
-    def _wait_for_room(self, size: int, message: OutgoingMessage) -> None:
+    def _wait_for_room(self, size: int, message: PublishFuture) -> None:
         handoff = self._handoff
         # A callback publishing into a full window would wait for confirms that only this (the
         # I/O) thread can read: fail at once instead.
@@ -476,9 +460,9 @@ class Publisher(PublisherSurface[None, str]):
                 raise window.full_error(self.options.publish_timeout)
             handoff.room.wait(remaining)
 
-    def _check_accepting(self, message: OutgoingMessage) -> None:
+    def _check_accepting(self, message: PublishFuture) -> None:
         fatal = self._handoff.fatal
         if fatal is not None:
-            raise PublisherClosed(message, 0, str(fatal)) from fatal
+            raise PublisherClosed(message.message, 0, str(fatal)) from fatal
         if not self._handoff.accepting:
-            raise PublisherClosed.refused("publish()", message)
+            raise PublisherClosed.refused("publish()", message.message)

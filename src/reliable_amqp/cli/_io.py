@@ -21,8 +21,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import IO, Any
 
+from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.errors import InvalidMessage, PublishError
-from reliable_amqp._core.message import PROPERTY_NAMES, OutgoingMessage, build_message
+from reliable_amqp._core.message import PROPERTY_NAMES, OutgoingMessage
 from reliable_amqp._core.stats import EventKind, PublisherEvent
 from reliable_amqp.cli._parse import UsageError, printable
 

@@ -40,7 +40,6 @@ from reliable_amqp.cli._io import (
     RetryStatus,
     open_failed_file,
     read_messages,
-    set_properties,
 )
 from reliable_amqp.cli._io import write_failures as _write_failures
 from reliable_amqp.cli._parse import (
@@ -283,17 +282,10 @@ def _publish_all(
         publisher.connect()
         if args.declare_queue:
             publisher.declare_queue(args.declare_queue, durable=True)
-        publish = publisher.publish
+        publish = publisher.publish_message
         started = time.monotonic()
         for item in items:
-            message = item.message
-            future = publish(
-                message.exchange,
-                message.routing_key,
-                message.body,
-                mandatory=message.mandatory,
-                **set_properties(message),
-            )
+            future = publish(item.message)
             published += 1
             future.add_done_callback(tally.watch(item))
             if not published & 255:
