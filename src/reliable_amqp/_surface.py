@@ -8,7 +8,7 @@ of it), a supervisor and a window; this class holds no state of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.builder import MessageBuilder, message_arguments
@@ -23,19 +23,27 @@ from reliable_amqp._core.window import Window
 D = TypeVar("D")  # declare_exchange/bind_queue: None, or an awaitable of None
 Q = TypeVar("Q")  # declare_queue: the queue name, or an awaitable of it
 M = TypeVar("M")  # a publisher's in-flight type, which its builder makes
-F = TypeVar("F")  # publish_message: the message's future, or an awaitable of it
+F = TypeVar("F")  # publish(), publish_message(): the message's future, or an awaitable of it
+L = TypeVar("L")  # publish_many(): the messages' futures, or an awaitable of them
 
 
-class PublisherSurface(Generic[D, Q, F]):
+class PublisherSurface(Generic[D, Q, F, L]):
     """Declarations, statistics and state, for both publishers."""
 
     options: PublisherOptions
     _supervisor: Supervisor[Any]
     _window: Window
-    #: the publisher's ``publish()`` (a coroutine function on the AsyncPublisher)
-    publish: Callable[..., Any]
+    _builder: MessageBuilder[Any]
 
     def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
+        raise NotImplementedError
+
+    def _publish(self, message: Any) -> F:
+        """Send one message its builder made (a coroutine function on the AsyncPublisher)."""
+        raise NotImplementedError
+
+    def _publish_many(self, messages: list[Any]) -> L:
+        """Send the messages of one ``publish_many()`` call, in order."""
         raise NotImplementedError
 
     def _init_builder(
@@ -53,6 +61,63 @@ class PublisherSurface(Generic[D, Q, F]):
             dedup_header=options.dedup_header,
         )
 
+    def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        mandatory: bool | None = None,
+        **properties: Any,
+    ) -> F:
+        """Send a message; its future (``await`` the call on the AsyncPublisher, whose futures
+        are asyncio ones). This waits only while the in-flight window is full.
+
+        The future's result is a :class:`Confirmation`, or it raises the :class:`PublishError`
+        subclass that says what became of the message. Keyword properties are AMQP basic
+        properties (``headers``, ``message_id``, ``content_type``, ``correlation_id``,
+        ``expiration``, ``priority``, ...); ``delivery_mode`` defaults to 2 (persistent) and a
+        ``message_id`` is generated when none is given. Raises :class:`InvalidMessage` naming
+        the field for a message AMQP cannot carry (before anything is sent), and
+        :class:`PublishTimeout` when no room frees up within ``publish_timeout``. Cancelling the
+        future only means the caller stopped caring: the message stays tracked until the broker
+        settles it.
+        """
+        return self._publish(
+            self._builder.message(exchange, routing_key, body, mandatory, properties)
+        )
+
+    def publish_many(
+        self,
+        exchange: str,
+        routing_key: str,
+        bodies: Iterable[bytes],
+        *,
+        mandatory: bool | None = None,
+        message_ids: Iterable[str] | None = None,
+        **properties: Any,
+    ) -> L:
+        """Send many messages to one route with the same properties; one future per body
+        (``await`` the call on the AsyncPublisher).
+
+        Each message is as if published alone by :meth:`publish` (its own generated
+        ``message_id``, or the one ``message_ids`` gives it, one per body; its own outcome and
+        retries), in the order of ``bodies``; the shared arguments are checked once, and the
+        whole call takes the window and wakes the writer once. The ``message_id`` keyword
+        cannot be given (each message has its own: use ``message_ids``). Raises
+        :class:`InvalidMessage` (naming ``bodies[i]`` or ``message_ids[i]`` for a bad one)
+        before sending any.
+
+        Waits only as :meth:`publish` does, while the window is full; when the window stays full
+        for ``publish_timeout``, :class:`PublishTimeout` is raised if no message of the call was
+        taken yet, else the futures of the messages left over fail with it.
+        """
+        return self._publish_many(
+            self._builder.messages(
+                exchange, routing_key, bodies, mandatory, properties, message_ids
+            )
+        )
+
     def publish_message(self, message: OutgoingMessage) -> F:
         """Send a message made beforehand: an :class:`OutgoingMessage` built by hand, or the
         one a :class:`PublishError` carries (``exc.message``) to try it again; its future
@@ -63,8 +128,7 @@ class PublisherSurface(Generic[D, Q, F]):
         arguments (:class:`InvalidMessage` for what cannot be sent).
         """
         exchange, routing_key, body, mandatory, properties = message_arguments(message)
-        result: F = self.publish(exchange, routing_key, body, mandatory=mandatory, **properties)
-        return result
+        return self.publish(exchange, routing_key, body, mandatory=mandatory, **properties)
 
     def __repr__(self) -> str:
         urls = ", ".join(redact_url(u) for u in self.options.urls)

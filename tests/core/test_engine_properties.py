@@ -61,7 +61,7 @@ def nack_delay(nacks: int) -> float:
 
 def _next(engine: PublishEngine[Entry[int]]) -> Entry[int] | None:
     """The next message :meth:`PublishEngine.take` gives, taken alone."""
-    taken = engine.take(1, 1)
+    taken, _ = engine.take(1, 1)
     return taken[0] if taken else None
 
 
@@ -250,14 +250,24 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(count=st.integers(1, 8))
     def send_batch(self, count: int) -> None:
-        """A writer's batch: take() gives what goes out together, marked one by one."""
-        taken = self.engine.take(count, 1 << 30)
+        """A writer's batch: take() gives a run that goes out as made, or one message with
+        headers of its own (a dedup header, BCC's attempt header), marked one by one here."""
+        taken, as_made = self.engine.take(count, 1 << 30)
         for entry in taken:
             expected = self._take_expected()
             assert expected is not None and entry is self.entries[expected.handle]
+            assert as_made is not self._alone(expected)
             self._sent(entry, expected)
-        if len(taken) < count:  # the model agrees nothing more goes now
-            assert self._next_expected() is None
+        if not as_made:
+            assert len(taken) == 1
+        elif len(taken) < count:  # the model agrees nothing more goes in this run
+            following = self._next_expected()
+            assert following is None or self._alone(following)
+
+    def _alone(self, msg: Msg) -> bool:
+        """Whether the message goes out with headers of its own, in a run of its own."""
+        headers = msg.message.base.headers or {}
+        return self.dedup or (msg.message.mandatory and "BCC" in headers)
 
     def _send_one(self) -> None:
         entry = _next(self.engine)

@@ -201,3 +201,21 @@ def test_full_error_names_the_counts_and_the_limits() -> None:
         "max_in_flight=2, max_in_flight_bytes=100)"
     )
     assert "60 s" in str(window.full_error(60.0))
+
+
+def test_take_run_counts_what_fits_and_numbers_it_in_order() -> None:
+    @dataclass
+    class Issued:
+        size: int
+        index: int = 0
+
+    window = Window(max_count=3, max_bytes=100)
+    big = [Issued(500), Issued(1)]
+    assert window.take_run(big) == 1  # an empty window lets the first through alone
+    assert big[0].index == 1 and big[1].index == 0
+    assert window.take_run(big, 1) == 0  # over the bytes now
+    window.release([resolved(1, 500)])
+    run = [Issued(10) for _ in range(5)]
+    assert window.take_run(run) == 3  # the count bound
+    assert [e.index for e in run] == [2, 3, 4, 0, 0]
+    assert (window.count, window.bytes, window.issued) == (3, 30, 4)

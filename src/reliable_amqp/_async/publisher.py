@@ -18,7 +18,7 @@ import asyncio
 import time
 import weakref
 from collections import deque
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +85,7 @@ class AsyncPublisher(
         Coroutine[Any, Any, None],
         Coroutine[Any, Any, str],
         Coroutine[Any, Any, asyncio.Future[Confirmation]],
+        Coroutine[Any, Any, list[asyncio.Future[Confirmation]]],
     ]
 ):
     """A confirming publisher for asyncio; share one between the tasks of one event loop.
@@ -265,21 +266,7 @@ class AsyncPublisher(
 
     # --- publishing --------------------------------------------------------------------------
 
-    async def publish(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        *,
-        mandatory: bool | None = None,
-        **properties: Any,
-    ) -> asyncio.Future[Confirmation]:
-        """As :meth:`Publisher.publish <reliable_amqp.Publisher.publish>`: the message's
-        asyncio future, once accepted (this waits only while the window is full). Cancelling
-        that future only means the caller stopped caring: the message stays tracked until the
-        broker settles it.
-        """
-        message = self._builder.message(exchange, routing_key, body, mandatory, properties)
+    async def _publish(self, message: AsyncEntry) -> Handle:
         pump = self._pump
         if self._spooled is not None:
             if not pump.started:
@@ -311,23 +298,7 @@ class AsyncPublisher(
         pump.wake()
         return future
 
-    async def publish_many(
-        self,
-        exchange: str,
-        routing_key: str,
-        bodies: Iterable[bytes],
-        *,
-        mandatory: bool | None = None,
-        message_ids: Iterable[str] | None = None,
-        **properties: Any,
-    ) -> list[asyncio.Future[Confirmation]]:
-        """As :meth:`Publisher.publish_many <reliable_amqp.Publisher.publish_many>`: one
-        asyncio future per body, the shared arguments checked once, the window taken and the
-        writer woken once per call (this waits only while the window is full).
-        """
-        messages = self._builder.messages(
-            exchange, routing_key, bodies, mandatory, properties, message_ids
-        )
+    async def _publish_many(self, messages: list[AsyncEntry]) -> list[Handle]:
         if not messages:
             return []
         if self._spooled is not None:
@@ -340,33 +311,27 @@ class AsyncPublisher(
             await self.connect()
         loop = self._pump.loop
         futures: list[asyncio.Future[Confirmation]] = [loop.create_future() for _ in messages]
-        sizes = [len(m.body) for m in messages]
         window = self._window
-        engine = self._engine
+        telemetry = self._telemetry
         done = 0
-        total = len(messages)
-        while done < total:
+        while done < len(messages):
             self._check_accepting(messages[done])
-            if self._room_waiters or not window.fits(sizes[done]):
+            if self._room_waiters or not window.fits(messages[done].size):
                 try:
-                    await self._wait_for_room(sizes[done], messages[done])
+                    await self._wait_for_room(messages[done].size, messages[done])
                 except PublishTimeout as exc:
                     if not done:
                         raise
                     for future in futures[done:]:
                         future.set_exception(exc)
                     break
-            first = window.issued + 1
-            taken = window.take_many(sizes, done)
-            telemetry = self._telemetry
-            for i in range(done, done + taken):
-                message = messages[i]
-                message.handle = futures[i]
-                message.index = first + i - done
+            taken = messages[done : done + window.take_run(messages, done)]
+            for message, future in zip(taken, futures[done:], strict=False):
+                message.handle = future
                 if telemetry is not None:  # the span starts once nothing can refuse it
                     telemetry.on_publish(message, message.index)
-            engine.accept(messages[done : done + taken], time.monotonic())
-            done += taken
+            self._engine.accept(taken, time.monotonic())
+            done += len(taken)
             self._pump.wake()
         return futures
 
@@ -411,12 +376,9 @@ class AsyncPublisher(
         return max(0, barrier.remaining)
 
     async def persist(self, timeout: float | None = None) -> int:
-        """With a spool: wait until every message published so far is durable on disk
-        (committed, and fsynced unless ``spool_fsync="never"``): the commit point after which
-        a crash of this process loses none of them. Returns how many are not durable yet when
-        ``timeout`` passes first (0: all are). Raises :class:`SpoolError` when the spool cannot
-        be written (a full disk), :class:`ConfigurationError` without a spool.
-        """
+        """As :meth:`Publisher.persist <reliable_amqp.Publisher.persist>`: with a spool, wait
+        until every message published so far is durable on disk; how many are not yet when
+        ``timeout`` passes first."""
         if self._spooled is None:
             raise ConfigurationError("persist() needs a spool: AsyncPublisher(url, spool=DIR)")
         return await self._spooled.persist(timeout)

@@ -128,70 +128,56 @@ class PublishEngine(Generic[E]):
         adapter writes again after each confirm)."""
         return self._isolated > 0
 
-    def take(self, max_count: int, max_bytes: int) -> list[E]:
-        """The next messages to write, in order: at most ``max_count``, ending with the one
-        whose body reaches ``max_bytes`` in all (the first is taken whatever its size).
+    def take(self, max_count: int, max_bytes: int) -> tuple[list[E], bool]:
+        """The next messages to write, in order, now on their way (``WIRE``).
 
-        Each must then be written and recorded, by :meth:`sent` (a run written as the messages
-        were made) or :meth:`mark_sent` (one written with the headers it returns), in the order
-        taken; one whose frames cannot be encoded goes to :meth:`fail` instead (after
-        :meth:`take_back`, once marked). While :attr:`isolating`, a suspect is taken alone, once
-        nothing else is on the wire, and nothing is taken while it is on the wire.
+        Returns ``(entries, True)``: a run to write as the messages were made, at most
+        ``max_count``, ending with the one whose body reaches ``max_bytes`` in all (the first is
+        taken whatever its size), then recorded by :meth:`sent`; or ``([entry], False)``: one
+        to write with headers of its own, which :meth:`mark_sent` records and returns (a dedup
+        header, or the attempt header of a mandatory message whose return the broker alters:
+        :func:`~reliable_amqp._core.tracker.returns_altered`). Empty when nothing waits. One
+        whose frames cannot be encoded goes to :meth:`fail` instead (after :meth:`take_back`,
+        once marked). While :attr:`isolating`, a suspect is taken alone, once nothing else is on
+        the wire, and nothing is taken while it is on the wire.
         """
-        if self._isolated:
-            return self._take_isolated(max_count, max_bytes)
         sendq = self._sendq
         taken: list[E] = []
+        isolating = self._isolated > 0
+        if isolating:
+            probe = self._probe
+            if probe is not None and probe.state is WIRE:
+                return taken, True  # a suspect is on the wire alone: wait for its outcome
+            self._probe = None
         keep = taken.append
+        own = self.dedup_header is not None
         size = 0
         while sendq and size < max_bytes:
             entry = sendq.popleft()
-            if entry.state is WAITING:  # else resolved while queued (expired, closed)
-                keep(entry)
-                size += entry.size
-                if len(taken) >= max_count:
-                    break
-        return taken
-
-    def _take_isolated(self, max_count: int, max_bytes: int) -> list[E]:
-        taken: list[E] = []
-        probe = self._probe
-        if probe is not None and probe.state is WIRE:
-            return taken  # a suspect is on the wire alone: wait for its outcome
-        self._probe = None
-        sendq = self._sendq
-        size = 0
-        while sendq and len(taken) < max_count and size < max_bytes:
-            entry = sendq[0]
             if entry.state is not WAITING:
-                sendq.popleft()
-                continue
-            if entry.isolated:
-                if taken or len(self.tracker):
-                    break  # it goes alone: wait until nothing else is on the wire
-                self._probe = entry
-                taken.append(sendq.popleft())
-                break
-            taken.append(sendq.popleft())
+                continue  # resolved while queued (expired, closed)
+            headers = entry.base.headers
+            alone = own or (headers is not None and entry.mandatory and returns_altered(headers))
+            if alone or (isolating and entry.isolated):
+                suspect = isolating and entry.isolated
+                if taken or (suspect and len(self.tracker)):
+                    # next, in a run of its own (a suspect: once nothing else is on the wire)
+                    sendq.appendleft(entry)
+                    break
+                if suspect:
+                    self._probe = entry
+                entry.state = WIRE
+                return [entry], not alone
+            entry.state = WIRE
+            keep(entry)
             size += entry.size
-        return taken
-
-    def written_as_made(self, entry: E) -> bool:
-        """Whether ``entry`` goes out with the headers it was made with (then :meth:`sent`
-        records it), rather than with headers of its own (:meth:`mark_sent`): not with a dedup
-        header, nor when mandatory with headers a broker alters in a return
-        (:func:`~reliable_amqp._core.tracker.returns_altered`), which need the attempt header.
-        """
-        if self.dedup_header is not None:
-            return False
-        headers = entry.base.headers
-        return headers is None or not entry.mandatory or not returns_altered(headers)
+            if len(taken) >= max_count:
+                break
+        return taken, True
 
     def sent(self, entries: Sequence[E]) -> None:
-        """Record that ``entries`` (from :meth:`take`) were written as they were made, in this
-        order: the next publishes on the channel, now awaiting their confirms."""
-        for entry in entries:
-            entry.state = WIRE
+        """Record that ``entries`` (a run from :meth:`take`) were written as they were made, in
+        this order: the next publishes on the channel, now awaiting their confirms."""
         self.tracker.track_all(entries)
 
     def take_back(self, entry: E) -> None:

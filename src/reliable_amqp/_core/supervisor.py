@@ -297,45 +297,46 @@ class Supervisor(Generic[E]):
         """
         engine = self.engine
         frame_max = self.frame_max
-        count = 0
+        count = size = 0
         failed: list[E] = []
-        as_made = engine.written_as_made
         encoder = self._encoder
         if encoder is None or encoder.channel != channel or encoder.frame_max != frame_max:
             encoder = self._encoder = PublishEncoder(channel, frame_max)
         encode = encoder.encode
-        # written as made, not recorded yet: recorded together (sent), in wire order
-        written: list[E] = []
-        keep = written.append
-        try:
-            for entry in engine.take(BATCH_COUNT, BATCH_BYTES):
-                if as_made(entry):
-                    # frames that do not depend on the delivery tag: nothing to take back if
-                    # encoding fails, and the batch's publishes are recorded together after
-                    try:
-                        encode(entry, out)
-                    except ENCODE_ERRORS as exc:
-                        failed.append(engine.fail(entry, _unencodable(entry, exc)))
-                        continue
-                    keep(entry)
-                else:
-                    if written:  # delivery tags follow the wire order
-                        engine.sent(written)
-                        written.clear()
-                    headers = engine.mark_sent(entry)
-                    mark = len(out)
-                    try:
-                        publish_frames(channel, entry, headers, frame_max, out)
-                    except ENCODE_ERRORS as exc:
-                        del out[mark:]
-                        engine.take_back(entry)
-                        failed.append(engine.fail(entry, _unencodable(entry, exc)))
-                        continue
-                count += 1
-        finally:  # what went into out is recorded, whatever happens
-            if written:
-                engine.sent(written)
-        return count, failed
+        while count < BATCH_COUNT and size < BATCH_BYTES:
+            entries, as_made = engine.take(BATCH_COUNT - count, BATCH_BYTES - size)
+            if not entries:
+                break
+            count += len(entries)
+            if as_made:
+                # frames that do not depend on the delivery tag: nothing to take back if
+                # encoding fails, and the run's publishes are recorded together after
+                written: list[E] = []
+                keep = written.append
+                try:
+                    for entry in entries:
+                        try:
+                            encode(entry, out)
+                        except ENCODE_ERRORS as exc:
+                            failed.append(engine.fail(entry, _unencodable(entry, exc)))
+                            continue
+                        keep(entry)
+                        size += entry.size
+                finally:  # what went into out is recorded, whatever happens
+                    engine.sent(written)
+            else:
+                [entry] = entries
+                headers = engine.mark_sent(entry)
+                mark = len(out)
+                try:
+                    publish_frames(channel, entry, headers, frame_max, out)
+                except ENCODE_ERRORS as exc:
+                    del out[mark:]
+                    engine.take_back(entry)
+                    failed.append(engine.fail(entry, _unencodable(entry, exc)))
+                    continue
+                size += entry.size
+        return count - len(failed), failed
 
     # --- time -----------------------------------------------------------------------------------
 

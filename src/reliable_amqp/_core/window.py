@@ -30,6 +30,16 @@ class Resolved(Protocol):
         """Its issue number."""
 
 
+class Issued(Protocol):
+    """A message as the window issues it: its size counted, its issue number given."""
+
+    @property
+    def size(self) -> int:
+        """Its body's size in bytes."""
+
+    index: int
+
+
 class Barrier:
     """One ``flush()`` under way: messages issued up to ``mark`` not yet resolved."""
 
@@ -88,30 +98,31 @@ class Window:
         self.issued += 1
         return self.issued
 
-    def take_many(self, sizes: Sequence[int], start: int = 0) -> int:
-        """Count as many of ``sizes[start:]`` as fit now (at least one when the window is
-        empty); return how many. Their indexes follow ``issued`` before the call, in order."""
+    def take_run(self, entries: Sequence[Issued], start: int = 0) -> int:
+        """Count as many of ``entries[start:]`` as fit now (at least one when the window is
+        empty), giving each its issue number (``index``) in order; return how many."""
         count = self.count
         room = self.max_count - count
-        end = min(len(sizes), start + room)
+        end = min(len(entries), start + room)
         if end <= start:
             return 0
         total = self.bytes
         limit = self.max_bytes
+        issued = self.issued
         taken = start
-        if count == 0:  # the first message goes through alone, whatever its size
-            total += sizes[start]
-            taken += 1
-        for size in itertools.islice(sizes, taken, end):
-            if total + size > limit:
+        for entry in itertools.islice(entries, start, end):
+            size = entry.size
+            # the first message of an empty window goes through alone, whatever its size
+            if total + size > limit and (count or taken > start):
                 break
             total += size
             taken += 1
-        n = taken - start
-        self.count = count + n
+            issued += 1
+            entry.index = issued
+        self.count = count + taken - start
         self.bytes = total
-        self.issued += n
-        return n
+        self.issued = issued
+        return taken - start
 
     def free_slots(self) -> int:
         """How many more messages the count bound admits (the byte bound aside)."""

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
@@ -166,7 +166,7 @@ def _collected(parts: _Parts) -> None:
     ).start()
 
 
-class Publisher(PublisherSurface[None, str, Future[Confirmation]]):
+class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Confirmation]]]):
     """A confirming publisher over pika; share one between threads.
 
     ``Publisher(url, **options)`` takes a broker URL (or a list of URLs to fail over between) and
@@ -308,24 +308,7 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation]]):
 
     # --- publishing --------------------------------------------------------------------------
 
-    def publish(
-        self,
-        exchange: str,
-        routing_key: str,
-        body: bytes,
-        *,
-        mandatory: bool | None = None,
-        **properties: Any,
-    ) -> Future[Confirmation]:
-        """Send a message; return a future at once (it waits only while the window is full).
-
-        The future's ``result()`` is a :class:`Confirmation`, or raises the
-        :class:`PublishError` subclass that says what became of the message. Keyword
-        properties are AMQP basic properties (``headers``, ``message_id``, ``content_type``,
-        ``correlation_id``, ``expiration``, ``priority``, ...); ``delivery_mode`` defaults to 2
-        (persistent) and a ``message_id`` is generated when none is given.
-        """
-        message = self._builder.message(exchange, routing_key, body, mandatory, properties)
+    def _publish(self, message: PublishFuture) -> Future[Confirmation]:
         handoff = self._handoff
         if not self._io.opened.is_set():
             self._check_accepting(message)
@@ -352,33 +335,7 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation]]):
             wake()
         return message
 
-    def publish_many(
-        self,
-        exchange: str,
-        routing_key: str,
-        bodies: Iterable[bytes],
-        *,
-        mandatory: bool | None = None,
-        message_ids: Iterable[str] | None = None,
-        **properties: Any,
-    ) -> list[Future[Confirmation]]:
-        """Send many messages to one route with the same properties; one future per body.
-
-        Each message is as if published alone by :meth:`publish` (its own generated
-        ``message_id``, or the one ``message_ids`` gives it, one per body; its own outcome and
-        retries), in the order of ``bodies``; the shared
-        arguments are checked once, and the whole call takes the window and wakes the I/O thread
-        once. The ``message_id`` keyword cannot be given (each message has its own: use
-        ``message_ids``). Raises :class:`InvalidMessage` (naming ``bodies[i]`` or
-        ``message_ids[i]`` for a bad one) before sending any.
-
-        Waits only as :meth:`publish` does, while the window is full; when the window stays full
-        for ``publish_timeout``, :class:`PublishTimeout` is raised if no message of the call was
-        taken yet, else the futures of the messages left over fail with it.
-        """
-        messages = self._builder.messages(
-            exchange, routing_key, bodies, mandatory, properties, message_ids
-        )
+    def _publish_many(self, messages: list[PublishFuture]) -> list[Future[Confirmation]]:
         handoff = self._handoff
         if not messages:
             return []
@@ -388,16 +345,14 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation]]):
         if self._spooled is not None:
             return [self._spooled.publish(m, self._check_accepting) for m in messages]
         futures = messages  # each message is its own future (see publish())
-        sizes = [len(m.body) for m in messages]
         window = self._window
         telemetry = self._telemetry
         done = 0
-        total = len(messages)
-        while done < total:
+        while done < len(messages):
             with handoff.lock:
-                if not window.fits(sizes[done]):
+                if not window.fits(messages[done].size):
                     try:
-                        self._wait_for_room(sizes[done], messages[done])
+                        self._wait_for_room(messages[done].size, messages[done])
                     except PublishTimeout as exc:
                         if not done:
                             raise
@@ -406,14 +361,12 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation]]):
                         return list(futures)
                 if handoff.fatal is not None or not handoff.accepting:
                     self._check_accepting(messages[done])
-                first = window.issued + 1
-                taken = window.take_many(sizes, done)
-                for i in range(done, done + taken):
-                    futures[i].index = first + i - done
-                    if telemetry is not None:  # the span starts once nothing can refuse it
-                        telemetry.on_publish(futures[i], first + i - done)
-                handoff.outbox.extend(futures[done : done + taken])
-                done += taken
+                taken = messages[done : done + window.take_run(messages, done)]
+                if telemetry is not None:  # the spans start once nothing can refuse them
+                    for future in taken:
+                        telemetry.on_publish(future, future.index)
+                handoff.outbox.extend(taken)
+                done += len(taken)
                 wake = handoff.wake_call()
             if wake is not None:
                 wake()
