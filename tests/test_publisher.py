@@ -31,6 +31,7 @@ from reliable_amqp import (
     PublishTimeout,
     RetryPolicy,
 )
+from reliable_amqp._core.builder import build_message
 
 pytestmark = pytest.mark.broker
 
@@ -345,6 +346,11 @@ def test_publish_message_sends_a_message_made_beforehand(
         with pytest.raises(InvalidMessage) as info:
             publisher.publish_message(bad)
         assert info.value.field == "priority"
+        # checked by build_message already, but not against this publisher: its user
+        other_user = build_message("", queue, b"x", properties={"user_id": "someone-else"})
+        with pytest.raises(InvalidMessage) as info:
+            publisher.publish_message(other_user)
+        assert info.value.field == "user_id"
     (props, body), (props2, body2) = broker.drain(queue)
     assert (body, props.message_id, props.priority, props.delivery_mode) == (
         b"again",

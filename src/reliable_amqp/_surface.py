@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
-from reliable_amqp._core.builder import MessageBuilder, message_arguments
+from reliable_amqp._core.builder import MessageBuilder
 from reliable_amqp._core.message import MessageProperties, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State
@@ -127,8 +127,7 @@ class PublisherSurface(Generic[D, Q, F, L]):
         drop duplicates recognise a second copy); checked as ``publish()`` checks its
         arguments (:class:`InvalidMessage` for what cannot be sent).
         """
-        exchange, routing_key, body, mandatory, properties = message_arguments(message)
-        return self.publish(exchange, routing_key, body, mandatory=mandatory, **properties)
+        return self._publish(self._builder.from_message(message))
 
     def __repr__(self) -> str:
         urls = ", ".join(redact_url(u) for u in self.options.urls)

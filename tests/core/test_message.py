@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import pickle
 from decimal import Decimal
 from typing import Any
 
@@ -25,6 +26,7 @@ from reliable_amqp._core.message import (
     Confirmation,
     MessageProperties,
     OutgoingMessage,
+    checked,
     new_confirmation,
     new_message_id,
     new_message_ids,
@@ -450,3 +452,12 @@ def test_header_datetimes_round_down_like_the_encoder() -> None:
     value = dt.datetime(1970, 1, 1, 0, 0, 1, 999999)
     assert _props(headers={"t": value}).properties.headers == {"t": value}
     assert _props(timestamp=value).properties.timestamp == 1
+
+
+def test_only_what_build_message_made_counts_as_checked() -> None:
+    # publish_message() takes such a message without checking its fields again
+    made = build_message("ex", "rk", b"x", properties={"priority": 3})
+    assert checked(made)
+    assert not checked(made.replace(body=b"y"))
+    assert not checked(OutgoingMessage("ex", "rk", b"x", made.properties))
+    assert not checked(pickle.loads(pickle.dumps(made)))

@@ -34,9 +34,10 @@ from reliable_amqp._core.message import (
     TRANSIENT,
     MessageProperties,
     OutgoingMessage,
+    checked,
+    new_checked,
     new_message_id,
     new_message_ids,
-    new_outgoing,
 )
 
 #: AMQP ``shortstr`` limit, which bounds exchange names, routing keys and string properties.
@@ -91,12 +92,9 @@ def build_message(
     )
 
 
-def message_arguments(message: object) -> tuple[str, str, bytes, bool, dict[str, Any]]:
-    """What ``publish()`` takes to send ``message`` again, an :class:`OutgoingMessage` made by
-    hand or read back (``publish_message()``): (exchange, routing key, body, mandatory, the
-    properties it sets as keywords, its ``message_id`` among them when it has one)."""
-    if not isinstance(message, OutgoingMessage):
-        raise InvalidMessage("message", f"must be an OutgoingMessage, not {type(message).__name__}")
+def message_arguments(message: OutgoingMessage) -> tuple[str, str, bytes, bool, dict[str, Any]]:
+    """What ``publish()`` takes to send ``message``: (exchange, routing key, body, mandatory,
+    the properties it sets as keywords, its ``message_id`` among them when it has one)."""
     base = message.base
     given = {name: value for name in PROPERTY_ORDER if (value := getattr(base, name)) is not None}
     if given.get("delivery_mode") == PERSISTENT:
@@ -545,6 +543,29 @@ class MessageBuilder(Generic[M]):
             self._check_header_size(base, longest)
         return messages
 
+    def from_message(self, message: OutgoingMessage) -> M:
+        """``message``, made beforehand (``publish_message()``), as this builder's kind:
+        checked as :meth:`message` checks a ``publish()`` call's arguments, its id kept (one
+        is generated when it has none). One :func:`build_message` made is checked already:
+        only what depends on the publisher (``user_id``, the header size) is checked again."""
+        if not isinstance(message, OutgoingMessage):
+            raise InvalidMessage(
+                "message", f"must be an OutgoingMessage, not {type(message).__name__}"
+            )
+        if not checked(message):
+            exchange, routing_key, body, mandatory, given = message_arguments(message)
+            return self.message(exchange, routing_key, body, mandatory, given)
+        base = message.base
+        if base.user_id is not None:
+            self._check_user(base.user_id)
+        message_id = message.message_id or new_message_id()
+        made = self._new(
+            message.exchange, message.routing_key, message.body, base, message.mandatory, message_id
+        )
+        if base.headers and self._limits is not None and self._limits.frame_max:
+            self._check_header_size(base, message_id)
+        return made
+
     def _check_route(self, exchange: str, routing_key: str) -> None:
         check_route(exchange, routing_key)
         routes = self._routes
@@ -604,4 +625,4 @@ def _utf8_length(message_id: str) -> int:
 
 
 #: checks :func:`build_message` (messages on their own, for no publisher)
-_PLAIN: MessageBuilder[OutgoingMessage] = MessageBuilder(new_outgoing)
+_PLAIN: MessageBuilder[OutgoingMessage] = MessageBuilder(new_checked)

@@ -70,6 +70,7 @@ class OutgoingMessage:
     """
 
     __slots__ = (
+        "_checked",
         "_properties",
         "base",
         "body",
@@ -89,6 +90,8 @@ class OutgoingMessage:
     #: the properties without ``message_id`` (shared between messages)
     base: MessageProperties
     _properties: MessageProperties | None
+    #: made by ``build_message`` (see :func:`checked`)
+    _checked: bool
 
     def __init__(
         self,
@@ -266,6 +269,7 @@ _set_base = _slot_setter(OutgoingMessage, "base")
 _set_mandatory = _slot_setter(OutgoingMessage, "mandatory")
 _set_message_id = _slot_setter(OutgoingMessage, "message_id")
 _set_cached_properties = _slot_setter(OutgoingMessage, "_properties")
+_set_checked = _slot_setter(OutgoingMessage, "_checked")
 
 
 def _init_message(  # noqa: PLR0917
@@ -286,6 +290,7 @@ def _init_message(  # noqa: PLR0917
     _set_mandatory(message, mandatory)
     _set_message_id(message, message_id)
     _set_cached_properties(message, None)
+    _set_checked(message, False)
 
 
 def new_outgoing(  # noqa: PLR0917
@@ -300,6 +305,27 @@ def new_outgoing(  # noqa: PLR0917
     message: OutgoingMessage = _new(OutgoingMessage)
     _init_message(message, exchange, routing_key, body, base, mandatory, message_id)
     return message
+
+
+def new_checked(  # noqa: PLR0917
+    exchange: str,
+    routing_key: str,
+    body: bytes,
+    base: MessageProperties,
+    mandatory: bool,
+    message_id: str,
+) -> OutgoingMessage:
+    """:func:`new_outgoing` for the message checker (``build_message``): a message marked
+    as checked, which a publisher then takes without checking it again (:func:`checked`)."""
+    message = new_outgoing(exchange, routing_key, body, base, mandatory, message_id)
+    _set_checked(message, True)
+    return message
+
+
+def checked(message: OutgoingMessage) -> bool:
+    """Whether ``message`` was made by ``build_message`` (its fields all checked): not one
+    built by hand, by :meth:`OutgoingMessage.replace` or unpickled."""
+    return message._checked
 
 
 _set_confirmed_id = _slot_setter(Confirmation, "message_id")
