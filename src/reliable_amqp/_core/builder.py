@@ -17,6 +17,7 @@ import datetime as _dt
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from decimal import Decimal
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 from reliable_amqp._core.errors import InvalidMessage
@@ -35,9 +36,9 @@ from reliable_amqp._core.message import (
     MessageProperties,
     OutgoingMessage,
     checked,
-    new_checked,
     new_message_id,
     new_message_ids,
+    new_outgoing,
 )
 
 #: AMQP ``shortstr`` limit, which bounds exchange names, routing keys and string properties.
@@ -466,18 +467,9 @@ class MessageBuilder(Generic[M]):
         ``properties`` is the caller's keywords dict, ``message_id`` among them (this call's
         own: it is consumed); ``mandatory`` None means the builder's default.
         """
-        try:
-            checked = (exchange, routing_key) in self._routes
-        except TypeError:  # unhashable: refused by the check
-            checked = False
-        if not checked:
-            self._check_route(exchange, routing_key)
+        mandatory = self._check_shared(exchange, routing_key, mandatory)
         if type(body) is not bytes:
             body = check_body(body)
-        if mandatory is None:
-            mandatory = self.mandatory
-        elif mandatory is not False and mandatory is not True:
-            check_mandatory(mandatory)
         if not properties:
             return self._new(exchange, routing_key, body, DEFAULT_BASE, mandatory, new_message_id())
         message_id = check_message_id(properties.pop("message_id", None)) or new_message_id()
@@ -498,16 +490,7 @@ class MessageBuilder(Generic[M]):
     ) -> list[M]:
         """The checked messages of a ``publish_many()`` call: the shared arguments checked
         once, every body (and every given id) checked before any message is built."""
-        try:
-            checked = (exchange, routing_key) in self._routes
-        except TypeError:  # unhashable: refused by the check
-            checked = False
-        if not checked:
-            self._check_route(exchange, routing_key)
-        if mandatory is None:
-            mandatory = self.mandatory
-        elif mandatory is not False and mandatory is not True:
-            check_mandatory(mandatory)
+        mandatory = self._check_shared(exchange, routing_key, mandatory)
         if "message_id" in properties:
             raise InvalidMessage(
                 "message_id",
@@ -565,6 +548,21 @@ class MessageBuilder(Generic[M]):
         if base.headers and self._limits is not None and self._limits.frame_max:
             self._check_header_size(base, message_id)
         return made
+
+    def _check_shared(self, exchange: str, routing_key: str, mandatory: bool | None) -> bool:
+        """Check what every message of a call shares: the route (once per publisher), and
+        ``mandatory``; the mandatory flag to use (None: the builder's default)."""
+        try:
+            known = (exchange, routing_key) in self._routes
+        except TypeError:  # unhashable: refused by the check
+            known = False
+        if not known:
+            self._check_route(exchange, routing_key)
+        if mandatory is None:
+            return self.mandatory
+        if mandatory is not False and mandatory is not True:
+            check_mandatory(mandatory)
+        return mandatory
 
     def _check_route(self, exchange: str, routing_key: str) -> None:
         check_route(exchange, routing_key)
@@ -625,4 +623,4 @@ def _utf8_length(message_id: str) -> int:
 
 
 #: checks :func:`build_message` (messages on their own, for no publisher)
-_PLAIN: MessageBuilder[OutgoingMessage] = MessageBuilder(new_checked)
+_PLAIN: MessageBuilder[OutgoingMessage] = MessageBuilder(partial(new_outgoing, checked=True))

@@ -168,35 +168,15 @@ class MessageParts(Protocol):
     """What a message is made of, as what encodes it reads it (its frames, its spool record):
     an :class:`OutgoingMessage`, or a publisher's in-flight entry for one."""
 
-    @property
-    def exchange(self) -> str:
-        """The exchange it is published to."""
-        ...
+    __slots__ = ()  # an entry that subclasses it keeps slots only
 
-    @property
-    def routing_key(self) -> str:
-        """Its routing key."""
-        ...
-
-    @property
-    def body(self) -> bytes:
-        """Its body."""
-        ...
-
-    @property
-    def base(self) -> MessageProperties:
-        """Its properties without ``message_id``."""
-        ...
-
-    @property
-    def mandatory(self) -> bool:
-        """Whether the broker returns it when no queue takes it."""
-        ...
-
-    @property
-    def message_id(self) -> str:
-        """Its id."""
-        ...
+    exchange: str
+    routing_key: str
+    body: bytes
+    #: its properties without ``message_id``
+    base: MessageProperties
+    mandatory: bool
+    message_id: str
 
 
 def as_message(parts: MessageParts) -> OutgoingMessage:
@@ -300,25 +280,16 @@ def new_outgoing(  # noqa: PLR0917
     base: MessageProperties,
     mandatory: bool,
     message_id: str,
+    *,
+    checked: bool = False,
 ) -> OutgoingMessage:
-    """An :class:`OutgoingMessage` from checked parts, built fast (``base`` has no id)."""
+    """An :class:`OutgoingMessage` from checked parts, built fast (``base`` has no id);
+    ``checked``: made by the message checker (``build_message``), which a publisher then takes
+    without checking it again (see :func:`checked`)."""
     message: OutgoingMessage = _new(OutgoingMessage)
     _init_message(message, exchange, routing_key, body, base, mandatory, message_id)
-    return message
-
-
-def new_checked(  # noqa: PLR0917
-    exchange: str,
-    routing_key: str,
-    body: bytes,
-    base: MessageProperties,
-    mandatory: bool,
-    message_id: str,
-) -> OutgoingMessage:
-    """:func:`new_outgoing` for the message checker (``build_message``): a message marked
-    as checked, which a publisher then takes without checking it again (:func:`checked`)."""
-    message = new_outgoing(exchange, routing_key, body, base, mandatory, message_id)
-    _set_checked(message, True)
+    if checked:
+        _set_checked(message, True)
     return message
 
 

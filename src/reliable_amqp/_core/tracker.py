@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 from sortedcontainers import SortedDict
@@ -23,6 +24,7 @@ from reliable_amqp._core.errors import PublishError
 from reliable_amqp._core.frames import headers_match
 from reliable_amqp._core.message import (
     Confirmation,
+    MessageParts,
     MessageProperties,
     OutgoingMessage,
     new_confirmation,
@@ -90,7 +92,7 @@ class Outcome(enum.Enum):
     NACKED = "nacked"
 
 
-class Entry(Generic[H]):
+class Entry(MessageParts, Generic[H]):
     """One accepted message in flight and its bookkeeping; ``handle`` is the adapter's (the
     async publisher's future; the sync publisher's entries are their own futures).
 
@@ -124,13 +126,8 @@ class Entry(Generic[H]):
         "state",
     )
 
-    exchange: str
-    routing_key: str
-    body: bytes
-    #: the properties without ``message_id`` (shared between messages; replaced, never changed)
-    base: MessageProperties
-    mandatory: bool
-    message_id: str
+    # the message's parts: exchange, routing_key, body, base (shared between messages:
+    # replaced, never changed), mandatory, message_id (MessageParts)
     handle: H
     deadline: float
     size: int
@@ -245,19 +242,6 @@ _new = object.__new__
 _WAITING = Stage.WAITING
 
 
-def new_entry(  # noqa: PLR0917
-    exchange: str,
-    routing_key: str,
-    body: bytes,
-    base: MessageProperties,
-    mandatory: bool,
-    message_id: str,
-) -> Entry[Any]:
-    """A message to publish, from checked parts (``base`` has no message_id), built fast as
-    the entry an engine will take, its bookkeeping that of a fresh entry."""
-    return fresh_entry(Entry, exchange, routing_key, body, base, mandatory, message_id)
-
-
 def fresh_entry(  # noqa: PLR0917
     cls: type[E],
     exchange: str,
@@ -290,6 +274,13 @@ def fresh_entry(  # noqa: PLR0917
     entry.state = _WAITING
     entry.resolution = None
     return entry
+
+
+#: :func:`fresh_entry` for an :class:`Entry`: a message to publish, from checked parts (``base``
+#: has no message_id), built fast as the entry an engine will take
+new_entry: Callable[[str, str, bytes, MessageProperties, bool, str], Entry[Any]] = partial(
+    fresh_entry, Entry
+)
 
 
 def pack_key(generation: int, seq: int) -> int:
