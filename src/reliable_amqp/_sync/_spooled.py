@@ -61,7 +61,6 @@ class SpooledPublishing:
         handoff = self._handoff
         if feed.holding:
             self.release()
-        message = future  # (as without a spool, the message is its own future)
         spool = self.spool
         window = handoff.window
         meta = b""  # the stored record, once the usual case did not take the message
@@ -73,18 +72,18 @@ class SpooledPublishing:
                     check(future)
                 # the usual case, in one call: nothing on disk ahead, room in the window and
                 # in the spool (InvalidMessage for what cannot be stored)
-                index = seq = feed.append_direct(message, window)
+                index = seq = feed.append_direct(future, window)
                 if not index:
                     if not meta:
-                        meta, size = spool.encode(message)
-                    body_size = len(message.body)
+                        meta, size = spool.encode(future)
+                    body_size = len(future.body)
                     if not self.stalled and (
                         spool.last_seq != feed.fed or not window.fits(body_size)
                     ):
                         self._keep_pace(body_size)
                         if handoff.fatal is not None or not handoff.accepting:
                             check(future)  # closed (or gave up) while it waited
-                    seq = spool.try_append(meta, message.body, size)
+                    seq = spool.try_append(meta, future.body, size)
                     if seq:
                         index = window.try_take(body_size) if feed.direct(seq) else 0
                         if index:
@@ -95,7 +94,7 @@ class SpooledPublishing:
                                 return future
                             # room now: have the I/O thread read it back
                     else:
-                        spool.check_writable(message)  # SpoolFull, closed: no waiting helps
+                        spool.check_writable(future)  # SpoolFull, closed: no waiting helps
                 if index:
                     future.index = index
                     handoff.outbox.append(future)
