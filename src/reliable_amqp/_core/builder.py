@@ -467,7 +467,13 @@ class MessageBuilder(Generic[M]):
         ``properties`` is the caller's keywords dict, ``message_id`` among them (this call's
         own: it is consumed); ``mandatory`` None means the builder's default.
         """
-        mandatory = self._check_shared(exchange, routing_key, mandatory)
+        try:  # the usual case in line: a route checked before, the default mandatory flag
+            usual = mandatory is None and (exchange, routing_key) in self._routes
+        except TypeError:  # unhashable: refused by the check
+            usual = False
+        mandatory = (
+            self.mandatory if usual else self._check_shared(exchange, routing_key, mandatory)
+        )
         if type(body) is not bytes:
             body = check_body(body)
         if not properties:
