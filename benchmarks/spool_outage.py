@@ -12,7 +12,9 @@ spool directory's size and RSS are reported as it drains, the directory's size a
 ``close()``, and the queue is read back to check that every message arrived, in order
 (duplicates, which at-least-once allows, are counted; ``--no-verify`` skips that). A spool-less
 ``Publisher`` publishes ``--compare-count`` messages through the same proxy to a fresh queue,
-once before the outage and once after the drain: the drain rate is reported beside both rates,
+once before the outage and once after the drain, and then into the queue the drain filled
+(behind its messages, where the broker's work per message is the drain's): the drain rate is
+reported beside the three rates,
 with the CPU a message each took here and, when one local ``beam.smp`` can be seen in /proc, in
 the broker (on a small machine the broker's CPU is what bounds both rates). Queues are lazy (the
 broker keeps the backlog on its disk).
@@ -240,9 +242,9 @@ class Plain:
     in_flight: list[int]
 
 
-def plain_rate(proxy: TcpProxy, queue: str, count: int, size: int) -> Plain:
+def plain_rate(proxy: TcpProxy, queue: str, count: int, size: int, first: int = 0) -> Plain:
     """Messages a second of a spool-less Publisher through ``proxy`` (first publish to last
-    confirm), and the CPU it took."""
+    confirm), and the CPU it took; its bodies are numbered from ``first``."""
     in_flight: list[int] = []
     done = threading.Event()
     with Publisher(proxy.url()) as publisher:
@@ -254,7 +256,7 @@ def plain_rate(proxy: TcpProxy, queue: str, count: int, size: int) -> Plain:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         started, cpu, broker = time.perf_counter(), time.process_time(), broker_cpu()
-        for i in range(count):
+        for i in range(first, first + count):
             publisher.publish("", queue, body(i, size))
         left = publisher.flush(None)
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
@@ -338,9 +340,12 @@ def main() -> int:
                 report_every=args.report_every,
             )  # fmt: skip
             after = plain_rate(proxy, plain_queue, args.compare_count, args.size)
+            # and into the queue the drain filled, behind its messages (numbered after them):
+            # the broker's work per message grows with a queue that deep
+            deep = plain_rate(proxy, queue, args.compare_count, args.size, first=args.count)
             duplicates = None
             if not args.no_verify:
-                duplicates = verify(args.url, queue, args.count, args.size)
+                duplicates = verify(args.url, queue, args.count + args.compare_count, args.size)
         peak = max(growth for _, growth in result.rss)
         print(f"\n== spool outage: {args.count:,} x {args.size} B ==")
         print(f"RSS growth, every {args.report_every:,}: " + ", ".join(
@@ -370,7 +375,11 @@ def main() -> int:
             f"{mean(result.in_flight_draining):,.0f} in flight on average"
         )
         n = args.compare_count
-        for when, plain in (("before the outage", before), ("after the drain", after)):
+        for when, plain in (
+            ("before the outage", before),
+            ("after the drain", after),
+            (f"into the drained queue, behind its {args.count:,}", deep),
+        ):
             print(
                 f"spool-less publisher {when} ({n:,} messages, same proxy): "
                 f"{plain.rate:,.0f} msgs/s; CPU a message: {per_message(plain.cpu, n)} here, "
@@ -381,7 +390,11 @@ def main() -> int:
         if duplicates is None:
             print("order: not checked")
         else:
-            print(f"order: all {args.count:,} arrived, in order; {duplicates:,} duplicates")
+            total = args.count + args.compare_count
+            print(
+                f"order: all {args.count:,} arrived, in order, and the {args.compare_count:,} "
+                f"published after them ({total:,}); {duplicates:,} duplicates"
+            )
     finally:
         drop_queue(args.url, queue)
         drop_queue(args.url, plain_queue)
