@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.errors import PublisherClosed, PublishError
-from reliable_amqp._core.message import MessageParts, new_outgoing
+from reliable_amqp._core.message import MessageParts
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
@@ -193,9 +193,12 @@ class SpoolFeed(Generic[H]):
         """Whether messages wait on disk to be read back now (not while held)."""
         return self.fed < self.spool.last_seq and not self.holding
 
-    def read(self, room: int, build: Build = new_outgoing) -> list[SpoolEntry]:
+    def read(self, room: int, build: Build) -> list[SpoolEntry]:
         """The next backlog entries, in order, at most ``room`` (and :data:`READ_CHUNK`), each
-        message made by ``build`` (the adapter's engine entries: see :func:`_codec.decode`).
+        message made by ``build`` as the adapter's engine entry (see :func:`_codec.decode`).
+        A recovered message (left by an earlier process) goes out mandatory: if no queue takes
+        it (the topology it was published for is gone), the broker returns it and it lands in
+        the failed table, rather than being confirmed into nowhere.
 
         Reads the disk: the sync adapter calls it outside its lock (nothing else moves
         :attr:`fed` meanwhile: only the reading side does, and a publish goes to the backlog
@@ -219,29 +222,12 @@ class SpoolFeed(Generic[H]):
         # what the writer has not committed yet is read after its next commit
         self.want_commit = last < self.spool.last_seq and len(entries) < min(room, READ_CHUNK)
         if entries and entries[0].seq <= self.recovered_top:
-            entries = [self._recovered(e) if e.seq <= self.recovered_top else e for e in entries]
+            for entry in entries:
+                if entry.seq <= self.recovered_top:
+                    message = entry.message
+                    assert isinstance(message, Entry)  # what build makes
+                    message.mandatory = True
         return entries
-
-    @staticmethod
-    def _recovered(entry: SpoolEntry) -> SpoolEntry:
-        """A recovered message goes out mandatory: if no queue takes it (the topology it was
-        published for is gone), the broker returns it and it lands in the failed table,
-        rather than being confirmed into nowhere."""
-        message = entry.message
-        if message.mandatory:
-            return entry
-        if isinstance(message, Entry):  # built by the adapter's build
-            message.mandatory = True
-            return entry
-        mandatory = new_outgoing(
-            message.exchange,
-            message.routing_key,
-            message.body,
-            message.base,
-            True,
-            message.message_id,
-        )
-        return SpoolEntry(entry.seq, mandatory, entry.size)
 
     def take(self, seq: int) -> H | None:
         """The caller's future of backlog message ``seq``, if the caller still keeps it (None:
