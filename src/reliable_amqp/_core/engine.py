@@ -15,7 +15,7 @@ import heapq
 import random
 import re
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.errors import (
@@ -103,13 +103,12 @@ class PublishEngine(Generic[E]):
         """How many accepted messages are not resolved yet."""
         return self._live
 
-    def accept(self, entries: Iterable[E], now: float) -> None:
+    def accept(self, entries: Sequence[E], now: float) -> None:
         """Take messages, queued to be written in this order: fresh entries
         (:func:`~reliable_amqp._core.tracker.new_entry`, or the sync publisher's futures), each
         with its ``index`` (its issue number in the window) and ``handle`` set by the adapter.
         """
         deadline = now + self.delivery_timeout
-        entries = list(entries)
         for entry in entries:
             entry.deadline = deadline
             entry.accepted = now
