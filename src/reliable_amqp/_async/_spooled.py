@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from reliable_amqp._compat.futures import watched_async
+from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.errors import PublisherClosed
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, as_message
 from reliable_amqp._core.options import PublisherOptions
@@ -31,6 +32,21 @@ from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
 Handle = asyncio.Future[Confirmation]
 #: what the async publisher's engine holds per message: its entry, the caller's future its handle
 AsyncEntry = Entry[Handle]
+
+
+def hand_over(
+    engine: PublishEngine[AsyncEntry],
+    entry: AsyncEntry,
+    index: int,
+    loop: asyncio.AbstractEventLoop,
+) -> Handle:
+    """Queue ``entry`` in ``engine`` with its issue number ``index`` in the window and a new
+    future of ``loop`` as its handle; that future (the caller's)."""
+    future: Handle = loop.create_future()
+    entry.handle = future
+    entry.index = index
+    engine.accept((entry,), time.monotonic())
+    return future
 
 
 class AsyncSpooled:
@@ -80,10 +96,7 @@ class AsyncSpooled:
         index = feed.append_direct(message, self._window)  # InvalidMessage: cannot be stored
         if not index:
             return None
-        future: Handle = loop.create_future()
-        message.handle = future
-        message.index = index
-        self._engine.accept((message,), time.monotonic())
+        future = hand_over(self._engine, message, index, loop)
         self._wake()
         return future
 
@@ -125,15 +138,13 @@ class AsyncSpooled:
                 raise spool.timeout_error(size, timeout)
             # only confirms make room: wait for them off the loop (which settles them)
             await loop.run_in_executor(None, spool.wait_for_room, size, min(left, 1.0))
-        future: asyncio.Future[Confirmation] = loop.create_future()
         if feed.direct(seq) and not queued() and window.fits(body_size):
             index = window.take(body_size)
             feed.track(index, seq, size)
-            message.handle = future
-            message.index = index
-            self._engine.accept((message,), time.monotonic())
+            future = hand_over(self._engine, message, index, loop)
             self._wake()
-        else:
+        else:  # left on disk: read back when confirms free room, its future kept till then
+            future = loop.create_future()
             feed.park(future, seq)
             if window.free_slots() > 0:
                 self.schedule_refill()

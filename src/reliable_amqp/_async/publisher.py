@@ -27,7 +27,7 @@ import aio_pika.abc
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._async._pump import Pump
-from reliable_amqp._async._spooled import AsyncEntry, AsyncSpooled, Handle
+from reliable_amqp._async._spooled import AsyncEntry, AsyncSpooled, Handle, hand_over
 from reliable_amqp._core.builder import MessageBuilder
 from reliable_amqp._core.errors import (
     ConfigurationError,
@@ -289,12 +289,9 @@ class AsyncPublisher(
         if not index:
             await self._wait_for_room(size, message)
             index = window.take(size)
-        future: Handle = pump.loop.create_future()
-        message.handle = future
-        message.index = index
         if self._telemetry is not None:  # the span starts once nothing can refuse it
             self._telemetry.on_publish(message, index)
-        self._engine.accept((message,), time.monotonic())
+        future = hand_over(self._engine, message, index, pump.loop)
         pump.wake()
         return future
 
