@@ -261,8 +261,8 @@ def _init_message(  # noqa: PLR0917
     mandatory: bool,
     message_id: str,
 ) -> None:
-    """Set a message's fields through their slots (no ``properties`` built yet): for
-    ``OutgoingMessage`` and the subclasses the hot path builds (engine entries, sync futures)."""
+    """Set a message's fields through their slots (no ``properties`` built yet, not marked
+    checked): what ``OutgoingMessage.__init__`` and :func:`new_outgoing` share."""
     _set_exchange(message, exchange)
     _set_routing_key(message, routing_key)
     _set_body(message, body)

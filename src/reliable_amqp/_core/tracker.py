@@ -27,8 +27,8 @@ from reliable_amqp._core.message import (
     MessageParts,
     MessageProperties,
     OutgoingMessage,
+    as_message,
     new_confirmation,
-    new_outgoing,
     with_headers,
 )
 
@@ -192,14 +192,7 @@ class Entry(MessageParts, Generic[H]):
         """The message as an :class:`OutgoingMessage` (what errors carry), built once."""
         message = self._message
         if message is None:
-            message = self._message = new_outgoing(
-                self.exchange,
-                self.routing_key,
-                self.body,
-                self.base,
-                self.mandatory,
-                self.message_id,
-            )
+            message = self._message = as_message(self)
         return message
 
     def add_headers(self, extra: Mapping[str, Any]) -> None:
