@@ -153,10 +153,12 @@ def drop_failed(directory: str | os.PathLike[str], up_to: int | None = None) -> 
         file = os.path.join(path, _files.FAILED_NAME)
         found = _files.read_failed(file)
         records = found[0] if found is not None else []
-        dropped = [r for r in records if up_to is None or r.seq <= up_to]
+        dropped: list[_files.FailedRecord] = []
+        kept: list[_files.FailedRecord] = []
+        for record in records:
+            (dropped if up_to is None or record.seq <= up_to else kept).append(record)
         if not dropped:
             return 0
-        kept = [r for r in records if not (up_to is None or r.seq <= up_to)]
         try:
             # first the ledger: a dropped message must not come back as pending, whatever
             # happens between the two writes
