@@ -16,8 +16,10 @@ VENV=${RELIABLE_AMQP_VENV:-$HOME/.cache/reliable-amqp/venv}
 # The version matrix (tests/matrix): NAME:PYTHON:CONSTRAINTS, each a venv $MATRIX_DIR/venv-NAME
 # with .[aio,dev] (no Spark: small and quick to build). An empty CONSTRAINTS means "what pip
 # resolves there"; constraints/lowest.txt pins every runtime dependency to its lower bound.
+# PYTHON root/X.Y is Debian testing's pythonX.Y in the RabbitMQ 4 root (scripts/rabbitmq4.sh):
+# that leg's venv is built and run inside the root, through $MATRIX_DIR/venv-NAME/host-python.
 MATRIX_DIR=${RELIABLE_AMQP_MATRIX_DIR:-$HOME/.cache/reliable-amqp}
-MATRIX_LEGS=("py3.10:3.10:" "py3.13:3.13:" "lowest:3.10:constraints/lowest.txt")
+MATRIX_LEGS=("py3.10:3.10:" "py3.13:3.13:" "py3.14:root/3.14:" "lowest:3.10:constraints/lowest.txt")
 AMQP_HOST=${AMQP_TEST_HOST:-127.0.0.1}
 AMQP_PORT=${AMQP_TEST_PORT:-5672}
 
@@ -39,9 +41,20 @@ ensure_venv() {
     fi
 }
 
-# The newest interpreter of a minor version: pyenv's, else pythonX.Y on PATH. Fails, never skips.
+# The newest interpreter of a minor version: pyenv's, else pythonX.Y on PATH; for root/X.Y, the
+# root's /usr/bin/pythonX.Y (the root is built or checked first). Fails, never skips.
 find_python() {
-    local version=$1 found
+    local version=$1 found root
+    if [[ $version == root/* ]]; then
+        root=$(bash "$ROOT/scripts/rabbitmq4.sh" ensure) || return 1
+        found=/usr/bin/python${version#root/}
+        if [ ! -x "$root$found" ]; then
+            log "$found is not in the RabbitMQ 4 root $root (scripts/rabbitmq4.sh installs it)"
+            return 1
+        fi
+        echo "$found"
+        return
+    fi
     found=$(ls -d "$HOME"/.pyenv/versions/"$version".*/bin/python "$HOME/.pyenv/versions/$version/bin/python" 2>/dev/null | sort -V | tail -1)
     if [ -z "$found" ]; then
         found=$(command -v "python$version" || true)
@@ -57,32 +70,42 @@ find_python() {
 # changed. A lock keeps two concurrent runs from installing into the same venv at once.
 ensure_matrix_venv() {
     local name=$1 version=$2 constraints=$3
-    local venv="$MATRIX_DIR/venv-$name" python stamp
+    local venv="$MATRIX_DIR/venv-$name" python stamp in=()
     python=$(find_python "$version") || return 1
     mkdir -p "$MATRIX_DIR"
+    if [[ $version == root/* ]]; then
+        # Every step below runs inside the root, where the venv is bind-mounted at its own path.
+        in=(bash "$ROOT/scripts/rabbitmq4.sh" exec --bind "$venv" --)
+    fi
     exec 9>"$MATRIX_DIR/.venv-$name.lock"
     flock 9
     # Only what pip reads: [build-system] and [project] (a new pytest marker rebuilds nothing).
     stamp="$(awk '/^\[/ { keep = /^\[(build-system|project)[].]/ } keep' "$ROOT/pyproject.toml" \
         | sha256sum | cut -c1-16)"
     stamp+=" ${constraints:+$(sha256sum "$ROOT/$constraints" | cut -c1-16)} $ROOT"
-    stamp+=" $("$python" -c 'import sys; print(sys.version.split()[0])')"
+    stamp+=" $("${in[@]}" "$python" -c 'import sys; print(sys.version.split()[0])')"
     if [ "$(cat "$venv/.reliable-amqp-stamp" 2>/dev/null)" = "$stamp" ]; then
         exec 9>&-; return 0
     fi
     local started=$SECONDS
     log "building $venv (Python $version${constraints:+, $constraints})"
     if [ "$(awk '{print $NF}' "$venv/.reliable-amqp-stamp" 2>/dev/null)" != "${stamp##* }" ]; then
-        "$python" -m venv --clear "$venv"   # new or another interpreter: start afresh
+        "${in[@]}" "$python" -m venv --clear "$venv"   # new or another interpreter: start afresh
     fi
     rm -f "$venv/.reliable-amqp-stamp"
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+    "${in[@]}" "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
     if [ -n "$constraints" ]; then
-        "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+        "${in[@]}" "$venv/bin/python" -m pip install -q --disable-pip-version-check \
             -c "$ROOT/$constraints" -e "$ROOT[aio,dev]"
     else  # what pip resolves today, even in a venv built earlier
-        "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+        "${in[@]}" "$venv/bin/python" -m pip install -q --disable-pip-version-check \
             --upgrade --upgrade-strategy eager -e "$ROOT[aio,dev]"
+    fi
+    if [ ${#in[@]} -gt 0 ]; then
+        # What tests/matrix runs from the machine: the venv's python, inside the root.
+        printf '#!/bin/sh\nexec bash %q exec --bind %q -- %q "$@"\n' \
+            "$ROOT/scripts/rabbitmq4.sh" "$venv" "$venv/bin/python" >"$venv/host-python"
+        chmod 755 "$venv/host-python"
     fi
     echo "$stamp" > "$venv/.reliable-amqp-stamp"
     log "built $venv in $((SECONDS - started)) s"

@@ -5,13 +5,16 @@ all, in parallel, before pytest starts; ``scripts/dev.sh venvs LEG`` builds one)
 
 - ``py3.10``, ``py3.13``: ``.[aio,dev]`` with whatever pip resolves there (aio-pika 9 / aiormq 6
   on 3.10, aio-pika 10 / aiormq 7 on 3.13); the main venv is the 3.11 leg;
+- ``py3.14``: the same with Debian testing's ``python3.14``, which lives in the RabbitMQ 4 root
+  (``scripts/rabbitmq4.sh``): its venv is built and run inside that root (chroot, with the
+  checkout and ``/tmp`` bind-mounted), through the launcher ``venv-py3.14/host-python``;
 - ``lowest``: Python 3.10 with ``constraints/lowest.txt``, every runtime dependency at its lower
   bound.
 
 Each test runs :data:`SUBSET` inside its venv as a subprocess and asserts it passed with more
 than 0 tests; the versions it ran with are printed at the end of the run (terminal summary) and
 in each test's output. A missing interpreter fails the leg, it never skips it. The legs run
-concurrently (``RELIABLE_AMQP_MATRIX_JOBS``, default 3): each is mostly waiting on sockets.
+concurrently (``RELIABLE_AMQP_MATRIX_JOBS``, default 4): each is mostly waiting on sockets.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ MATRIX_DIR = Path(
 LEGS = {
     "py3.10": "Python 3.10, newest dependencies pip resolves there",
     "py3.13": "Python 3.13, newest dependencies pip resolves there",
+    "py3.14": "Python 3.14 (Debian testing, in the RabbitMQ 4 root), newest dependencies",
     "lowest": "Python 3.10, constraints/lowest.txt (every lower bound)",
 }
 
@@ -151,6 +155,14 @@ def run_subset(
         result.counts = _counts(junit)
 
 
+def leg_python(leg: str) -> Path:
+    """The leg's interpreter as this machine runs it: the venv's python, or for a leg whose
+    interpreter lives in the RabbitMQ 4 root, the launcher that runs it there."""
+    venv = MATRIX_DIR / f"venv-{leg}"
+    launcher = venv / "host-python"
+    return launcher if launcher.exists() else venv / "bin" / "python"
+
+
 def run_leg(leg: str, workdir: Path) -> LegResult:
     """Build (or check) the leg's venv, then run the subset in it; never raises."""
     result = LegResult(leg)
@@ -166,7 +178,7 @@ def run_leg(leg: str, workdir: Path) -> LegResult:
     if built.returncode != 0:
         result.output = f"scripts/dev.sh venvs {leg} failed:\n{built.stderr[-4000:]}"
         return result
-    python = MATRIX_DIR / f"venv-{leg}" / "bin" / "python"
+    python = leg_python(leg)
     probe = subprocess.run(
         [str(python), "-c", _VERSIONS, *PACKAGES],
         capture_output=True,
@@ -185,12 +197,25 @@ def run_leg(leg: str, workdir: Path) -> LegResult:
 
 
 @pytest.fixture(scope="module")
-def legs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[LegResult]]]:
-    """Every leg started at once, in threads; each test waits for its own."""
+def legs(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[dict[str, Future[LegResult]]]:
+    """Every selected leg started at once, in threads; each test waits for its own (``-k
+    py3.14`` runs that leg alone)."""
     workdir = tmp_path_factory.mktemp("matrix")
-    jobs = int(os.environ.get("RELIABLE_AMQP_MATRIX_JOBS", "3"))
+    jobs = int(os.environ.get("RELIABLE_AMQP_MATRIX_JOBS", "4"))
+    selected = _selected_legs(request.session.items)
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        yield {leg: pool.submit(run_leg, leg, workdir) for leg in LEGS}
+        yield {leg: pool.submit(run_leg, leg, workdir) for leg in LEGS if leg in selected}
+
+
+def _selected_legs(items: list[pytest.Item]) -> set[str]:
+    legs: set[str] = set()
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "leg" in callspec.params:
+            legs.add(callspec.params["leg"])
+    return legs
 
 
 def test_lowest_constraints_pin_every_lower_bound() -> None:
