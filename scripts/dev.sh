@@ -35,8 +35,8 @@ ensure_venv() {
     local stamp
     stamp="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16) $ROOT"
     if [ "$(cat "$VENV/.reliable-amqp-stamp" 2>/dev/null)" != "$stamp" ]; then
-        log "installing reliable-amqp[dev,aio,spark] (editable) from $ROOT"
-        "$VENV/bin/pip" install -q -e "$ROOT[dev,aio,spark]"
+        log "installing reliable-amqp[dev,aio,spark,otel,outbox] (editable) from $ROOT"
+        "$VENV/bin/pip" install -q -e "$ROOT[dev,aio,spark,otel,outbox]"
         echo "$stamp" > "$VENV/.reliable-amqp-stamp"
     fi
 }

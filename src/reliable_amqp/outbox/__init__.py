@@ -1,0 +1,31 @@
+"""The transactional outbox: a message goes out if and only if the application's transaction
+commits.
+
+:class:`Outbox` (and :class:`AsyncOutbox`) write messages as rows on the caller's own
+connection, inside the caller's transaction; :class:`OutboxRelay` publishes committed rows
+through a confirming publisher and deletes each one only once the broker confirmed it. Needs
+the ``outbox`` extra for PostgreSQL (psycopg 3); SQLite needs nothing. See docs/outbox.md.
+"""
+
+from reliable_amqp.outbox._relay import OutboxRelay, RelayStats
+from reliable_amqp.outbox._schema import DEFAULT_TABLE, PARTITIONS
+from reliable_amqp.outbox._status import OpenWriter, OutboxStatus, RelayInfo
+from reliable_amqp.outbox._tools import FailedRow, drop_failed, failed_rows, retry_failed, status
+from reliable_amqp.outbox._writer import AsyncOutbox, Outbox
+
+__all__ = [
+    "DEFAULT_TABLE",
+    "PARTITIONS",
+    "AsyncOutbox",
+    "FailedRow",
+    "OpenWriter",
+    "Outbox",
+    "OutboxRelay",
+    "OutboxStatus",
+    "RelayInfo",
+    "RelayStats",
+    "drop_failed",
+    "failed_rows",
+    "retry_failed",
+    "status",
+]

@@ -1,0 +1,308 @@
+"""PostgreSQL through psycopg 3: the writer's statements (on the caller's connection) and the
+relay's store (on connections of its own). Moves rows; decides nothing.
+
+The relay's session holds its partition locks (``pg_try_advisory_lock(space, part)``) and a
+shared membership lock (``pg_advisory_lock_shared(space, PARTITIONS)``): both die with the
+session, so a relay killed -9, or cut off from the database, owns nothing any more, at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp.outbox._rows import PendingRow, RowValues
+from reliable_amqp.outbox._schema import (
+    PARTITIONS,
+    READ_COLUMNS,
+    WRITE_COLUMNS,
+    Tables,
+    postgresql_ddl,
+)
+from reliable_amqp.outbox._status import OpenWriter, RelayInfo
+
+psycopg: Any
+try:
+    import psycopg
+except ImportError:  # pragma: no cover - the outbox extra is missing
+    psycopg = None
+
+__all__ = ["APPLICATION", "PgRelayStore", "install", "open_writers", "psycopg", "status_rows"]
+
+#: the application_name relays connect with (status lists the sessions that carry it)
+APPLICATION = "reliable-amqp relay"
+
+
+def require_psycopg() -> Any:
+    """The psycopg module, or :class:`~reliable_amqp.ConfigurationError` with the install hint."""
+    if psycopg is None:
+        raise ConfigurationError("PostgreSQL needs psycopg 3: pip install 'reliable-amqp[outbox]'")
+    return psycopg
+
+
+def insert_sql(tables: Tables, notify: bool) -> str:
+    """One statement that inserts a row and, with ``notify``, wakes the relays at commit (one
+    round trip either way; PostgreSQL folds a transaction's identical notifications into one)."""
+    columns = ", ".join(WRITE_COLUMNS)
+    marks = ", ".join(["%s"] * len(WRITE_COLUMNS))
+    insert = f"INSERT INTO {tables.name} ({columns}) VALUES ({marks})"
+    if not notify:
+        return insert
+    return f"WITH _ AS ({insert}) SELECT pg_notify('{tables.channel}', '')"
+
+
+def insert_many_sql(tables: Tables, count: int, notify: bool) -> str:
+    """One statement for ``count`` rows (``add_many()``), with the same wake-up."""
+    columns = ", ".join(WRITE_COLUMNS)
+    row = "(" + ", ".join(["%s"] * len(WRITE_COLUMNS)) + ")"
+    insert = f"INSERT INTO {tables.name} ({columns}) VALUES " + ", ".join([row] * count)
+    if not notify:
+        return insert
+    return f"WITH _ AS ({insert}) SELECT pg_notify('{tables.channel}', '')"
+
+
+def flat(rows: Sequence[RowValues]) -> list[Any]:
+    return [value for row in rows for value in row]
+
+
+def check_writable(conn: Any) -> None:
+    """Refuse a psycopg connection whose write would commit on its own: autocommit and no
+    transaction open (``with conn.transaction():`` opens one)."""
+    pq = require_psycopg().pq
+    if conn.closed:
+        raise ConfigurationError("add(): the connection is closed")
+    if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+        raise ConfigurationError(
+            "add(): this psycopg connection is in autocommit mode with no transaction open, so "
+            "the row would commit on its own, not with your transaction: write inside "
+            "`with conn.transaction():`, or use a connection without autocommit"
+        )
+
+
+class PgRelayStore:
+    """A relay's access to the outbox on PostgreSQL: one session that holds its locks, reads and
+    deletes, and one that listens for the writers' notifications."""
+
+    dialect = "postgresql"
+
+    def __init__(self, dsn: str, tables: Tables, name: str) -> None:
+        self.dsn = dsn
+        self.tables = tables
+        self.name = name
+        self._conn: Any = None
+        self._listener: Any = None
+        self._listen_thread: threading.Thread | None = None
+        self._closing = False
+
+    # --- sessions -----------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Open the relay's session and join the relays of this outbox."""
+        pg = require_psycopg()
+        self._conn = pg.connect(
+            self.dsn, autocommit=True, application_name=f"{APPLICATION} {self.name}"[:63]
+        )
+        self._conn.execute(
+            "SELECT pg_advisory_lock_shared(%s, %s)", (self.tables.lock_space, PARTITIONS)
+        )
+
+    @property
+    def connected(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    def close(self) -> None:
+        """Close both sessions (every lock goes with them)."""
+        self._closing = True
+        for conn in (self._conn, self._listener):
+            if conn is not None:
+                try:
+                    conn.close()
+                except Exception:  # closing what may be broken already
+                    pass
+        self._conn = None
+        thread = self._listen_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5)
+
+    def drop(self) -> None:
+        """Forget a session that failed (its locks are gone with it)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def start_wakeups(self, wake: threading.Event) -> None:
+        """LISTEN on the outbox's channel in a thread; each notification sets ``wake``. Lost
+        notifications only cost latency: the relay also reads every ``poll_interval``."""
+        self._closing = False
+
+        def listen() -> None:
+            pg = require_psycopg()
+            while not self._closing:
+                try:
+                    conn = pg.connect(
+                        self.dsn,
+                        autocommit=True,
+                        application_name=f"{APPLICATION} {self.name} listener"[:63],
+                    )
+                except Exception:
+                    if self._closing:
+                        return
+                    time.sleep(0.5)
+                    continue
+                self._listener = conn
+                try:
+                    conn.execute(f'LISTEN "{self.tables.channel}"')
+                    wake.set()  # what was notified while nobody listened
+                    for _ in conn.notifies():
+                        wake.set()
+                        if self._closing:
+                            break
+                except Exception:
+                    pass
+                finally:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+                if not self._closing:
+                    time.sleep(0.2)
+
+        self._listen_thread = threading.Thread(
+            target=listen, name="reliable-amqp-outbox-listen", daemon=True
+        )
+        self._listen_thread.start()
+
+    # --- ownership ----------------------------------------------------------------------------
+
+    def relays(self) -> int:
+        """How many relays of this outbox are alive (sessions holding the membership lock)."""
+        row = self._conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid = %s AND objid = %s AND objsubid = 2",
+            (self.tables.lock_space, PARTITIONS),
+        ).fetchone()
+        return int(row[0])
+
+    def try_lock(self, parts: Sequence[int], want: int) -> list[int]:
+        """Lock up to ``want`` of ``parts`` (in order); the ones locked."""
+        got: list[int] = []
+        for part in parts:
+            if len(got) >= want:
+                break
+            row = self._conn.execute(
+                "SELECT pg_try_advisory_lock(%s, %s)", (self.tables.lock_space, part)
+            ).fetchone()
+            if row[0]:
+                got.append(part)
+        return got
+
+    def unlock(self, parts: Sequence[int]) -> None:
+        for part in parts:
+            self._conn.execute("SELECT pg_advisory_unlock(%s, %s)", (self.tables.lock_space, part))
+
+    # --- rows ---------------------------------------------------------------------------------
+
+    def read(
+        self, after: int, parts: Sequence[int] | None, skip: Sequence[int], limit: int
+    ) -> list[PendingRow]:
+        """Pending rows with ids above ``after`` in ``parts`` (None: all), but ``skip``, by id."""
+        where = ["id > %s"]
+        params: list[Any] = [after]
+        if parts is not None:
+            where.append("part = ANY(%s)")
+            params.append(list(parts))
+        if skip:
+            where.append("NOT (id = ANY(%s))")
+            params.append(list(skip))
+        params.append(limit)
+        rows = self._conn.execute(
+            f"SELECT {', '.join(READ_COLUMNS)} FROM {self.tables.name}"
+            f" WHERE {' AND '.join(where)} ORDER BY id LIMIT %s",
+            params,
+            prepare=True,
+        ).fetchall()
+        return [PendingRow.of(r) for r in rows]
+
+    def delete(self, ids: Sequence[int]) -> None:
+        self._conn.execute(
+            f"DELETE FROM {self.tables.name} WHERE id = ANY(%s)", (list(ids),), prepare=True
+        )
+
+    def fail(self, failures: Sequence[tuple[int, int, str]]) -> None:
+        """Move rows to the failed table: (id, attempts, reason) each, in one transaction."""
+        now = time.time()
+        cols = ", ".join(READ_COLUMNS)
+        with self._conn.transaction():
+            for row_id, attempts, reason in failures:
+                self._conn.execute(
+                    f"INSERT INTO {self.tables.failed} ({cols}, failed_at, attempts, reason)"
+                    f" SELECT {cols}, %s, %s, %s FROM {self.tables.name} WHERE id = %s"
+                    " ON CONFLICT (id) DO NOTHING",
+                    (now, attempts, reason, row_id),
+                )
+                self._conn.execute(f"DELETE FROM {self.tables.name} WHERE id = %s", (row_id,))
+
+    def any_pending(self) -> bool:
+        row = self._conn.execute(f"SELECT EXISTS (SELECT 1 FROM {self.tables.name})").fetchone()
+        return bool(row[0])
+
+    def open_writers(self) -> list[OpenWriter]:
+        """Other sessions in a transaction that has written to the outbox and not ended: rows
+        the relay cannot see yet (they hold a RowExclusiveLock on the table until they end)."""
+        return open_writers(self._conn, self.tables)
+
+
+def open_writers(conn: Any, tables: Tables) -> list[OpenWriter]:
+    rows = conn.execute(
+        "SELECT a.pid, extract(epoch FROM clock_timestamp() - a.xact_start),"
+        " coalesce(a.application_name, ''), coalesce(a.state, '')"
+        " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'relation' AND l.relation = %s::regclass"
+        " AND l.mode = 'RowExclusiveLock' AND l.granted AND a.pid <> pg_backend_pid()"
+        " AND a.xact_start IS NOT NULL"
+        " AND coalesce(a.application_name, '') NOT LIKE %s",
+        (tables.name, APPLICATION + "%"),
+    ).fetchall()
+    return sorted(
+        (OpenWriter(str(pid), float(age or 0.0), app, state) for pid, age, app, state in rows),
+        key=lambda w: -w.age_s,
+    )
+
+
+def status_rows(conn: Any, tables: Tables) -> tuple[int, int, float | None, list[RelayInfo]]:
+    """(pending, failed, oldest pending row's created_at, relays) on PostgreSQL."""
+    pending, oldest = conn.execute(
+        f"SELECT count(*), min(created_at) FROM {tables.name}"
+    ).fetchone()
+    (failed,) = conn.execute(f"SELECT count(*) FROM {tables.failed}").fetchone()
+    rows = conn.execute(
+        "SELECT l.pid, coalesce(a.application_name, ''), coalesce(host(a.client_addr), 'local'),"
+        " extract(epoch FROM clock_timestamp() - a.backend_start),"
+        " count(*) FILTER (WHERE l.objid < %s)"
+        " FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory' AND l.granted AND l.classid = %s AND l.objsubid = 2"
+        " AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        " GROUP BY l.pid, a.application_name, a.client_addr, a.backend_start ORDER BY l.pid",
+        (PARTITIONS, tables.lock_space),
+    ).fetchall()
+    relays = [
+        RelayInfo(
+            name=app.removeprefix(APPLICATION).strip() or str(pid),
+            session=str(pid),
+            host=host,
+            up_s=float(up or 0.0),
+            partitions=int(parts),
+        )
+        for pid, app, host, up, parts in rows
+    ]
+    return int(pending), int(failed), oldest, relays
+
+
+def install(conn: Any, tables: Tables) -> None:
+    """Create the outbox tables if missing, on the caller's connection (the caller commits)."""
+    for statement in postgresql_ddl(tables):
+        conn.execute(statement)

@@ -1,0 +1,100 @@
+"""OpenTelemetry for the outbox, through the API only (the ``otel`` extra), and nothing at all
+without it: the writer's trace context stored with the row, carried into the message's
+``traceparent`` so that the consumer's trace continues the request that committed the row; and
+the relay's metrics (backlog, oldest age, commit-to-confirm latency, failed rows)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from reliable_amqp.outbox._status import OpenWriter
+
+try:
+    from opentelemetry import context as _context
+    from opentelemetry import metrics as _metrics
+    from opentelemetry import propagate as _propagate
+    from opentelemetry import trace as _trace
+except ImportError:  # pragma: no cover - without the otel extra
+    _trace = None  # type: ignore[assignment]
+
+_NONE: tuple[str | None, str | None] = (None, None)
+
+
+def current_trace() -> tuple[str | None, str | None]:
+    """The writer's (traceparent, tracestate), when it is in a valid trace; else (None, None)."""
+    if _trace is None:
+        return _NONE
+    if not _trace.get_current_span().get_span_context().is_valid:
+        return _NONE
+    carrier: dict[str, str] = {}
+    _propagate.inject(carrier)
+    return carrier.get("traceparent"), carrier.get("tracestate")
+
+
+@contextlib.contextmanager
+def continue_trace(traceparent: str | None, tracestate: str | None) -> Iterator[None]:
+    """Run the publish of a row inside the writer's trace context (the publisher's own span,
+    when it records one, is then the writer's child and its ``traceparent`` carries on)."""
+    if _trace is None or not traceparent:
+        yield
+        return
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    token = _context.attach(_propagate.extract(carrier))
+    try:
+        yield
+    finally:
+        _context.detach(token)
+
+
+class OutboxMetrics:
+    """The relay's instruments (no-ops without a meter provider): ``reliable_amqp.outbox.*``."""
+
+    def __init__(self, table: str, meter_provider: Any = None) -> None:
+        self._latency: Any = None
+        self._failed: Any = None
+        self._attributes = {"reliable_amqp.outbox.table": table}
+        self._open: Sequence[OpenWriter] = ()
+        if _trace is None:
+            return
+        meter = (
+            meter_provider.get_meter("reliable_amqp.outbox")
+            if meter_provider is not None
+            else _metrics.get_meter("reliable_amqp.outbox")
+        )
+        self._latency = meter.create_histogram(
+            "reliable_amqp.outbox.commit_to_confirm",
+            unit="s",
+            description="From the row's write to the broker's confirm of its message",
+        )
+        self._failed = meter.create_counter(
+            "reliable_amqp.outbox.failed",
+            unit="{row}",
+            description="Rows moved to the failed table",
+        )
+        meter.create_observable_gauge(
+            "reliable_amqp.outbox.open_transaction_age",
+            callbacks=[self._observe_open],
+            unit="s",
+            description="Age of the oldest open transaction that has written to the outbox",
+        )
+
+    def confirmed(self, latency: float) -> None:
+        if self._latency is not None:
+            self._latency.record(max(0.0, latency), self._attributes)
+
+    def failed(self, count: int) -> None:
+        if self._failed is not None:
+            self._failed.add(count, self._attributes)
+
+    def observe_open(self, writers: Sequence[OpenWriter]) -> None:
+        self._open = writers
+
+    def _observe_open(self, _options: Any) -> Any:
+        from opentelemetry.metrics import Observation
+
+        age = max((w.age_s for w in self._open), default=0.0)
+        return [Observation(age, self._attributes)]

@@ -1,0 +1,140 @@
+"""Operator tools on an outbox by DSN (what ``reliable-amqp outbox`` runs): create it, look at
+it, and deal with its failed rows. Each opens a connection of its own and commits its work."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp.outbox import _pg, _sqlite
+from reliable_amqp.outbox._schema import DEFAULT_TABLE, WRITE_COLUMNS, Tables
+from reliable_amqp.outbox._status import OutboxStatus
+
+
+@dataclass(frozen=True)
+class FailedRow:
+    """A row the broker refused for good, as the failed table holds it."""
+
+    id: int
+    message_id: str
+    key: str | None
+    exchange: str
+    routing_key: str
+    record: bytes
+    body: bytes
+    created_at: float
+    failed_at: float
+    attempts: int
+    reason: str
+
+
+@contextlib.contextmanager
+def connect(db: str) -> Iterator[tuple[str, Any]]:
+    """(dialect, connection) for a DSN; the connection commits when the block ends well."""
+    if db.startswith(("postgresql://", "postgres://")):
+        pg = _pg.require_psycopg()
+        with pg.connect(db) as conn:  # commits on a clean exit, rolls back otherwise
+            yield "postgresql", conn
+        return
+    if db.startswith("sqlite:///"):
+        path = _sqlite.path_of(db)
+        conn = sqlite3.connect(path, timeout=_sqlite.BUSY_TIMEOUT)
+        try:
+            with conn:  # commits on a clean exit
+                yield "sqlite", conn
+        finally:
+            conn.close()
+        return
+    raise ConfigurationError(
+        "--db: expected postgresql://user@host:port/dbname or sqlite:///path/to/file.db"
+    )
+
+
+def install(db: str, table: str = DEFAULT_TABLE) -> None:
+    """Create the outbox's tables if missing (``outbox init``)."""
+    tables = Tables.named(table)
+    with connect(db) as (dialect, conn):
+        if dialect == "sqlite":
+            _sqlite.install(conn, tables)
+        else:
+            _pg.install(conn, tables)
+
+
+def status(db: str, table: str = DEFAULT_TABLE) -> OutboxStatus:
+    """Pending and failed counts, the oldest age, the relays at work and the open writers."""
+    tables = Tables.named(table)
+    with connect(db) as (dialect, conn):
+        if dialect == "sqlite":
+            pending, failed, oldest, relays = _sqlite.status_rows(conn, tables, _sqlite.path_of(db))
+            writers = []
+        else:
+            pending, failed, oldest, relays = _pg.status_rows(conn, tables)
+            writers = _pg.open_writers(conn, tables)
+    ages = [time.time() - oldest] if oldest is not None else []
+    ages += [w.age_s for w in writers]
+    return OutboxStatus(
+        pending=pending,
+        failed=failed,
+        oldest_age_s=max(ages) if ages else None,
+        relays=relays,
+        open_writers=writers,
+    )
+
+
+def failed_rows(db: str, table: str = DEFAULT_TABLE) -> list[FailedRow]:
+    """The failed rows, oldest first."""
+    tables = Tables.named(table)
+    with connect(db) as (_dialect, conn):
+        rows = conn.execute(
+            "SELECT id, message_id, key, exchange, routing_key, record, body, created_at,"
+            f" failed_at, attempts, reason FROM {tables.failed} ORDER BY id"
+        ).fetchall()
+    return [
+        FailedRow(int(r[0]), r[1], r[2], r[3], r[4], bytes(r[5]), bytes(r[6]), float(r[7]),
+                  float(r[8]), int(r[9]), r[10])
+        for r in rows
+    ]  # fmt: skip
+
+
+def _where(ids: Sequence[str] | None, dialect: str) -> tuple[str, list[Any]]:
+    if ids is None:
+        return "", []
+    mark = "?" if dialect == "sqlite" else "%s"
+    return f" WHERE message_id IN ({', '.join([mark] * len(ids))})", list(ids)
+
+
+def retry_failed(
+    db: str, table: str = DEFAULT_TABLE, message_ids: Sequence[str] | None = None
+) -> int:
+    """Move failed rows (all, or those with these message ids) back to the outbox, in their
+    order, with their message ids; they are published after the rows pending now. How many."""
+    tables = Tables.named(table)
+    cols = ", ".join(WRITE_COLUMNS)
+    with connect(db) as (dialect, conn):
+        where, params = _where(message_ids, dialect)
+        cur = conn.execute(
+            f"INSERT INTO {tables.name} ({cols}) SELECT {cols} FROM {tables.failed}{where}"
+            " ORDER BY id",
+            params,
+        )
+        moved = cur.rowcount
+        conn.execute(f"DELETE FROM {tables.failed}{where}", params)
+        if dialect == "postgresql":
+            conn.execute(f"SELECT pg_notify('{tables.channel}', '')")
+    return int(moved)
+
+
+def drop_failed(
+    db: str, table: str = DEFAULT_TABLE, message_ids: Sequence[str] | None = None
+) -> int:
+    """Delete failed rows (all, or those with these message ids); how many."""
+    tables = Tables.named(table)
+    with connect(db) as (dialect, conn):
+        where, params = _where(message_ids, dialect)
+        cur = conn.execute(f"DELETE FROM {tables.failed}{where}", params)
+        return int(cur.rowcount)
