@@ -119,7 +119,7 @@ class PgRelayStore:
         self._closing = True
         for conn in (self._conn, self._listener):
             if conn is not None:
-                try:
+                try:  # noqa: SIM105
                     conn.close()
                 except Exception:  # closing what may be broken already
                     pass

@@ -512,19 +512,20 @@ class OutboxRelay:
 
     def _shutdown(self) -> None:
         deadline = time.monotonic() + max(0.0, self._stop_timeout)
-        try:
-            if self._publisher.state.value not in ("closed",):
-                self._publisher.flush(max(0.0, deadline - time.monotonic()))
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):  # a publisher that failed for good flushes nothing
+            self._publisher.flush(max(0.0, deadline - time.monotonic()))
         self._settle()
-        if self._store.connected:
-            with contextlib.suppress(self._errors):
-                self._write_outcomes()
+        self._write_outcomes_if_connected()
         self._publisher.close(max(0.0, deadline - time.monotonic()))
-        self._settle()
-        if self._store.connected:
-            with contextlib.suppress(self._errors):
-                self._write_outcomes()
+        self._settle()  # what close() failed stays pending: the next relay publishes it
+        self._write_outcomes_if_connected()
         self._store.close()
         self._ownership.lost_all()
+
+    def _write_outcomes_if_connected(self) -> None:
+        if not self._store.connected:
+            return
+        try:  # noqa: SIM105  (suppress() takes no tuple in typeshed)
+            self._write_outcomes()
+        except self._errors:
+            pass  # rows stay pending: published again (same ids) by the next relay
