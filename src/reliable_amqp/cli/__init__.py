@@ -1,5 +1,5 @@
 """The ``reliable-amqp`` command line: ``publish`` messages with confirms, ``bench`` a broker,
-look into a ``spool``.
+look into a ``spool``, relay an ``outbox``.
 
 Run ``reliable-amqp --help`` (or ``python -m reliable_amqp --help``). Exit codes: 0 every message
 confirmed, 1 some not confirmed, 2 bad arguments or input (nothing published), 3 the broker could
@@ -8,6 +8,7 @@ not be reached or the connection was lost for good, 130 interrupted.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 from collections.abc import Sequence
@@ -39,7 +40,9 @@ __all__ = [
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    parser = build_parser(add_publish_arguments, add_bench_arguments, add_spool_arguments)
+    parser = build_parser(
+        add_publish_arguments, add_bench_arguments, add_spool_arguments, _add_outbox_arguments
+    )
     args = parser.parse_args(argv)
     _configure_logging(args.verbose)
     try:
@@ -47,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_publish(args)
         if args.command == "spool":
             return run_spool(args)
+        if args.command == "outbox":
+            from reliable_amqp.cli._outbox import run_outbox
+
+            return run_outbox(args)
         return run_bench(args)
     except (UsageError, ConfigurationError, SpoolError) as exc:
         # one line, no traceback; a ConfigurationError never holds a password
@@ -56,6 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nreliable-amqp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _add_outbox_arguments(parser: argparse.ArgumentParser) -> None:
+    # imported when used: the outbox's modules are not needed to publish
+    from reliable_amqp.cli._outbox import add_outbox_arguments
+
+    add_outbox_arguments(parser)
 
 
 def _configure_logging(verbose: int) -> None:

@@ -349,8 +349,10 @@ def build_parser(
     add_publish: Callable[[argparse.ArgumentParser], None],
     add_bench: Callable[[argparse.ArgumentParser], None],
     add_spool: Callable[[argparse.ArgumentParser], None] | None = None,
+    add_outbox: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> argparse.ArgumentParser:
-    """The top-level parser with its ``publish``, ``bench`` and ``spool`` sub-commands."""
+    """The top-level parser with its ``publish``, ``bench``, ``spool`` and ``outbox``
+    sub-commands."""
     parser = argparse.ArgumentParser(
         prog="reliable-amqp",
         description="Publish to RabbitMQ/LavinMQ with publisher confirms, losing nothing.",
@@ -385,4 +387,13 @@ def build_parser(
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_spool(spool)
+    if add_outbox is not None:
+        outbox = sub.add_parser(
+            "outbox",
+            help="the transactional outbox: init, relay, status, failed",
+            description="Messages written in your database transactions (reliable_amqp.outbox),\n"
+            "published by a relay once committed. See docs/outbox.md.",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        add_outbox(outbox)
     return parser

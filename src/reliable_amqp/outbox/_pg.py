@@ -106,6 +106,7 @@ class PgRelayStore:
         self._conn = pg.connect(
             self.dsn, autocommit=True, application_name=f"{APPLICATION} {self.name}"[:63]
         )
+        check_tables(self._conn, self.tables)
         self._conn.execute(
             "SELECT pg_advisory_lock_shared(%s, %s)", (self.tables.lock_space, PARTITIONS)
         )
@@ -300,6 +301,19 @@ def status_rows(conn: Any, tables: Tables) -> tuple[int, int, float | None, list
         for pid, app, host, up, parts in rows
     ]
     return int(pending), int(failed), oldest, relays
+
+
+def check_tables(conn: Any, tables: Tables) -> None:
+    """Raise :class:`~reliable_amqp.ConfigurationError` unless the outbox's tables exist."""
+    row = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL AND to_regclass(%s) IS NOT NULL",
+        (tables.name, tables.failed),
+    ).fetchone()
+    if not row[0]:
+        raise ConfigurationError(
+            f"no outbox table {tables.name} (or {tables.failed}) in this database: create it "
+            "with `reliable-amqp outbox init --db DSN` or Outbox().install(conn)"
+        )
 
 
 def install(conn: Any, tables: Tables) -> None:

@@ -69,6 +69,22 @@ def install(conn: sqlite3.Connection, tables: Tables) -> None:
         conn.execute(statement)
 
 
+def check_tables(conn: sqlite3.Connection, tables: Tables) -> None:
+    """Raise :class:`~reliable_amqp.ConfigurationError` unless the outbox's tables exist."""
+    found = {
+        row[0]
+        for row in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?)",
+            (tables.name, tables.failed),
+        )
+    }
+    if len(found) < 2:
+        raise ConfigurationError(
+            f"no outbox table {tables.name} (or {tables.failed}) in this database: create it "
+            "with `reliable-amqp outbox init --db DSN` or Outbox().install(conn)"
+        )
+
+
 def path_of(dsn: str) -> str:
     """The file of a ``sqlite:///relative/path`` or ``sqlite:////absolute/path`` DSN."""
     path = dsn[len("sqlite:///") :]
@@ -110,6 +126,7 @@ class SqliteRelayStore:
         if not os.path.exists(self.path):
             raise ConfigurationError(f"no SQLite database at {self.path!r}")
         self._conn = connect(self.path)
+        check_tables(self._conn, self.tables)
 
     @property
     def connected(self) -> bool:
