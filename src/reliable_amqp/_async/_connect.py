@@ -199,6 +199,20 @@ class ConnectionSource:
     async def release(self) -> None:
         """Close the connection this source opened, if any (a borrowed one is left alone)."""
         owned, self._owned = self._owned, None
-        if owned is not None:
+        if owned is not None and loop_is_running():
             with contextlib.suppress(Exception):
                 await close_connection(owned, self.options.connect_timeout)
+
+
+def loop_is_running() -> bool:
+    """Whether this coroutine runs in a live event loop, so that a close can be awaited.
+
+    Not when the garbage collector finalizes a publisher's coroutine after its loop was closed
+    under it: there ``asyncio.wait_for`` fails before it awaits the close coroutine it was
+    handed, which is then reported as never awaited (a RuntimeWarning). Nothing can run a close
+    there; the socket goes with the connection object.
+    """
+    try:
+        return not asyncio.get_running_loop().is_closed()
+    except RuntimeError:
+        return False

@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import aiormq.abc
 
 from reliable_amqp._async import _topology
-from reliable_amqp._async._connect import ConnectionSource
+from reliable_amqp._async._connect import ConnectionSource, loop_is_running
 from reliable_amqp._compat.aiormq import (
     ConfirmChannel,
     close_reason,
@@ -403,6 +403,8 @@ class Pump(Generic[E]):
 
 
 async def _close_quietly(channel: ConfirmChannel) -> None:
+    if not loop_is_running():  # finalized after the loop closed: no close can run (see there)
+        return
     try:
         await asyncio.wait_for(channel.close(), CLOSE_GRACE)
     except Exception as exc:  # best effort, a timeout included: the broker may be gone
