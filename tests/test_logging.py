@@ -12,17 +12,30 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from aio_blocking import BlockingAsyncPublisher
 from broker_support import unique
-from reliable_amqp import AsyncPublisher, AuthenticationFailed, Publisher, RetryPolicy
+from reliable_amqp import (
+    AsyncPublisher,
+    AuthenticationFailed,
+    MessageReturned,
+    Publisher,
+    PublisherClosed,
+    RetryPolicy,
+)
+from reliable_amqp._core.builder import build_message
+from reliable_amqp._spool import Spool, inspect
+from spool_support import SpooledAsync
 
 pytestmark = pytest.mark.broker
 
@@ -224,3 +237,233 @@ def test_authentication_failed_names_the_user_and_vhost_never_the_password(
             assert str(error).startswith(text), str(error)
             assert "Error" not in str(error)  # no client-library class names
             assert "wrong-pw-77" not in str(error) and "guest:guest" not in str(error)
+
+
+# --- issue 33: every failure speaks once ----------------------------------------------------------
+
+TESTS = str(Path(__file__).parent)
+
+# The child: each failure kind in turn on one publisher (sync or async), with logging left
+# unconfigured or at basicConfig(WARNING); what the caller gets is printed on stdout, and a
+# marker on stderr before each kind, so that every line on stderr belongs to one kind.
+KINDS_CHILD = """
+    import asyncio, logging, sys
+    sys.path.insert(0, sys.argv[1])
+    from harness.proxy import TcpProxy
+    from reliable_amqp import AsyncPublisher, Publisher, ReliableAmqpError
+
+    tests, side, mode, url, queue, full = sys.argv[1:]
+    if mode == "basic":
+        logging.basicConfig(level=logging.WARNING)
+    host = url.rpartition("@")[2].partition("/")[0]
+    port = int(host.rpartition(":")[2])
+
+    def cases():
+        yield "404", url, {}, ("no-such-exchange-" + queue, "k", b"x")
+        yield "406", url, {}, ("", queue, bytes(128 * 1024 * 1024 + 1))  # over max_message_size
+        yield "return", url, {}, ("", "no-such-queue-" + queue, b"x")
+        yield "nack", url, {"nack_policy": {"max_attempts": 1}}, ("", full, b"x")
+        yield "timeout", "stall", {"delivery_timeout": 1.0}, ("", queue, b"x")
+        yield "auth", f"amqp://guest:wrong@{host}/%2F", {}, ("", queue, b"x")
+
+    def mark(kind):
+        sys.stderr.flush()
+        print(f"=== {kind}", file=sys.stderr, flush=True)
+
+    def sync_case(target, options, args, proxy):
+        try:
+            with Publisher(target, **options) as publisher:
+                future = publisher.publish(*args)
+                if proxy is not None:
+                    proxy.stall()
+                try:
+                    future.result(60)
+                    return "confirmed"
+                finally:
+                    if proxy is not None:
+                        proxy.resume()
+        except ReliableAmqpError as exc:
+            return type(exc).__name__
+
+    async def async_case(target, options, args, proxy):
+        try:
+            async with AsyncPublisher(target, **options) as publisher:
+                future = await publisher.publish(*args)
+                if proxy is not None:
+                    proxy.stall()
+                try:
+                    await asyncio.wait_for(future, 60)
+                    return "confirmed"
+                finally:
+                    if proxy is not None:
+                        proxy.resume()
+        except ReliableAmqpError as exc:
+            return type(exc).__name__
+
+    for kind, target, options, args in cases():
+        mark(kind)
+        proxy = None
+        if target == "stall":  # connects, then no byte moves: no confirm ever comes
+            proxy = TcpProxy(port).start()
+            target = proxy.url()
+        if side == "sync":
+            got = sync_case(target, options, args, proxy)
+        else:
+            got = asyncio.run(async_case(target, options, args, proxy))
+        if proxy is not None:
+            proxy.close()
+        print(kind, got, flush=True)
+    mark("end")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["unconfigured", "basic"])
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_failure_the_caller_gets_is_not_also_logged(
+    side: str, mode: str, amqp_url: str, broker: Any
+) -> None:
+    queue = broker.queue()
+    full = broker.queue(**{"x-max-length": 0, "x-overflow": "reject-publish"})
+    args = (TESTS, side, mode, amqp_url, queue, full)
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(KINDS_CHILD), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "404 MessageRejected",
+        "406 MessageRejected",
+        "return MessageReturned",
+        "nack MessageNacked",
+        "timeout DeliveryTimeout",
+        "auth AuthenticationFailed",
+    ]
+    # raise or log: the caller holds each failure, so nothing about it is written anywhere,
+    # neither by Python's last-resort handler (unconfigured) nor at WARNING
+    said: dict[str, list[str]] = {}
+    kind = ""
+    for line in result.stderr.splitlines():
+        if line.startswith("=== "):
+            kind = line[4:]
+            said[kind] = []
+        else:
+            said[kind].append(line)
+    assert said == {k: [] for k in ("404", "406", "return", "nack", "timeout", "auth", "end")}
+
+
+# The child: one message no queue takes, its future dropped unchecked (as a script that only
+# wanted to send it does), one checked, one confirmed; then, with a spool, nothing else.
+UNCHECKED_CHILD = """
+    import asyncio, gc, sys
+    from reliable_amqp import AsyncPublisher, Publisher
+
+    side, url, queue, nowhere = sys.argv[1:]
+
+    if side == "sync":
+        with Publisher(url) as publisher:
+            publisher.publish("", nowhere, b"x", message_id="the-unchecked-one")
+            checked = publisher.publish("", nowhere, b"y", message_id="the-checked-one")
+            confirmed = publisher.publish("", queue, b"z", message_id="the-confirmed-one")
+            publisher.flush(30)
+        print(type(checked.exception()).__name__, confirmed.result().message_id)
+    else:
+        async def main():
+            async with AsyncPublisher(url) as publisher:
+                await publisher.publish("", nowhere, b"x", message_id="the-unchecked-one")
+                checked = await publisher.publish("", nowhere, b"y", message_id="the-checked-one")
+                confirmed = await publisher.publish("", queue, b"z", message_id="the-confirmed-one")
+                await publisher.flush(30)
+            print(type(checked.exception()).__name__, (await confirmed).message_id)
+        asyncio.run(main())
+    gc.collect()
+    print("end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_failure_nobody_retrieves_is_reported_once(side: str, amqp_url: str, broker: Any) -> None:
+    queue = broker.queue()
+    result = run_child(UNCHECKED_CHILD, side, amqp_url, queue, unique("nowhere"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "MessageReturned the-confirmed-one\nend\n"
+    # asyncio's words on both sides (Python's last-resort handler prints the message alone)
+    lines = result.stderr.splitlines()
+    assert lines.count("Future exception was never retrieved") == 1, result.stderr
+    assert len(lines) == 3, result.stderr
+    assert lines[1].startswith("future: <Future finished exception=MessageReturned(")
+    assert "'the-unchecked-one'" in lines[1] and "NO_ROUTE" in lines[1]
+    assert lines[2].startswith("reliable_amqp._core.errors.MessageReturned: message ")
+    assert "the-checked-one" not in result.stderr
+
+
+def test_a_sync_failure_is_one_warning_and_costs_nothing_once_retrieved(
+    amqp_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    nowhere = unique("nowhere")
+    with Publisher(amqp_url) as publisher:
+        futures = [publisher.publish("", nowhere, b"x", message_id=f"m-{i}") for i in range(3)]
+        assert publisher.flush(30) == 0
+    assert isinstance(futures[0].exception(), MessageReturned)  # retrieved: never reported
+    with pytest.raises(MessageReturned):
+        futures[1].result()
+    del futures[:2]
+    gc.collect()
+    assert caplog.records == []
+    futures.clear()  # the third: never looked at
+    gc.collect()
+    [record] = caplog.records
+    assert (record.name, record.levelno) == ("reliable_amqp", logging.WARNING)
+    assert record.getMessage().startswith("Future exception was never retrieved\nfuture: <")
+    assert "'m-2'" in record.getMessage()
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_recovered_messages_that_fail_are_logged_once_each(
+    side: str, amqp_url: str, broker: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    spool = Spool(tmp_path / "s")
+    queue = broker.queue()
+    for i in range(4):
+        key = queue if i % 2 else unique("no-such-queue")
+        spool.append(build_message("", key, b"%d" % i, properties={"message_id": f"m-{i}"}))
+    spool.close()
+    caplog.clear()
+    kind = Publisher if side == "sync" else BlockingAsyncPublisher
+    with kind(amqp_url, spool=tmp_path / "s") as publisher:
+        assert publisher.flush(30) == 0
+    gc.collect()
+    lines = sorted(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert [line.partition(" moved")[0] for line in lines[:2]] == [
+        "reliable-amqp: recovered message 'm-0'",
+        "reliable-amqp: recovered message 'm-2'",
+    ]
+    assert all("to the spool's failed table: message" in line for line in lines[:2])
+    assert all("NO_ROUTE" in line for line in lines[:2])
+    assert len(lines) == 3 and lines[2].startswith("reliable-amqp: spool ")  # "holds 4 ..."
+    assert "Future exception" not in caplog.text
+    assert inspect(tmp_path / "s").failed == 2
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+def test_a_spooled_message_the_close_fails_says_it_stays_in_the_spool(
+    side: str, make_proxy: Any, tmp_path: Path
+) -> None:
+    proxy = make_proxy(5672)
+    kind = Publisher if side == "sync" else SpooledAsync
+    publisher = kind(proxy.url(), spool=tmp_path / "s")
+    publisher.connect()
+    future = publisher.publish("", unique("q"), b"x", message_id="kept")
+    assert publisher.persist(30) == 0
+    proxy.stall()  # in flight, no confirm: the close fails it
+    publisher.close(timeout=0.2)
+    proxy.resume()
+    error = future.exception(10)
+    assert isinstance(error, PublisherClosed)
+    assert f"stays in the spool {tmp_path / 's'}" in str(error), str(error)
+    assert inspect(tmp_path / "s").pending == 1

@@ -21,6 +21,7 @@ per-call context switch.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import threading
@@ -101,3 +102,34 @@ def own_context() -> None:
     """Mark the current context (a thread's, a task's) as driving an owned connection."""
     install()
     OWNED.set(True)
+
+
+# --- failures nobody asked about ----------------------------------------------------------------
+
+#: the library's own logger (what it reports in its own words)
+library = logging.getLogger("reliable_amqp")
+
+
+def unretrieved_text(error: BaseException) -> str:
+    """What is said of a failed future nobody retrieved the exception of: asyncio's words for
+    an ``AsyncPublisher``'s future ("Future exception was never retrieved"), so a
+    ``Publisher``'s says the same."""
+    return f"Future exception was never retrieved\nfuture: <Future finished exception={error!r}>"
+
+
+def report_unretrieved(error: BaseException) -> None:
+    """One WARNING for a sync publisher's failed future collected with its exception never
+    retrieved (see docs/observability.md). Runs in a finalizer: it never raises."""
+    with contextlib.suppress(Exception):  # logging torn down at interpreter exit
+        library.warning(
+            "%s", unretrieved_text(error), exc_info=(type(error), error, error.__traceback__)
+        )
+
+
+def report_spool_failed(error: BaseException, message_id: str) -> str:
+    """One WARNING for a message recovered from the spool (no caller holds a future for it)
+    that failed for good and went to the spool's failed table; returns the text (the detail of
+    the ``SPOOL_FAILED`` event)."""
+    text = f"recovered message {message_id!r} moved to the spool's failed table: {error}"
+    library.warning("reliable-amqp: %s", text)
+    return text

@@ -26,6 +26,7 @@ from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.tracker import Entry, new_entry
 from reliable_amqp._core.window import Window
+from reliable_amqp._logs import report_spool_failed
 from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
 
 #: the caller's future of a message
@@ -215,16 +216,14 @@ class AsyncSpooled:
         self.feed.waiting.clear()
         if waiting:
             await loop.run_in_executor(None, self.spool.persist, timeout)
-            reason = (
-                "publisher closed; the message stays in the spool "
-                f"{self.spool.directory} and goes out with the next publisher opened on it"
-            )
+            directory = self.spool.directory
             after = min(waiting) - 1
             while waiting and (entries := self.spool.read(after, 1000)):
                 for entry in entries:
                     future = waiting.pop(entry.seq, None)
                     if future is not None and not future.done():
-                        future.set_exception(PublisherClosed(as_message(entry.message), 0, reason))
+                        closed = PublisherClosed(as_message(entry.message), 0)
+                        future.set_exception(closed.kept_in_spool(directory))
                 after = entries[-1].seq
             for future in waiting.values():  # never written (the disk failed): say so
                 if not future.done():
@@ -267,7 +266,12 @@ class AsyncSpooled:
                 break
             future = feed.take(entry.seq)
             if future is None:  # recovered, or the caller dropped it
-                future = self._recovered_future(loop)
+                future = loop.create_future()
+                if entry.seq <= feed.recovered_top:
+                    # nobody awaits it, and a failure is the spool's to report (resolved()):
+                    # no "never retrieved" besides. One the caller dropped reports as any
+                    # future dropped unretrieved.
+                    future.add_done_callback(_discard_outcome)
             read.handle = future
             read.index = window.take(size)
             feed.track(read.index, entry.seq, entry.size)
@@ -278,21 +282,12 @@ class AsyncSpooled:
             if window.free_slots() > 0:
                 self.schedule_refill()  # more room: the next chunk after what is queued
 
-    @staticmethod
-    def _recovered_future(loop: asyncio.AbstractEventLoop) -> Handle:
-        future: asyncio.Future[Confirmation] = loop.create_future()
-        future.add_done_callback(_discard_outcome)  # nobody awaits it: no "never retrieved"
-        return future
-
     def resolved(self, resolutions: list[AsyncEntry]) -> None:
         """The publisher settled ``resolutions`` and freed their room."""
         for error in self.feed.resolved(resolutions):
-            self._supervisor.events.emit(
-                EventKind.SPOOL_FAILED,
-                f"recovered message {error.message.message_id!r} moved to the spool's failed "
-                f"table: {error}",
-                error=error,
-            )
+            # no caller holds them: one WARNING each (docs/observability.md)
+            detail = report_spool_failed(error, error.message.message_id)
+            self._supervisor.events.emit(EventKind.SPOOL_FAILED, detail, error=error)
         self.stalled = False  # confirms flow: publish() keeps pace again
         waiters, self._flush_waiters = self._flush_waiters, []
         if self._room_waiters:

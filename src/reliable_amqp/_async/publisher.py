@@ -437,6 +437,7 @@ class AsyncPublisher(
             return
         if self._telemetry is not None:  # before the futures: a span ends with its message
             self._telemetry.on_resolved(resolutions)
+        spool = self._spooled.spool.directory if self._spooled is not None else None
         for entry in resolutions:
             future = entry.handle
             if not future.done():  # done: the caller cancelled it; the message was settled
@@ -446,6 +447,8 @@ class AsyncPublisher(
                 elif isinstance(result, Confirmation):
                     future.set_result(result)
                 elif isinstance(result, BaseException):
+                    if spool is not None and isinstance(result, PublisherClosed):
+                        result = result.kept_in_spool(spool)  # what the feed keeps there
                     future.set_exception(result)
                     if self._open.reported:  # counted in that report: not one log line each
                         future.exception()

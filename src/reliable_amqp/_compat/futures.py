@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
@@ -184,20 +184,27 @@ class LightFuture(Future[T]):
 
 
 def settle(
-    condition: SharedLockCondition, futures: Iterable[LightFuture[Any]], outcomes: Iterable[Any]
+    condition: SharedLockCondition,
+    futures: Iterable[LightFuture[Any]],
+    outcomes: Iterable[Any],
+    on_exception: Callable[[Any, BaseException], None] | None = None,
 ) -> None:
     """Resolve many futures that share ``condition`` with their ``outcomes`` (in the same
     order): a result, or an exception instance, which is set as the exception.
 
     What ``set_result``/``set_exception`` do for each, under one taking of the shared lock and
     one notify; a future that is already done (cancelled by its caller) is left as it is.
-    Callbacks run after the lock is released, as a plain Future runs them.
+    Callbacks run after the lock is released, as a plain Future runs them. ``on_exception``
+    is called for each future set with an exception, before any callback runs (nothing is
+    done per future that gets a result).
     """
     pairs = zip(futures, outcomes, strict=True)
     if not LIGHT_FUTURES:  # pragma: no cover - a Python whose Future has other fields
         for future, outcome in pairs:
             try:
                 if isinstance(outcome, BaseException):
+                    if on_exception is not None and not future.done():
+                        on_exception(future, outcome)
                     future.set_exception(outcome)
                 else:
                     future.set_result(outcome)
@@ -212,6 +219,8 @@ def settle(
             if isinstance(outcome, BaseException):
                 future._exception = outcome
                 future._state = _FINISHED
+                if on_exception is not None:
+                    on_exception(future, outcome)
                 waiters = future._lazy_waiters
                 if waiters:
                     for waiter in waiters:

@@ -419,6 +419,18 @@ class PublisherClosed(PublishError):
         super().__init__(message, attempts, f"{detail}: {reason}" if reason else detail)
         self.reason = reason
 
+    def kept_in_spool(self, directory: str) -> PublisherClosed:
+        """This error as it reads for a message of a publisher with a spool: the message stays
+        in the spool ``directory`` (sending it again would make a duplicate)."""
+        error = PublisherClosed(
+            self.message,
+            self.attempts,
+            f"{self.reason or 'publisher closed'}; the message stays in the spool {directory} "
+            "and goes out with the next publisher opened on it",
+        )
+        error.__cause__ = self.__cause__
+        return error
+
     @classmethod
     def refused(
         cls, call: str, message: OutgoingMessage | None = None, reason: str = ""

@@ -12,8 +12,16 @@ from typing import Any, Protocol
 from reliable_amqp._compat.futures import LightFuture, SharedLockCondition
 from reliable_amqp._core.message import Confirmation, MessageProperties
 from reliable_amqp._core.tracker import Entry, fresh_entry
+from reliable_amqp._logs import report_unretrieved
 
-__all__ = ["PublishFuture", "SharedLockCondition", "WaitGuard", "future_factory"]
+__all__ = [
+    "PublishFuture",
+    "SharedLockCondition",
+    "WaitGuard",
+    "failed",
+    "future_factory",
+    "retrieved",
+]
 
 
 class WaitGuard(Protocol):
@@ -21,6 +29,24 @@ class WaitGuard(Protocol):
 
     def check_wait(self, what: str) -> None:
         """Raise when waiting here could never end (on the publisher's own I/O thread)."""
+
+
+class _Unretrieved:
+    """Held by a failed :class:`PublishFuture` until its exception is retrieved: collected with
+    the future while ``error`` is still set, it reports it (one WARNING, asyncio's words: see
+    :func:`~reliable_amqp._logs.report_unretrieved`). Only failed futures get one, so a
+    confirmed message costs nothing for it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error: BaseException | None = error
+
+    def __del__(self) -> None:
+        error = self.error
+        if error is not None:
+            self.error = None
+            report_unretrieved(error)
 
 
 class PublishFuture(LightFuture[Confirmation], Entry[Any]):
@@ -38,13 +64,22 @@ class PublishFuture(LightFuture[Confirmation], Entry[Any]):
     """
 
     guard: WaitGuard | None
+    #: set when the future failed, until its exception is retrieved (see _Unretrieved)
+    _unretrieved: _Unretrieved | None = None
+    #: False for a message read back from the spool that no caller holds: a failure of one
+    #: recovered from an earlier process is reported by the spool, not as a future
+    _report: bool = True
 
     def result(self, timeout: float | None = None) -> Confirmation:
         """The :class:`Confirmation`, or raise what became of the message."""
         guard = self.guard
         if guard is not None and not self.done():
             guard.check_wait("future.result()")
-        result: object = super().result(timeout)
+        try:
+            result: object = super().result(timeout)
+        except BaseException:
+            retrieved(self)
+            raise
         if isinstance(result, Confirmation):
             return result
         # settled with the entry's raw resolution (CONFIRMED): its Confirmation is built now
@@ -57,7 +92,32 @@ class PublishFuture(LightFuture[Confirmation], Entry[Any]):
         guard = self.guard
         if guard is not None and not self.done():
             guard.check_wait("future.exception()")
-        return super().exception(timeout)
+        error = super().exception(timeout)
+        if error is not None:
+            retrieved(self)
+        return error
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        """As ``Future.set_exception`` (the publisher sets most failures through
+        :func:`~reliable_amqp._compat.futures.settle` instead, with :func:`failed`)."""
+        if exception is not None and not self.done():
+            failed(self, exception)
+        super().set_exception(exception)
+
+
+def failed(future: PublishFuture, error: BaseException) -> None:
+    """``future`` fails with ``error``: reported if nobody retrieves it (see _Unretrieved).
+    Called before its callbacks run (they may retrieve it)."""
+    if future._report:
+        future._unretrieved = _Unretrieved(error)
+
+
+def retrieved(future: PublishFuture) -> None:
+    """Somebody has seen what became of ``future`` (or it is reported another way)."""
+    unretrieved = future._unretrieved
+    if unretrieved is not None:
+        unretrieved.error = None
+        future._unretrieved = None
 
 
 def future_factory(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from reliable_amqp._compat.futures import SharedLockCondition, settle
 from reliable_amqp._core.errors import (
+    PublisherClosed,
     PublisherForked,
     PublishError,
     ReliableAmqpError,
@@ -23,7 +24,8 @@ from reliable_amqp._core.errors import (
 )
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.window import Window
-from reliable_amqp._sync._future import PublishFuture
+from reliable_amqp._sync._future import PublishFuture, retrieved
+from reliable_amqp._sync._future import failed as report_if_unretrieved
 from reliable_amqp._sync.topology import Request
 
 if TYPE_CHECKING:
@@ -45,6 +47,11 @@ class Backlog(Protocol):
 
     def after_resolved(self, failed: list[PublishError]) -> None:
         """After :meth:`resolved_locked`, off the lock: report ``failed``, read more back."""
+        ...
+
+    @property
+    def directory(self) -> str:
+        """The spool's directory (what a ``PublisherClosed`` names)."""
         ...
 
 
@@ -75,6 +82,9 @@ class Handoff:
         self.spooled: Backlog | None = None
         #: OpenTelemetry (set at connect; None: off)
         self.telemetry: Telemetry | None = None
+        #: set when the publisher closes at interpreter exit or after it was dropped: what it
+        #: fails then is reported in one line (report_unclosed), not once per future
+        self.closing_unclosed = False
 
     def wake(self, force: bool = False) -> None:
         """Make the I/O thread look at the outbox and its requests (``force``: even when a
@@ -125,7 +135,9 @@ class Handoff:
         # a future the caller cancelled is left as it is; the message was still settled. A
         # confirmed one keeps its raw resolution (CONFIRMED: the Confirmation is built by
         # future.result(), if anyone asks).
-        settle(self.futures, resolutions, [e.resolution for e in resolutions])
+        # A failed one nobody retrieves is reported when it is collected (_future.failed).
+        outcomes = [e.resolution for e in resolutions]
+        settle(self.futures, resolutions, outcomes, report_if_unretrieved)
         spooled = self.spooled
         with self.room:  # held briefly: publishing threads wait on this lock
             self.window.release(resolutions)
@@ -133,6 +145,23 @@ class Handoff:
             self.room.notify_all()
         if spooled is not None:
             spooled.after_resolved(failed or [])
+
+    def resolve_closing(self, resolutions: list[PublishFuture]) -> None:
+        """:meth:`resolve` for what closing fails with ``PublisherClosed``: with a spool, the
+        error says the message stays there; closed at exit or after being dropped, the
+        publisher reports them in one line (:attr:`closing_unclosed`), not once each."""
+        if not resolutions:
+            return
+        spooled = self.spooled
+        if spooled is not None:
+            for entry in resolutions:
+                error = entry.resolution
+                if isinstance(error, PublisherClosed):
+                    entry.resolution = error.kept_in_spool(spooled.directory)
+        self.resolve(resolutions)
+        if self.closing_unclosed:
+            for future in resolutions:
+                retrieved(future)
 
     def fail(self, fatal: ReliableAmqpError) -> None:
         """The publisher gave up: callers waiting for room or a connection learn it now."""

@@ -177,7 +177,7 @@ class IOThread:
             if future is not None and not future.done():
                 future.set_exception(ReliableAmqpError(f"publisher closed before {op.describe()}"))
         self._accept_outbox(time.monotonic())
-        self._handoff.resolve(self._supervisor.shutdown())
+        self._handoff.resolve_closing(self._supervisor.shutdown())
         self._supervisor.closed()
 
     def _accept_outbox(self, now: float) -> int:
@@ -394,7 +394,7 @@ class IOThread:
         supervisor = self._supervisor
         if supervisor.stopping:
             return
-        self._handoff.resolve(supervisor.shutdown())
+        self._handoff.resolve_closing(supervisor.shutdown())
         connection = self._connection
         if connection is None:
             return

@@ -23,6 +23,7 @@ from reliable_amqp._compat.futures import watched
 from reliable_amqp._core.errors import PublisherClosed, PublishError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
+from reliable_amqp._logs import report_spool_failed
 from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
 from reliable_amqp._sync._future import PublishFuture, future_factory
 
@@ -47,6 +48,11 @@ class SpooledPublishing:
         #: set when the window stayed full for PACE_WAIT: publish() no longer waits for room
         #: until something resolves (see _keep_pace)
         self.stalled = False
+
+    @property
+    def directory(self) -> str:
+        """The spool's directory."""
+        return self.spool.directory
 
     # --- the caller's side ----------------------------------------------------------------------
 
@@ -197,15 +203,15 @@ class SpooledPublishing:
         if waiting:
             self.spool.persist(timeout)
             stored = self.spool.committed_seq
-            kept = (
-                "publisher closed; the message stays in the spool "
-                f"{self.spool.directory} and goes out with the next publisher opened on it"
-            )
             lost = "publisher closed; the spool could not store the message"
             for seq, future in waiting.items():
                 if not future.done():
-                    reason = kept if seq <= stored else lost
-                    future.set_exception(PublisherClosed(future.message, 0, reason))
+                    error = PublisherClosed(future.message, 0)
+                    if seq <= stored:
+                        error = error.kept_in_spool(self.spool.directory)
+                    else:
+                        error = PublisherClosed(future.message, 0, lost)
+                    future.set_exception(error)
         self.spool.close(timeout)
 
     # --- the I/O thread's side ------------------------------------------------------------------
@@ -240,6 +246,8 @@ class SpooledPublishing:
                 feed.track(index, entry.seq, entry.size)
                 if future is None:  # recovered, or the caller dropped its future
                     future = read
+                    if entry.seq <= feed.recovered_top:
+                        future._report = False  # a failure is the spool's to report
                 future.index = index
                 items.append(future)
         return items
@@ -251,13 +259,9 @@ class SpooledPublishing:
 
     def after_resolved(self, failed: list[PublishError]) -> None:
         """Called by :meth:`Handoff.resolve` after its lock: report, and read more back."""
-        for error in failed:
-            self._events.emit(
-                EventKind.SPOOL_FAILED,
-                f"recovered message {error.message.message_id!r} moved to the spool's failed "
-                f"table: {error}",
-                error=error,
-            )
+        for error in failed:  # no caller holds them: one WARNING each (docs/observability.md)
+            detail = report_spool_failed(error, error.message.message_id)
+            self._events.emit(EventKind.SPOOL_FAILED, detail, error=error)
         if self.feed.backlog:
             self._handoff.wake()
 

@@ -138,7 +138,7 @@ class _Parts:
         # The thread is gone, so the engine is this thread's to finish.
         engine = self.supervisor.engine
         engine.accept(handoff.take_outbox() or (), time.monotonic())
-        handoff.resolve(engine.close_all("publisher closed"))
+        handoff.resolve_closing(engine.close_all("publisher closed"))
         if self.spooled is not None:  # what is left stays in the spool for the next publisher
             self.spooled.close(wait)
         if self.telemetry is not None:
@@ -161,6 +161,7 @@ def _collected(parts: _Parts) -> None:
         parts.options.spool,
         "Call close() (or use `with Publisher(...)`) to wait for them and see their outcome.",
     )
+    parts.handoff.closing_unclosed = True  # reported above: not once per future too
     threading.Thread(
         target=parts.close, args=(wait,), name="reliable-amqp-close", daemon=True
     ).start()
@@ -269,6 +270,7 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         if handoff.forked or not handoff.accepting:
             return
         wait = self.options.exit_timeout
+        handoff.closing_unclosed = True  # reported below: not once per future too
         left = self._parts.close(wait, join=_EXIT_JOIN)
         if left:
             report_unclosed(
