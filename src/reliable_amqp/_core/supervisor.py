@@ -241,14 +241,25 @@ class Supervisor(Generic[E]):
         0 after a permanent close (the culprit is out of the way), a backoff after a resource
         problem (LavinMQ's low disk, 506) so the broker is not hammered.
         """
-        log.warning("reliable-amqp: channel closed: %s %s", reply_code, reply_text)
+        resolutions = self.engine.on_channel_lost(reply_code, reply_text, now)
+        # A permanent close (404, 406, ...) is a message's doing: that message fails with
+        # MessageRejected (now, or once isolating the suspects one at a time found it), which
+        # says all of this to the caller who holds it, so the library does not say it twice (a
+        # failure nobody retrieves is reported as such). Any other close (a resource problem)
+        # is the library's to report.
+        permanent = is_permanent_channel_close(reply_code, reply_text)
+        log.log(
+            logging.DEBUG if permanent else logging.WARNING,
+            "reliable-amqp: channel closed: %s %s",
+            reply_code,
+            reply_text,
+        )
         self.events.lost(
             "channel", EventKind.CHANNEL_LOST, f"channel closed: {reply_code} {reply_text}"
         )
-        resolutions = self.engine.on_channel_lost(reply_code, reply_text, now)
         if self.state.state is not State.CLOSING:
             self.state.transition(State.RECOVERING)
-        if is_permanent_channel_close(reply_code, reply_text):
+        if permanent:
             return resolutions, 0.0
         return resolutions, self.channel_failed()
 
