@@ -5,7 +5,6 @@ writer's trace context. No mock of either."""
 from __future__ import annotations
 
 import logging
-import os
 import random
 import signal
 import subprocess
@@ -96,7 +95,10 @@ def test_exactly_the_committed_rows_reach_the_queue(
                         committed.append(mid)
 
     killed = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import sys, time, psycopg
             from reliable_amqp.outbox import Outbox
             conn = psycopg.connect({pg_dsn!r})
@@ -104,7 +106,8 @@ def test_exactly_the_committed_rows_reach_the_queue(
                 Outbox().add(conn, "", {queue!r}, b"never", key="killed")
             print("ready", flush=True)
             time.sleep(600)
-        """)],  # fmt: skip
+        """),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -134,9 +137,11 @@ def test_a_row_that_commits_after_a_later_one_is_still_delivered(
     (the control) has passed A's id for good."""
     queue = broker.queue()
     find = "SELECT id FROM amqp_outbox WHERE message_id = %s"
-    with psycopg.connect(pg_dsn) as a, psycopg.connect(pg_dsn) as b, psycopg.connect(
-        pg_dsn, autocommit=True
-    ) as naive:
+    with (
+        psycopg.connect(pg_dsn) as a,
+        psycopg.connect(pg_dsn) as b,
+        psycopg.connect(pg_dsn, autocommit=True) as naive,
+    ):
         id_a = outbox.add(a, "", queue, b"A")
         (row_a,) = a.execute(find, (id_a,)).fetchone() or (0,)
         id_b = outbox.add(b, "", queue, b"B")
@@ -154,3 +159,146 @@ def test_a_row_that_commits_after_a_later_one_is_still_delivered(
             assert wait_for_count(broker, queue, 2, 30) == 2  # the relay does not
     assert relay.error is None
     assert [mid for mid, _ in read_ids(broker, queue)] == [id_b, id_a]
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "reliable_amqp", "outbox", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_refused_rows_fail_with_their_reasons_and_block_nothing_and_retry_delivers_them(
+    pg_dsn: str, amqp_url: str, broker: BrokerAdmin, outbox: Outbox, records: Records
+) -> None:
+    queue = broker.queue()
+    nowhere = broker.queue()  # its name, deleted now: unroutable until it is declared again
+    broker.channel.queue_delete(nowhere)
+    missing_exchange = f"{queue}-x"
+    with psycopg.connect(pg_dsn) as conn:
+        good = [outbox.add(conn, "", queue, b"good %d" % i, key=f"k{i % 5}") for i in range(100)]
+        returned = [outbox.add(conn, "", nowhere, b"returned", key="k1") for _ in range(3)]
+        rejected = [
+            outbox.add(conn, missing_exchange, "r", b"rejected", key="k2") for _ in range(2)
+        ]
+        good += [
+            outbox.add(conn, "", queue, b"good %d" % i, key=f"k{i % 5}") for i in range(100, 200)
+        ]
+    with RelayThread(pg_dsn, amqp_url) as relay:
+        assert wait_for_count(broker, queue, 200, 60) >= 200
+        _wait(lambda: status(pg_dsn).failed == 5, 30, "five failed rows")
+        _wait(lambda: status(pg_dsn).pending == 0, 30, "the good rows deleted")
+    stats = relay.relay.stats()
+    assert stats.failed == 5 and stats.published == 205 and stats.confirmed == 200
+    # each row was published once by the relay; a 404 closes the channel under the messages
+    # in flight, which the publisher sends again (at-least-once, the same ids and bodies)
+    got = read_ids(broker, queue)
+    assert {mid for mid, _ in got} == set(good)
+    assert len({(mid, body) for mid, body in got}) == len(good)
+    listed = _cli("failed", "--db", pg_dsn)
+    assert listed.returncode == 1, listed.stderr  # failed rows remain
+    for mid in returned:
+        assert mid in listed.stdout
+    assert listed.stdout.count("MessageReturned") == 3 and "312 NO_ROUTE" in listed.stdout
+    assert listed.stdout.count("MessageRejected") == 2 and "404" in listed.stdout
+    assert len(records.warnings("moved to amqp_outbox_failed")) == 5  # reported, once each
+    # the operator fixes the topology and retries: they are delivered, with their ids
+    broker.queue(nowhere)
+    broker.exchange(missing_exchange)
+    broker.bind(nowhere, missing_exchange, "r")
+    retried = _cli("failed", "--db", pg_dsn, "--retry", "--json")
+    assert retried.returncode == 0, retried.stderr
+    assert '"retried": 5' in retried.stdout
+    drained = _cli("relay", "--db", pg_dsn, "--url", amqp_url, "--until-empty")
+    assert drained.returncode == 0, drained.stderr
+    assert sorted(mid for mid, _ in read_ids(broker, nowhere)) == sorted(returned + rejected)
+    assert status(pg_dsn).failed == 0 and status(pg_dsn).pending == 0
+
+
+def test_the_relay_rides_out_the_loss_of_its_database_session(
+    pg_dsn: str, amqp_url: str, broker: BrokerAdmin, outbox: Outbox, records: Records
+) -> None:
+    queue = broker.queue()
+    ids: list[str] = []
+    with (
+        RelayThread(pg_dsn, amqp_url, rebalance_interval=0.2) as relay,
+        psycopg.connect(pg_dsn, autocommit=True) as admin,
+        psycopg.connect(pg_dsn) as conn,
+    ):
+        for round_ in range(3):
+            ids += [outbox.add(conn, "", queue, b"%d" % i, key=f"k{i % 3}") for i in range(300)]
+            conn.commit()
+            assert wait_for_count(broker, queue, len(ids), 60) >= len(ids)
+            _wait(lambda: relay.relay.partitions, 30, "the relay to own its partitions again")
+            # the relay's session (and every lock it held) is killed under it
+            killed = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE application_name LIKE 'reliable-amqp relay%%'"
+                " AND application_name NOT LIKE '%%listener'"
+            ).fetchall()
+            assert killed, f"round {round_}: no relay session to kill"
+        ids += [outbox.add(conn, "", queue, b"last") for _ in range(10)]
+        conn.commit()
+        assert wait_for_count(broker, queue, len(ids), 60) >= len(ids)
+        _wait(lambda: status(pg_dsn).pending == 0, 60, "every row deleted")
+    got = [mid for mid, _ in read_ids(broker, queue)]
+    assert set(got) == set(ids)  # nothing lost; duplicates only of what was in flight
+    assert len(got) - len(ids) <= 3 * 5000
+    assert len(records.warnings("lost the database")) == 3
+    assert len(records.warnings("database is back")) == 3
+
+
+def test_two_relays_share_the_partitions_and_publish_each_row_once(
+    pg_dsn: str, amqp_url: str, broker: BrokerAdmin, outbox: Outbox
+) -> None:
+    queue = broker.queue()
+    with (
+        RelayThread(pg_dsn, amqp_url, name="one", rebalance_interval=0.2) as one,
+        RelayThread(pg_dsn, amqp_url, name="two", rebalance_interval=0.2) as two,
+    ):
+        _wait(
+            lambda: len(one.relay.partitions) == len(two.relay.partitions) == 32,
+            30,
+            "32 partitions each",
+        )
+        assert one.relay.partitions.isdisjoint(two.relay.partitions)
+        shown = status(pg_dsn)
+        assert sorted((r.name, r.partitions) for r in shown.relays) == [("one", 32), ("two", 32)]
+        with psycopg.connect(pg_dsn) as conn:
+            ids = outbox.add_many(
+                conn,
+                [
+                    {"exchange": "", "routing_key": queue, "body": b"%d" % i,
+                     "key": None if i % 4 == 0 else f"k{i % 40}"}
+                    for i in range(4000)
+                ],
+            )  # fmt: skip
+        assert wait_for_count(broker, queue, 4000, 60) == 4000
+        _wait(lambda: status(pg_dsn).pending == 0, 60, "every row deleted")
+        assert one.relay.stats().published > 0 and two.relay.stats().published > 0
+    got = [mid for mid, _ in read_ids(broker, queue)]
+    assert sorted(got) == sorted(ids)
+
+
+def test_the_writers_trace_continues_in_the_message(
+    pg_dsn: str, amqp_url: str, broker: BrokerAdmin, outbox: Outbox
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("test")
+    queue = broker.queue()
+    with tracer.start_as_current_span("POST /orders") as span, psycopg.connect(pg_dsn) as conn:
+        outbox.add(conn, "", queue, b"traced", headers={"x": 1})
+    outbox_untraced = Outbox()
+    with psycopg.connect(pg_dsn) as conn:
+        outbox_untraced.add(conn, "", queue, b"plain")
+    with RelayThread(pg_dsn, amqp_url):
+        assert wait_for_count(broker, queue, 2, 30) == 2
+    (traced, _), (plain, _) = broker.drain(queue)
+    trace_id = format(span.get_span_context().trace_id, "032x")
+    assert traced.headers["traceparent"].split("-")[1] == trace_id
+    assert traced.headers["x"] == 1
+    assert not (plain.headers or {}).get("traceparent")

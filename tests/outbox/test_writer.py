@@ -18,7 +18,9 @@ from reliable_amqp.outbox._rows import PendingRow
 from reliable_amqp.outbox._schema import READ_COLUMNS
 
 
-def _rows(conn: psycopg.Connection | sqlite3.Connection, table: str = "amqp_outbox") -> list[PendingRow]:
+def _rows(
+    conn: psycopg.Connection | sqlite3.Connection, table: str = "amqp_outbox"
+) -> list[PendingRow]:
     cur = conn.execute(f"SELECT {', '.join(READ_COLUMNS)} FROM {table} ORDER BY id")
     return [PendingRow.of(r) for r in cur.fetchall()]
 
