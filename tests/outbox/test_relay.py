@@ -302,3 +302,35 @@ def test_the_writers_trace_continues_in_the_message(
     assert traced.headers["traceparent"].split("-")[1] == trace_id
     assert traced.headers["x"] == 1
     assert not (plain.headers or {}).get("traceparent")
+
+
+@pytest.mark.slow
+def test_a_transaction_held_open_for_a_minute_is_shown_warned_once_and_not_skipped(
+    pg_dsn: str, amqp_url: str, broker: BrokerAdmin, outbox: Outbox, records: Records
+) -> None:
+    queue = broker.queue()
+    held_for = 60.0
+    with (
+        RelayThread(pg_dsn, amqp_url) as relay,
+        psycopg.connect(pg_dsn) as long,
+        psycopg.connect(pg_dsn) as conn,
+    ):
+        started = time.monotonic()
+        held = outbox.add(long, "", queue, b"held", key="k")
+        others: list[str] = []
+        while time.monotonic() - started < held_for:
+            others.append(outbox.add(conn, "", queue, b"other", key="k"))
+            conn.commit()
+            time.sleep(1.0)  # a row a second flows while the transaction stays open
+        assert wait_for_count(broker, queue, len(others), 30) == len(others)
+        shown = status(pg_dsn)
+        assert shown.pending == 0  # what committed went out; the held row is invisible
+        assert shown.oldest_age_s is not None and shown.oldest_age_s >= held_for
+        assert len(shown.open_writers) == 1 and shown.open_writers[0].age_s >= held_for
+        assert len(records.warnings("a transaction open for")) == 1
+        long.commit()
+        assert wait_for_count(broker, queue, len(others) + 1, 30) == len(others) + 1
+    assert relay.error is None
+    assert [mid for mid, _ in read_ids(broker, queue)] == [*others, held]
+    assert len(records.warnings("a transaction open for")) == 1
+    assert status(pg_dsn).oldest_age_s is None

@@ -112,7 +112,9 @@ def test_per_key_order_holds_through_a_relay_killed_and_restarted(
         _wait(lambda: status(pg_dsn).pending == 0, 180, "every row confirmed and deleted")
         for name, process in relays.items():
             process.send_signal(signal.SIGTERM)
-            assert process.wait(60) == 0, f"{name}: {process.stderr.read() if process.stderr else ''}"
+            assert process.wait(60) == 0, (
+                f"{name}: {process.stderr.read() if process.stderr else ''}"
+            )
     finally:
         for process in relays.values():
             if process.poll() is None:
