@@ -104,8 +104,12 @@ def postgresql_ddl(tables: Tables) -> list[str]:
         # (every 10,000 dead rows, not 20% of the table) so the relay's index walk stays short.
         f"CREATE TABLE IF NOT EXISTS {tables.name} (\n"
         f"    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,{common}\n"
-        ") WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 10000,"
-        " autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 10000)",
+        ") WITH (\n"
+        "    autovacuum_vacuum_scale_factor = 0,\n"
+        "    autovacuum_vacuum_threshold = 10000,\n"
+        "    autovacuum_vacuum_insert_scale_factor = 0,\n"
+        "    autovacuum_vacuum_insert_threshold = 10000\n"
+        ")",
         f"CREATE TABLE IF NOT EXISTS {tables.failed} (\n"
         f"    id bigint PRIMARY KEY,{common},{_FAILED}\n)",
     ]
