@@ -10,6 +10,7 @@ once for rows added in its own process.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sqlite3
@@ -145,7 +146,12 @@ class SqliteRelayStore:
             self._watch.join(2)
 
     def drop(self) -> None:
-        self.close()
+        """Close the connection after an error (a writer holding the lock past the busy
+        timeout); the relay's file lock and its watcher stay."""
+        if self._conn is not None:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.close()
+            self._conn = None
 
     def start_wakeups(self, wake: threading.Event) -> None:
         self._closing = False
