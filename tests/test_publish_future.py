@@ -34,7 +34,7 @@ def _made(condition: compat_futures.SharedLockCondition, n: int) -> list[Publish
 
 
 def _futures(n: int) -> list[PublishFuture]:
-    return _made(compat_futures.SharedLockCondition(threading.RLock()), n)
+    return _made(compat_futures.SharedLockCondition(), n)
 
 
 def _later(seconds: float, fn: object) -> threading.Thread:
@@ -60,7 +60,7 @@ def test_this_python_gets_the_light_future() -> None:
 
 
 def test_futures_sharing_a_condition_settle_in_one_go_and_skip_cancelled_ones() -> None:
-    condition = compat_futures.SharedLockCondition(threading.RLock())
+    condition = compat_futures.SharedLockCondition()
     futures = _made(condition, 4)
     seen: list[object] = []
     futures[0].add_done_callback(lambda f: seen.append(f.result()))

@@ -18,7 +18,9 @@ which the test suite asserts is True on every supported Python.
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -64,46 +66,57 @@ _PENDING, _RUNNING, _FINISHED = _states()
 _NOT_DONE = (_PENDING, _RUNNING)
 
 
-class SharedLockCondition:
-    """The part of ``threading.Condition`` a Future uses, over a lock shared by many futures.
+class SharedLockCondition(_thread.RLock):  # type: ignore[misc]
+    """The part of ``threading.Condition`` a Future uses, over one lock many futures share: the
+    object is that lock (a C ``RLock``), so ``with future._condition`` takes and releases it in C.
 
-    Every method is called with the shared lock held (Future's own code does so), so creating
-    the real Condition on the first ``wait`` cannot race with a ``notify_all``.
+    A Python ``__enter__``/``__exit__`` around the lock (``threading.Condition``'s) can be
+    interrupted by a ``KeyboardInterrupt`` between taking the lock and returning, or before
+    releasing it: the lock then stays held by the interrupted thread, and the publisher's I/O
+    thread, which settles futures under it, blocks forever. A C lock's own ``with`` cannot be
+    left so.
+
+    Every method is called with the lock held (Future's own code does so), so creating the real
+    Condition on the first ``wait`` cannot race with a ``notify_all``. :class:`LightFuture`
+    waits without it (:meth:`waiter`): the Condition is left for Future's own code.
     """
 
-    __slots__ = ("_condition", "_lock")
+    __slots__ = ("_condition", "_waiters")
 
-    def __init__(self, lock: threading.RLock) -> None:
-        self._lock = lock
+    def __init__(self) -> None:
         self._condition: threading.Condition | None = None
+        #: threads waiting on a future of this lock, off the lock (LightFuture._wait_done)
+        self._waiters: list[threading.Lock] = []
 
-    def __enter__(self) -> bool:
-        return self._lock.__enter__()
+    def waiter(self) -> threading.Lock:
+        """Under the lock: a lock to wait on, off the lock, until the next notify."""
+        waiter = threading.Lock()
+        waiter.acquire()
+        self._waiters.append(waiter)
+        return waiter
 
-    def __exit__(self, *exc: object) -> None:
-        self._lock.release()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        """Take the shared lock (``concurrent.futures.wait`` takes each future's)."""
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self) -> None:
-        """Release the shared lock."""
-        self._lock.release()
+    def forget(self, waiter: threading.Lock) -> None:
+        """Under the lock: ``waiter`` timed out (it is no longer waited on)."""
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for a notify, as ``Condition.wait`` does (the shared lock is released)."""
+        """Wait for a notify, as ``Condition.wait`` does (the lock is released meanwhile)."""
         if self._condition is None:
-            self._condition = threading.Condition(self._lock)
+            self._condition = threading.Condition(self)
         return self._condition.wait(timeout)
 
     def notify(self, n: int = 1) -> None:
-        """Wake up to ``n`` threads waiting on this future."""
-        if self._condition is not None:
-            self._condition.notify(n)
+        """Wake threads waiting on a future of this lock (all: a wake-up may be meant for a
+        sibling, and each waiter looks again)."""
+        self.notify_all()
 
     def notify_all(self) -> None:
-        """Wake every thread waiting on this future."""
+        """Wake every thread waiting on a future of this lock."""
+        if self._waiters:
+            for waiter in self._waiters:
+                waiter.release()
+            self._waiters = []
         if self._condition is not None:
             self._condition.notify_all()
 
@@ -158,17 +171,28 @@ class LightFuture(Future[T]):
         self._lazy_callbacks = value
 
     def _wait_done(self, timeout: float | None) -> None:
-        """Wait (on the shared condition) until done or ``timeout`` is spent."""
+        """Wait until done or ``timeout`` is spent, on a waiter of the shared lock and off that
+        lock (see :class:`SharedLockCondition`: a Ctrl-C meanwhile leaves nothing held)."""
         end = None if timeout is None else time.monotonic() + timeout
-        with self._condition:
-            while self._state in _NOT_DONE:
-                if end is None:
-                    self._condition.wait()
-                    continue
-                remaining = end - time.monotonic()
-                if remaining <= 0:
+        condition = self._condition
+        if not isinstance(condition, SharedLockCondition):  # pragma: no cover - a plain Future
+            with condition:
+                if self._state in _NOT_DONE:
+                    condition.wait(timeout)
+            return
+        while True:
+            with condition:
+                if self._state not in _NOT_DONE:
                     return
-                self._condition.wait(remaining)
+                remaining = None if end is None else end - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                waiter = condition.waiter()
+            if remaining is None:
+                waiter.acquire()
+            elif not waiter.acquire(True, min(remaining, 1e9)):
+                with condition:
+                    condition.forget(waiter)
 
     def result(self, timeout: float | None = None) -> T:
         """As ``Future.result``."""

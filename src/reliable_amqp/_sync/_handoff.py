@@ -1,13 +1,22 @@
 """What the caller's threads and the I/O thread share, under one lock.
 
 Callers put messages in the outbox and take room in the window; the I/O thread takes the outbox,
-settles futures and frees room. Everything here is guarded by ``lock`` (``room`` is a Condition on
-it for callers waiting for room or for a flush); the engine and the pika objects are not here:
-only the I/O thread touches those.
+settles futures and frees room. Everything here is guarded by ``lock``; the engine and the pika
+objects are not here: only the I/O thread touches those.
+
+A caller that waits (for room in the window, for a flush, for the spool to keep pace) never waits
+while it holds ``lock``: it takes a waiter (:meth:`Handoff.waiter`) under the lock, leaves the
+``with`` block, and waits on that waiter alone (:meth:`Handoff.wait`), which the next
+:meth:`Handoff.notify_all` releases. That keeps Ctrl-C safe: a ``KeyboardInterrupt`` can be raised
+at any point of the caller's code, and a ``threading.Condition`` over the lock (Python code that
+releases and takes it again) could be left holding it, or having released it twice, by one
+raised at the wrong moment; then the I/O thread, or the ``close()`` that follows, would block
+forever. A ``with`` block on the C lock itself releases it however it is left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections import deque
@@ -59,13 +68,14 @@ class Handoff:
     """The shared state of one sync publisher (see the module docstring)."""
 
     def __init__(self, options: PublisherOptions) -> None:
-        self.lock = threading.Lock()  # publish() takes it bare: cheaper than the Condition
-        self.room = threading.Condition(self.lock)
+        self.lock = threading.Lock()
+        #: the waiters of callers waiting for a change (see the module docstring)
+        self._waiters: list[threading.Lock] = []
         self.window = Window(options.max_in_flight, options.max_in_flight_bytes)
         self.outbox: deque[PublishFuture] = deque()
         self.requests: deque[Request] = deque()
         #: the condition (over one lock) this publisher's futures share
-        self.futures = SharedLockCondition(threading.RLock())
+        self.futures = SharedLockCondition()
         #: set while a wake-up of the I/O thread is on its way (publishers need not send more)
         self.wake_pending = False
         #: how to wake the I/O thread while its loop runs (None: it is between connections)
@@ -85,6 +95,29 @@ class Handoff:
         #: set when the publisher closes at interpreter exit or after it was dropped: what it
         #: fails then is reported in one line (report_unclosed), not once per future
         self.closing_unclosed = False
+
+    def waiter(self) -> threading.Lock:
+        """Under :attr:`lock`: a waiter for the next :meth:`notify_all`, to :meth:`wait` on once
+        the lock is released."""
+        waiter = threading.Lock()
+        waiter.acquire()
+        self._waiters.append(waiter)
+        return waiter
+
+    def wait(self, waiter: threading.Lock, timeout: float | None) -> None:
+        """Off :attr:`lock`: wait until ``waiter``'s :meth:`notify_all` or ``timeout`` s."""
+        if waiter.acquire(True, -1 if timeout is None else min(max(0.0, timeout), 1e9)):
+            return
+        with self.lock, contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)  # timed out: not notified
+
+    def notify_all(self) -> None:
+        """Under :attr:`lock`: wake every caller waiting for a change."""
+        waiters = self._waiters
+        if waiters:
+            for waiter in waiters:
+                waiter.release()
+            self._waiters = []
 
     def wake(self, force: bool = False) -> None:
         """Make the I/O thread look at the outbox and its requests (``force``: even when a
@@ -139,10 +172,10 @@ class Handoff:
         outcomes = [e.resolution for e in resolutions]
         settle(self.futures, resolutions, outcomes, report_if_unretrieved)
         spooled = self.spooled
-        with self.room:  # held briefly: publishing threads wait on this lock
+        with self.lock:  # held briefly: publishing threads wait on this lock
             self.window.release(resolutions)
             failed = spooled.resolved_locked(resolutions) if spooled is not None else None
-            self.room.notify_all()
+            self.notify_all()
         if spooled is not None:
             spooled.after_resolved(failed or [])
 
@@ -165,9 +198,9 @@ class Handoff:
 
     def fail(self, fatal: ReliableAmqpError) -> None:
         """The publisher gave up: callers waiting for room or a connection learn it now."""
-        with self.room:
+        with self.lock:
             self.fatal = fatal
-            self.room.notify_all()
+            self.notify_all()
 
     def on_io_thread(self) -> bool:
         """True when called from the I/O thread (where waiting on a future deadlocks)."""
@@ -195,8 +228,8 @@ class Handoff:
         """
         # The lock may have been held by a parent thread at fork(): take a fresh one.
         self.lock = threading.Lock()
-        self.room = threading.Condition(self.lock)
-        self.futures = SharedLockCondition(threading.RLock())
+        self._waiters = []
+        self.futures = SharedLockCondition()
         self.accepting = False
         self.wake_loop = None
         self.fatal = PublisherForked(

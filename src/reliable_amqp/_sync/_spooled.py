@@ -72,7 +72,9 @@ class SpooledPublishing:
         meta = b""  # the stored record, once the usual case did not take the message
         size = 0
         end = 0.0  # publish_timeout's deadline, once something waits
+        pace = 0.0  # the end of a wait for room in the window (see _keep_pace)
         while True:
+            waiter = None
             with handoff.lock:
                 if handoff.fatal is not None or not handoff.accepting:
                     check(future)
@@ -86,9 +88,10 @@ class SpooledPublishing:
                     if not self.stalled and (
                         spool.last_seq != feed.fed or not window.fits(body_size)
                     ):
-                        self._keep_pace(body_size)
-                        if handoff.fatal is not None or not handoff.accepting:
-                            check(future)  # closed (or gave up) while it waited
+                        pace = self._keep_pace(body_size, pace)
+                        if pace:  # wait for room, off the lock (see Handoff), and look again
+                            waiter = handoff.waiter()
+                if waiter is None and not index:
                     seq = spool.try_append(meta, future.body, size)
                     if seq:
                         index = window.try_take(body_size) if feed.direct(seq) else 0
@@ -106,6 +109,9 @@ class SpooledPublishing:
                     handoff.outbox.append(future)
                 if seq:
                     wake = handoff.wake_call()
+            if waiter is not None:
+                handoff.wait(waiter, pace - time.monotonic())
+                continue
             if seq:
                 if wake is not None:
                     wake()
@@ -133,9 +139,11 @@ class SpooledPublishing:
         if spool.writer_behind:  # the disk is slower than the producer: wait for it
             spool.wait_for_writer(max(0.0, end - time.monotonic()))
 
-    def _keep_pace(self, size: int) -> bool:
-        """Under the handoff lock: wait (a little) while the window has no room for this message
-        and for those ahead of it on disk; False when the broker is taken for stalled.
+    def _keep_pace(self, size: int, end: float) -> float:
+        """Under the handoff lock: whether publish() waits (a little) because the window has no
+        room for this message and for those ahead of it on disk: the end of that wait (``end``
+        the one a wait before this one had, 0.0 at first), or 0.0 to go on now (and the broker
+        is taken for stalled when the wait is over).
 
         While the broker confirms, a spooled publish() keeps its pace as without a spool: the
         message goes straight to the engine and is never read back from disk (which costs more
@@ -148,22 +156,19 @@ class SpooledPublishing:
         """
         handoff = self._handoff
         if handoff.on_io_thread():
-            return True  # a callback: only this thread frees room
+            return 0.0  # a callback: only this thread frees room
         window = handoff.window
-        feed = self.feed
-        end = 0.0
-        while True:
-            if window.fits(size) and window.free_slots() > feed.ahead(window.max_count):
-                return True
-            if self.stalled or handoff.fatal is not None or not handoff.accepting:
-                return False
-            now = time.monotonic()
-            if not end:
-                end = now + PACE_WAIT
-            elif now >= end:
-                self.stalled = True
-                return False
-            handoff.room.wait(end - now)
+        if window.fits(size) and window.free_slots() > self.feed.ahead(window.max_count):
+            return 0.0
+        if self.stalled or handoff.fatal is not None or not handoff.accepting:
+            return 0.0
+        now = time.monotonic()
+        if not end:
+            return now + PACE_WAIT
+        if now >= end:
+            self.stalled = True
+            return 0.0
+        return end
 
     def flush(self, timeout: float | None) -> int:
         """Wait until every message published so far (and every recovered one) is resolved;
@@ -172,14 +177,16 @@ class SpooledPublishing:
         handoff = self._handoff
         if self.feed.holding:
             self.release()
-        with handoff.room:
+        with handoff.lock:
             mark = self.spool.last_seq
-            while (left := self.feed.unresolved(mark)) > 0:
+        while True:  # waits off the lock (see Handoff)
+            with handoff.lock:
+                left = self.feed.unresolved(mark)
                 remaining = None if end is None else end - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    break
-                handoff.room.wait(remaining if remaining is None else min(remaining, 1.0))
-            return left
+                if left <= 0 or (remaining is not None and remaining <= 0):
+                    return left
+                waiter = handoff.waiter()
+            handoff.wait(waiter, 1.0 if remaining is None else min(remaining, 1.0))
 
     def release(self) -> None:
         """Let recovered messages go out (the caller's declarations are in place)."""

@@ -21,11 +21,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from reliable_amqp._compat.futures import LightFuture
 from reliable_amqp._core.errors import (
     ConfigurationError,
     OperationTimeout,
     PublisherClosed,
-    PublishTimeout,
 )
 from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
@@ -106,26 +106,29 @@ class _Parts:
         if self.spooled is not None:  # what waits on disk counts too
             return self.spooled.flush(timeout)
         window = handoff.window
-        with handoff.room:
+        # Waits off the lock (see Handoff): a Ctrl-C here leaves nothing held.
+        with handoff.lock:
             barrier = window.barrier()
-            try:
-                while barrier.remaining > 0:
+        try:
+            while True:
+                with handoff.lock:
                     remaining = None if end is None else end - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        break
-                    handoff.room.wait(remaining)
-            finally:
+                    if barrier.remaining <= 0 or (remaining is not None and remaining <= 0):
+                        return barrier.remaining
+                    waiter = handoff.waiter()
+                handoff.wait(waiter, remaining)
+        finally:
+            with handoff.lock:
                 window.end_barrier(barrier)
-            return barrier.remaining
 
     def close(self, wait: float, join: float | None = None) -> int:
         """:meth:`Publisher.close`; ``join`` bounds the wait for the I/O thread to end after the
         flush (None: as long as it takes). Returns how many messages were not confirmed."""
         handoff = self.handoff
         handoff.check_wait("close()")
-        with handoff.room:
+        with handoff.lock:
             handoff.accepting = False
-            handoff.room.notify_all()
+            handoff.notify_all()
         if not self.io.started:
             if self.spooled is not None:
                 self.spooled.close(wait)
@@ -231,11 +234,15 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         self._io.start()
         if self._spooled is not None:
             return self  # connects in the background; publish() goes to the spool meanwhile
-        while not self._io.opened.wait(0.05):
-            if handoff.fatal is not None:
-                raise handoff.fatal
-            if not handoff.accepting:
-                raise PublisherClosed.refused("connect()", reason="closed while connecting")
+        opened = self._io.opened
+        while not opened.is_set():  # waits off the lock (see Handoff), looking 20 times a second
+            with handoff.lock:
+                if handoff.fatal is not None:
+                    raise handoff.fatal
+                if not handoff.accepting:
+                    raise PublisherClosed.refused("connect()", reason="closed while connecting")
+                waiter = handoff.waiter()
+            handoff.wait(waiter, 0.05)
         return self
 
     def __enter__(self) -> Publisher:
@@ -290,8 +297,9 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
             raise PublisherClosed.refused(f"declaring {op.describe()}")
         if not self._io.opened.is_set():
             self.connect()
-        future: Future[Any] = Future()
         handoff = self._handoff
+        # (a future over the publisher's own C lock: Ctrl-C-safe, as PublishFuture is)
+        future: Future[Any] = LightFuture(handoff.futures)
         with handoff.lock:
             if handoff.fatal is not None:
                 raise handoff.fatal
@@ -325,14 +333,43 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
             if handoff.fatal is not None or not handoff.accepting:
                 self._check_accepting(message)
             index = window.try_take(size)
-            if not index:
-                self._wait_for_room(size, message)
-                index = window.take(size)
-            message.index = index
-            if self._telemetry is not None:  # the span starts once nothing can refuse it
-                self._telemetry.on_publish(message, index)
-            handoff.outbox.append(message)
-            wake = handoff.wake_call()
+            if index:
+                message.index = index
+                if self._telemetry is not None:  # the span starts once nothing can refuse it
+                    self._telemetry.on_publish(message, index)
+                handoff.outbox.append(message)
+                wake = handoff.wake_call()
+        if not index:
+            return self._publish_when_room(message, size)
+        if wake is not None:
+            wake()
+        return message
+
+    def _publish_when_room(self, message: PublishFuture, size: int) -> PublishFuture:
+        """:meth:`_publish` into a full window: wait for room (off the lock: see Handoff), at
+        most ``publish_timeout``."""
+        handoff = self._handoff
+        # A callback publishing into a full window would wait for confirms that only this (the
+        # I/O) thread can read: fail at once instead.
+        handoff.check_wait("publish() into a full in-flight window")
+        window = self._window
+        end = time.monotonic() + self.options.publish_timeout
+        while True:
+            with handoff.lock:
+                self._check_accepting(message)
+                index = window.try_take(size)
+                if index:
+                    message.index = index
+                    if self._telemetry is not None:
+                        self._telemetry.on_publish(message, index)
+                    handoff.outbox.append(message)
+                    wake = handoff.wake_call()
+                    break
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    raise window.full_error(self.options.publish_timeout)
+                waiter = handoff.waiter()
+            handoff.wait(waiter, remaining)
         if wake is not None:
             wake()
         return message
@@ -350,28 +387,40 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         window = self._window
         telemetry = self._telemetry
         done = 0
+        end = 0.0  # publish_timeout's deadline, once the window is full
         while done < len(messages):
+            waiter = None
             with handoff.lock:
-                if not window.fits(messages[done].size):
-                    try:
-                        self._wait_for_room(messages[done].size, messages[done])
-                    except PublishTimeout as exc:
-                        if not done:
-                            raise
-                        for future in futures[done:]:
-                            future.set_exception(exc)
-                        return list(futures)
                 if handoff.fatal is not None or not handoff.accepting:
                     self._check_accepting(messages[done])
-                taken = messages[done : done + window.take_run(messages, done)]
-                if telemetry is not None:  # the spans start once nothing can refuse them
-                    for future in taken:
-                        telemetry.on_publish(future, future.index)
-                handoff.outbox.extend(taken)
-                done += len(taken)
-                wake = handoff.wake_call()
-            if wake is not None:
+                if window.fits(messages[done].size):
+                    taken = messages[done : done + window.take_run(messages, done)]
+                    if telemetry is not None:  # the spans start once nothing can refuse them
+                        for future in taken:
+                            telemetry.on_publish(future, future.index)
+                    handoff.outbox.extend(taken)
+                    done += len(taken)
+                    end = 0.0
+                    wake = handoff.wake_call()
+                else:  # wait for room, off the lock (see Handoff)
+                    now = time.monotonic()
+                    if not end:
+                        handoff.check_wait("publish() into a full in-flight window")
+                        end = now + self.options.publish_timeout
+                    if now >= end:
+                        exc = window.full_error(self.options.publish_timeout)
+                        if not done:
+                            raise exc
+                        break
+                    waiter = handoff.waiter()
+            if waiter is not None:
+                handoff.wait(waiter, end - time.monotonic())
+            elif wake is not None:
                 wake()
+        else:
+            return list(futures)
+        for future in futures[done:]:  # the window stayed full: these were not accepted
+            future.set_exception(exc)
         return list(futures)
 
     def publish_and_wait(
@@ -400,20 +449,6 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         if self._spooled is None:
             raise ConfigurationError("persist() needs a spool: Publisher(url, spool=DIR)")
         return self._spooled.persist(timeout)
-
-    def _wait_for_room(self, size: int, message: PublishFuture) -> None:
-        handoff = self._handoff
-        # A callback publishing into a full window would wait for confirms that only this (the
-        # I/O) thread can read: fail at once instead.
-        handoff.check_wait("publish() into a full in-flight window")
-        window = self._window
-        end = time.monotonic() + self.options.publish_timeout
-        while not window.fits(size):
-            self._check_accepting(message)
-            remaining = end - time.monotonic()
-            if remaining <= 0:
-                raise window.full_error(self.options.publish_timeout)
-            handoff.room.wait(remaining)
 
     def _check_accepting(self, message: PublishFuture) -> None:
         fatal = self._handoff.fatal
