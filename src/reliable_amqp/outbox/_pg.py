@@ -9,6 +9,7 @@ session, so a relay killed -9, or cut off from the database, owns nothing any mo
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -31,7 +32,16 @@ try:
 except ImportError:  # pragma: no cover - the outbox extra is missing
     psycopg = None
 
-__all__ = ["APPLICATION", "PgRelayStore", "install", "open_writers", "psycopg", "status_rows"]
+__all__ = [
+    "APPLICATION",
+    "PgRelayStore",
+    "async_writer",
+    "install",
+    "open_writers",
+    "psycopg",
+    "status_rows",
+    "sync_writer",
+]
 
 #: the application_name relays connect with (status lists the sessions that carry it)
 APPLICATION = "reliable-amqp relay"
@@ -44,6 +54,7 @@ def require_psycopg() -> Any:
     return psycopg
 
 
+@functools.lru_cache(maxsize=64)
 def insert_sql(tables: Tables, notify: bool) -> str:
     """One statement that inserts a row and, with ``notify``, wakes the relays at commit (one
     round trip either way; PostgreSQL folds a transaction's identical notifications into one)."""
@@ -55,6 +66,7 @@ def insert_sql(tables: Tables, notify: bool) -> str:
     return f"WITH _ AS ({insert}) SELECT pg_notify('{tables.channel}', '')"
 
 
+@functools.lru_cache(maxsize=64)
 def insert_many_sql(tables: Tables, count: int, notify: bool) -> str:
     """One statement for ``count`` rows (``add_many()``), with the same wake-up."""
     columns = ", ".join(WRITE_COLUMNS)
@@ -81,6 +93,56 @@ def check_writable(conn: Any) -> None:
             "the row would commit on its own, not with your transaction: write inside "
             "`with conn.transaction():`, or use a connection without autocommit"
         )
+
+
+class _Writer:
+    """psycopg 3 ``Connection``: one statement a row (inserting and notifying), one per 1,000
+    rows for ``add_many()``."""
+
+    def install(self, conn: Any, tables: Tables) -> None:
+        install(conn, tables)
+
+    def write(self, conn: Any, tables: Tables, rows: Sequence[RowValues], notify: bool) -> None:
+        check_writable(conn)
+        if len(rows) == 1:
+            conn.execute(insert_sql(tables, notify), rows[0], prepare=True)
+            return
+        for start in range(0, len(rows), 1000):
+            chunk = rows[start : start + 1000]
+            conn.execute(insert_many_sql(tables, len(chunk), notify), flat(chunk))
+
+
+class _AsyncWriter:
+    """psycopg 3 ``AsyncConnection``: as :class:`_Writer`, awaited."""
+
+    async def install(self, conn: Any, tables: Tables) -> None:
+        for statement in postgresql_ddl(tables):
+            await conn.execute(statement)
+
+    async def write(
+        self, conn: Any, tables: Tables, rows: Sequence[RowValues], notify: bool
+    ) -> None:
+        check_writable(conn)
+        if len(rows) == 1:
+            await conn.execute(insert_sql(tables, notify), rows[0], prepare=True)
+            return
+        for start in range(0, len(rows), 1000):
+            chunk = rows[start : start + 1000]
+            await conn.execute(insert_many_sql(tables, len(chunk), notify), flat(chunk))
+
+
+def sync_writer(conn: object) -> _Writer | None:
+    """The writer for a psycopg ``Connection`` (None for anything else)."""
+    if psycopg is not None and isinstance(conn, psycopg.Connection):
+        return _Writer()
+    return None
+
+
+def async_writer(conn: object) -> _AsyncWriter | None:
+    """The writer for a psycopg ``AsyncConnection`` (None for anything else)."""
+    if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
+        return _AsyncWriter()
+    return None
 
 
 class PgRelayStore:

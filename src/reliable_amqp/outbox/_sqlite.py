@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import sqlite3
 import threading
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
-from reliable_amqp.outbox._rows import PendingRow
+from reliable_amqp.outbox._rows import PendingRow, RowValues
 from reliable_amqp.outbox._schema import (
     PARTITIONS,
     READ_COLUMNS,
@@ -46,6 +47,7 @@ def wake_local() -> None:
         event.set()
 
 
+@functools.lru_cache(maxsize=64)
 def insert_sql(tables: Tables) -> str:
     marks = ", ".join(["?"] * len(WRITE_COLUMNS))
     return f"INSERT INTO {tables.name} ({', '.join(WRITE_COLUMNS)}) VALUES ({marks})"
@@ -63,6 +65,27 @@ def check_writable(conn: sqlite3.Connection) -> None:
             "the row would commit on its own, not with your transaction: run BEGIN first, or "
             "use a connection with the default isolation_level"
         )
+
+
+class _Writer:
+    """``sqlite3.Connection``: ``executemany`` in the caller's transaction; wakes this
+    process's relays."""
+
+    def install(self, conn: sqlite3.Connection, tables: Tables) -> None:
+        install(conn, tables)
+
+    def write(
+        self, conn: sqlite3.Connection, tables: Tables, rows: Sequence[RowValues], notify: bool
+    ) -> None:
+        check_writable(conn)
+        conn.executemany(insert_sql(tables), rows)
+        if notify:
+            wake_local()
+
+
+def sync_writer(conn: object) -> _Writer | None:
+    """The writer for a ``sqlite3.Connection`` (None for anything else)."""
+    return _Writer() if isinstance(conn, sqlite3.Connection) else None
 
 
 def install(conn: sqlite3.Connection, tables: Tables) -> None:
