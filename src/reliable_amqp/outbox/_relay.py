@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError, InvalidMessage, PublishTimeout
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
@@ -29,66 +29,10 @@ from reliable_amqp._sync.publisher import Publisher
 from reliable_amqp.outbox._plan import Ownership, ReadCursor, attempts_of, failure_reason
 from reliable_amqp.outbox._rows import PendingRow, UnreadableRow, runs
 from reliable_amqp.outbox._schema import DEFAULT_TABLE, PARTITIONS, Tables
-from reliable_amqp.outbox._status import OpenWriter
+from reliable_amqp.outbox._stores import RelayStore, database_errors, open_store
 from reliable_amqp.outbox._telemetry import OutboxMetrics, continue_trace
 
 log = logging.getLogger("reliable_amqp.outbox")
-
-
-class RelayStore(Protocol):
-    """What the relay needs of a database (``_pg.PgRelayStore``, ``_sqlite.SqliteRelayStore``)."""
-
-    dialect: str
-
-    def connect(self) -> None: ...
-    @property
-    def connected(self) -> bool: ...
-    def close(self) -> None: ...
-    def drop(self) -> None: ...
-    def start_wakeups(self, wake: threading.Event) -> None: ...
-    def relays(self) -> int: ...
-    def try_lock(self, parts: Sequence[int], want: int) -> list[int]: ...
-    def unlock(self, parts: Sequence[int]) -> None: ...
-    def read(
-        self, after: int, parts: Sequence[int] | None, skip: Sequence[int], limit: int
-    ) -> list[PendingRow]: ...
-    def delete(self, ids: Sequence[int]) -> None: ...
-    def fail(self, failures: Sequence[tuple[int, int, str]]) -> None: ...
-    def any_pending(self) -> bool: ...
-    def open_writers(self) -> list[OpenWriter]: ...
-
-
-def database_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean "the database is unreachable or went away" (retried)."""
-    import sqlite3
-
-    errors: list[type[BaseException]] = [sqlite3.OperationalError]
-    try:
-        import psycopg
-
-        errors += [psycopg.OperationalError, psycopg.InterfaceError]
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-def open_store(db: str, tables: Tables, name: str) -> RelayStore:
-    """The store for a DSN: ``postgresql://...`` (or ``postgres://``) or ``sqlite:///path``."""
-    if not isinstance(db, str):
-        raise ConfigurationError(f"db: expected a DSN string, got {type(db).__name__}")
-    if db.startswith(("postgresql://", "postgres://")):
-        from reliable_amqp.outbox._pg import PgRelayStore, require_psycopg
-
-        require_psycopg()
-        return PgRelayStore(db, tables, name)
-    if db.startswith("sqlite:///"):
-        from reliable_amqp.outbox._sqlite import SqliteRelayStore, path_of
-
-        return SqliteRelayStore(path_of(db), tables, name)
-    raise ConfigurationError(
-        "db: expected postgresql://user@host:port/dbname or sqlite:///path/to/file.db, got "
-        f"{db.split('://', 1)[0] + '://...' if '://' in db else 'a string without a scheme'}"
-    )
 
 
 @dataclass(frozen=True)
