@@ -32,8 +32,8 @@ from reliable_amqp.cli._parse import (
     UsageError,
 )
 from reliable_amqp.outbox import OutboxRelay
-from reliable_amqp.outbox._relay import database_errors
 from reliable_amqp.outbox._schema import DEFAULT_TABLE, Tables, postgresql_ddl, sqlite_ddl
+from reliable_amqp.outbox._stores import database_errors
 from reliable_amqp.outbox._tools import (
     FailedRow,
     drop_failed,
