@@ -1,0 +1,1211 @@
+"""The transactional outbox (issue 29): the relay against publish_many, its memory, the latency
+of an idle relay, what add() costs a writer, NOTIFY and the writers' commits, two relays.
+
+    bash scripts/dev.sh run python benchmarks/outbox.py                     # 1,000,000-row backlog
+    bash scripts/dev.sh run python benchmarks/outbox.py --backlog 200000    # quicker
+    bash scripts/dev.sh run python benchmarks/outbox.py --only latency,writer --json
+    bash scripts/dev.sh run python benchmarks/outbox.py --quick             # seconds, tiny sizes
+
+Everything runs against the real PostgreSQL ($OUTBOX_PG, default postgresql://postgres@127.0.0.1:
+5432; a database of its own, dropped after) and the local broker ($AMQP_URL). Messages go to a
+durable direct exchange of the run's own; each measured row binds a fresh durable lazy queue to
+it (the broker keeps the backlog on its disk), deleted after. Bodies are ``--size`` bytes
+(default 200), persistent, mandatory.
+
+- **drain**: ``--backlog`` rows are written once through ``Outbox.add_many`` (10,000 a
+  transaction; its rate is reported) into a template table, copied into a fresh outbox table,
+  and drained by one relay in a process of its own (``OutboxRelay.run(until_empty=True)``); the
+  same messages are published by ``Publisher.publish_many`` (1,000 a call) in a process of its
+  own. Both are timed the same way, from the "go" given to the ready process to the moment the
+  queue holds every message (passive declares every 20 ms). Client CPU per message is the
+  process's ``time.process_time()`` over its run; the PostgreSQL backends' (the relay's two
+  sessions, found through pg_stat_activity) and the broker's (``beam.smp``) from /proc; the
+  machine's busy share of its cores from /proc/stat. The broker's ceiling (raw_ceiling.py:
+  pre-encoded frames, no client work) closes the table.
+- **rss**: the relay's resident memory, sampled every 20 ms from /proc/PID/status (VmRSS), at
+  a ``--small-backlog`` (default a tenth of ``--backlog``) and at ``--backlog`` (the drain's).
+- **relays**: two relays (two processes) against one on the same ``--backlog`` rows.
+- **latency**: an idle relay, and writer threads committing ``--rate`` transactions a second
+  (one ``add()`` each) for ``--latency-seconds``: commit-to-confirm as the relay measures it
+  (``relay.stats()``: from the row's ``created_at``, stamped in ``add()``, to the relay taking
+  the broker's confirm) and commit-to-delivery as a consumer of the queue sees it (from
+  ``commit()`` returning in the writer to the delivery, by message id). With NOTIFY, and without
+  (the relay then finds rows by polling, every ``poll_interval``: 1 s).
+- **writer**: one connection, ``add()`` against a plain INSERT of the same row (the same columns
+  and values, prepared), NOTIFY on and off, one row and 100 rows a transaction.
+- **commits**: 1 and ``--writers`` writer processes committing one ``add()`` a transaction as
+  fast as they can for ``--commit-seconds``, NOTIFY on and off (a LISTEN session open, as an
+  idle relay's is): whether NOTIFY's lock at commit serialises the writers.
+- **sqlite**: a ``--sqlite-backlog`` drained from a SQLite file, against the drain's
+  publish_many rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import pika
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from broker_idle import broker_pids, wait_idle
+from raw_ceiling import raw_confirmed_seconds
+
+from reliable_amqp import Publisher
+from reliable_amqp.outbox import Outbox, OutboxRelay, status
+from reliable_amqp.outbox._schema import WRITE_COLUMNS
+
+URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+PG = os.environ.get("OUTBOX_PG", "postgresql://postgres@127.0.0.1:5432")
+SECTIONS = ("drain", "rss", "relays", "latency", "writer", "commits", "sqlite")
+ROUTING_KEY = "bench"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+Row = dict[str, Any]
+
+
+def body(i: int, size: int) -> bytes:
+    """The ``i``-th message's body: its number, then padding."""
+    head = b"%012d" % i
+    return head + b"x" * (size - len(head))
+
+
+# --- /proc ------------------------------------------------------------------------------------
+
+
+def proc_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used, None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+def proc_kb(pid: int, key: str = "VmRSS") -> int | None:
+    """A /proc/PID/status figure in kB (VmRSS, VmHWM), None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status_file:
+            for line in status_file:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def broker_cpu() -> float | None:
+    """CPU seconds of the local broker (its ``beam.smp``), None when there is not exactly one."""
+    pids = broker_pids()
+    return proc_cpu(pids[0]) if len(pids) == 1 else None
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of every core so far (/proc/stat; idle and iowait are not busy)."""
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    return sum(values) - values[3] - values[4], sum(values)
+
+
+# --- the broker -------------------------------------------------------------------------------
+
+
+class Broker:
+    """The run's exchange, and the fresh queue bound to it for each measured row."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.exchange = f"ra-bench-outbox-{uuid.uuid4().hex[:8]}"
+        with self.channel() as channel:
+            channel.exchange_declare(self.exchange, "direct", durable=True)
+
+    @contextlib.contextmanager
+    def channel(self) -> Iterator[Any]:
+        connection = pika.BlockingConnection(pika.URLParameters(self.url))
+        try:
+            yield connection.channel()
+        finally:
+            connection.close()
+
+    @contextlib.contextmanager
+    def queue(self, bind: bool = True) -> Iterator[str]:
+        """A new durable lazy queue bound to the exchange (with ``bind``), deleted after."""
+        name = f"ra-bench-outbox-{uuid.uuid4().hex[:10]}"
+        with self.channel() as channel:
+            channel.queue_declare(name, durable=True, arguments={"x-queue-mode": "lazy"})
+            if bind:
+                channel.queue_bind(name, self.exchange, ROUTING_KEY)
+        try:
+            yield name
+        finally:
+            with self.channel() as channel:
+                channel.queue_delete(name)
+
+    def close(self) -> None:
+        with self.channel() as channel:
+            channel.exchange_delete(self.exchange)
+
+
+# --- the database -----------------------------------------------------------------------------
+
+
+class Database:
+    """A database of the run's own, dropped at close()."""
+
+    def __init__(self, base: str, checkpoint: bool = True) -> None:
+        self.base = base
+        self.checkpoint = checkpoint
+        self.name = f"ra_bench_outbox_{uuid.uuid4().hex[:10]}"
+        with psycopg.connect(f"{base}/postgres", autocommit=True) as admin:
+            admin.execute(f"CREATE DATABASE {self.name}")
+        self.dsn = f"{base}/{self.name}"
+        self._tables = 0
+
+    def connect(self, autocommit: bool = False) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.dsn, autocommit=autocommit)
+
+    def table(self) -> str:
+        """A new outbox table (installed); its name."""
+        self._tables += 1
+        name = f"bench_{self._tables}"
+        with self.connect() as conn:  # commits at the end of the block
+            Outbox(name).install(conn)
+        return name
+
+    def drop(self, table: str) -> None:
+        with self.connect(autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {table}, {table}_failed")
+
+    def settle(self, table: str) -> None:
+        """What an outbox that filled over time would have had: vacuumed, analysed, and no
+        checkpoint's worth of dirty pages left for the measured row to pay for."""
+        with self.connect(autocommit=True) as conn:
+            conn.execute(f"VACUUM (ANALYZE) {table}")
+            if self.checkpoint:  # not with --quick: a shared server's checkpoint takes a while
+                conn.execute("CHECKPOINT")
+
+    def close(self) -> None:
+        with psycopg.connect(f"{self.base}/postgres", autocommit=True) as admin:
+            admin.execute(f"DROP DATABASE IF EXISTS {self.name} WITH (FORCE)")
+
+
+COLUMNS = ", ".join(WRITE_COLUMNS)
+
+
+def fill_template(db: Database, exchange: str, count: int, size: int) -> Row:
+    """``count`` rows through Outbox.add_many, 10,000 a transaction; the rate it wrote at."""
+    table = db.table()
+    outbox = Outbox(table)
+    with db.connect() as conn:
+        started, cpu = time.perf_counter(), time.process_time()
+        for start in range(0, count, 10_000):
+            outbox.add_many(
+                conn,
+                [
+                    {"exchange": exchange, "routing_key": ROUTING_KEY, "body": body(i, size)}
+                    for i in range(start, min(count, start + 10_000))
+                ],
+            )
+            conn.commit()
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"table": table, "rate": count / seconds, "cpu_us": cpu / count * 1e6}
+
+
+def copy_backlog(db: Database, template: str, count: int) -> str:
+    """A new outbox table holding the template's first ``count`` rows (their order kept)."""
+    table = db.table()
+    with db.connect() as conn:
+        conn.execute(
+            f"INSERT INTO {table} ({COLUMNS}) SELECT {COLUMNS} FROM {template}"
+            " ORDER BY id LIMIT %s",
+            (count,),
+        )
+        conn.commit()
+    db.settle(table)
+    return table
+
+
+# --- processes of their own -------------------------------------------------------------------
+
+
+class Child:
+    """This script run as ``--child SPEC``: it prepares, says "ready", waits for "go", works and
+    prints one JSON line."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self._stderr: IO[str] = tempfile.TemporaryFile("w+")  # noqa: SIM115  (closed in result())
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+        )
+        self.ready_kb = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self) -> None:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("ready"):
+            self.proc.wait(10)
+            raise RuntimeError(f"{self.spec['role']} did not start:\n{self._error()}")
+        self.ready_kb = int(line.split()[1])
+
+    def go(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+
+    def result(self, timeout: float = 120) -> dict[str, Any]:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"{self.spec['role']} did not finish:\n{self._error()}") from None
+        if self.proc.returncode != 0 or not out.strip():
+            raise RuntimeError(
+                f"{self.spec['role']} exited {self.proc.returncode}:\n{self._error()}"
+            )
+        self._stderr.close()
+        result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+        return result
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _error(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-3000:]
+
+
+def child_main(spec: dict[str, Any]) -> int:
+    role = spec["role"]
+    if role == "relay":
+        return child_relay(spec)
+    if role == "publish-many":
+        return child_publish_many(spec)
+    if role == "writer":
+        return child_writer(spec)
+    raise SystemExit(f"unknown role {role!r}")
+
+
+def _ready() -> None:
+    print("ready", proc_kb(os.getpid()) or 0, flush=True)
+    sys.stdin.readline()
+
+
+def child_relay(spec: dict[str, Any]) -> int:
+    relay = OutboxRelay(
+        spec["db"],
+        spec["url"],
+        table=spec["table"],
+        name=spec["name"],
+        batch=spec.get("batch", 1000),
+        poll_interval=spec.get("poll_interval", 1.0),
+    )
+    signal.signal(signal.SIGTERM, lambda *_: relay.stop())
+    _ready()
+    started, cpu = time.perf_counter(), time.process_time()
+    relay.run(until_empty=spec["until_empty"])
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    result = {
+        "seconds": seconds,
+        "cpu": cpu,
+        "hwm_kb": proc_kb(os.getpid(), "VmHWM"),
+        "stats": asdict(relay.stats()),
+    }
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def child_publish_many(spec: dict[str, Any]) -> int:
+    count, size = spec["count"], spec["size"]
+    with Publisher(spec["url"]) as publisher:
+        publisher.connect()
+        _ready()
+        started, cpu = time.perf_counter(), time.process_time()
+        for start in range(0, count, 1000):
+            bodies = [body(i, size) for i in range(start, min(count, start + 1000))]
+            publisher.publish_many(spec["exchange"], ROUTING_KEY, bodies)  # futures dropped
+        left = publisher.flush(None)
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    if left:
+        raise RuntimeError(f"{left} messages not confirmed")
+    print(json.dumps({"seconds": seconds, "cpu": cpu}), flush=True)
+    return 0
+
+
+def child_writer(spec: dict[str, Any]) -> int:
+    outbox = Outbox(spec["table"], notify=spec["notify"])
+    payload = body(0, spec["size"])
+    with psycopg.connect(spec["db"]) as conn:
+        _ready()
+        count = 0
+        started = time.perf_counter()
+        deadline = started + spec["seconds"]
+        while time.perf_counter() < deadline:
+            outbox.add(conn, spec["exchange"], ROUTING_KEY, payload)
+            conn.commit()
+            count += 1
+        seconds = time.perf_counter() - started
+    print(json.dumps({"count": count, "seconds": seconds}), flush=True)
+    return 0
+
+
+# --- watching a measured run ------------------------------------------------------------------
+
+
+@dataclass
+class Watched:
+    """What :class:`Watch` saw from "go" on."""
+
+    #: seconds from "go" until the queue held every message (None: it never did)
+    seconds: float | None = None
+    depth: int = 0
+    #: peak VmRSS of each watched process, kB
+    peak_kb: dict[int, int] = field(default_factory=dict)
+    #: CPU seconds of the PostgreSQL backends of the watched relays (None: none found)
+    backend_cpu: float | None = None
+    broker_cpu: float | None = None
+    #: the machine's busy share of all its cores (0..1)
+    machine_busy: float = 0.0
+    #: (seconds since "go", queue depth), every 20 ms until full
+    depths: list[tuple[float, int]] = field(default_factory=list)
+
+    def halves(self, count: int) -> tuple[float, float]:
+        """Messages a second while the queue took its first half, and its second half."""
+        half = next((t for t, d in self.depths if d >= count // 2), None)
+        if half is None or self.seconds is None or not 0 < half < self.seconds:
+            return float("nan"), float("nan")
+        return (count // 2) / half, (count - count // 2) / (self.seconds - half)
+
+
+class Watch:
+    """From :meth:`start` (the "go"), in a thread: the queue's depth every 20 ms until it holds
+    ``target`` messages, the watched processes' RSS, and the CPU of the PostgreSQL backends whose
+    application_name starts with one of ``relay_names`` (the relays' sessions)."""
+
+    def __init__(
+        self,
+        url: str,
+        queue: str,
+        target: int,
+        pids: Sequence[int],
+        *,
+        relay_names: Sequence[str] = (),
+        timeout: float = 600,
+    ) -> None:
+        self.url, self.queue, self.target, self.timeout = url, queue, target, timeout
+        self.pids = list(pids)
+        self.relay_names = list(relay_names)
+        self.result = Watched()
+        self.full = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._backends: dict[int, float] = {}  # pid -> its CPU seconds, last seen
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+        self._broker = broker_cpu()
+        self._machine = machine_ticks()
+        self._thread.start()
+
+    def wait_full(self) -> float:
+        if not self.full.wait(self.timeout):
+            raise RuntimeError(
+                f"the queue holds {self.result.depth:,} of {self.target:,} after {self.timeout} s"
+            )
+        assert self.result.seconds is not None
+        return self.result.seconds
+
+    def finish(self) -> Watched:
+        """Stop watching (once the watched processes are gone)."""
+        self._stop.set()
+        self._thread.join()
+        broker = broker_cpu()
+        if broker is not None and self._broker is not None:
+            self.result.broker_cpu = broker - self._broker
+        busy, total = machine_ticks()
+        if total > self._machine[1]:
+            self.result.machine_busy = (busy - self._machine[0]) / (total - self._machine[1])
+        if self._backends:
+            self.result.backend_cpu = sum(self._backends.values())
+        return self.result
+
+    def _run(self) -> None:
+        connection = pika.BlockingConnection(pika.URLParameters(self.url))
+        channel = connection.channel()
+        pg = psycopg.connect(f"{PG}/postgres", autocommit=True) if self.relay_names else None
+        tick = 0
+        try:
+            while not self._stop.is_set():
+                if not self.full.is_set():
+                    depth = channel.queue_declare(self.queue, passive=True).method.message_count
+                    self.result.depth = depth
+                    self.result.depths.append((time.perf_counter() - self._started, depth))
+                    if depth >= self.target:
+                        self.result.seconds = time.perf_counter() - self._started
+                        self.full.set()
+                for pid in self.pids:
+                    kb = proc_kb(pid)
+                    if kb is not None and kb > self.result.peak_kb.get(pid, 0):
+                        self.result.peak_kb[pid] = kb
+                if pg is not None:
+                    if tick % 5 == 0:
+                        self._find_backends(pg)
+                    self._sample_backends()
+                tick += 1
+                self._stop.wait(0.02)
+        finally:
+            connection.close()
+            if pg is not None:
+                pg.close()
+
+    def _find_backends(self, pg: psycopg.Connection[Any]) -> None:
+        """The relays' sessions: new processes since "go" (the relays connect in ``run()``),
+        so all of their CPU is the relays' work."""
+        for (pid,) in pg.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE ANY(%s)",
+            ([f"reliable-amqp relay {name}%" for name in self.relay_names],),
+        ).fetchall():
+            self._backends.setdefault(pid, 0.0)
+
+    def _sample_backends(self) -> None:
+        for pid in self._backends:
+            cpu = proc_cpu(pid)
+            if cpu is not None:
+                self._backends[pid] = cpu
+
+
+def unique_name(role: str) -> str:
+    return f"bench-{role}-{uuid.uuid4().hex[:6]}"
+
+
+def measured(
+    url: str,
+    queue: str,
+    count: int,
+    children: list[Child],
+    *,
+    relay_names: Sequence[str] = (),
+    stop_when_full: bool = False,
+) -> tuple[Watched, list[dict[str, Any]]]:
+    """Start ``children`` together and watch until the queue holds ``count`` messages; then
+    stop them (``stop_when_full``) or let them end on their own; their results."""
+    try:
+        for child in children:
+            child.wait_ready()
+        watch = Watch(url, queue, count, [c.pid for c in children], relay_names=relay_names)
+        watch.start()
+        for child in children:
+            child.go()
+        watch.wait_full()
+        if stop_when_full:
+            for child in children:
+                child.stop()
+        results = [child.result() for child in children]
+    finally:
+        for child in children:
+            child.kill()
+    watched = watch.finish()
+    return watched, results
+
+
+def relay_spec(db: str, url: str, table: str, **extra: Any) -> dict[str, Any]:
+    return {"role": "relay", "db": db, "url": url, "table": table, "name": unique_name("relay"),
+            "until_empty": True, **extra}  # fmt: skip
+
+
+# --- the sections -----------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    db: Database
+    broker: Broker
+    template: str = ""
+    template_rows: int = 0
+    fill: Row = field(default_factory=dict)
+    results: dict[str, list[Row]] = field(default_factory=dict)
+    #: /proc/loadavg when the run started (other work on a shared machine shows here)
+    load: str = ""
+    took: dict[str, int] = field(default_factory=dict)
+
+    def backlog(self, count: int) -> str:
+        """A fresh outbox table holding ``count`` rows (the template written once, as needed)."""
+        if self.template_rows < count:
+            if self.template:
+                self.db.drop(self.template)
+            print(f"  writing {count:,} rows through Outbox.add_many ...", file=sys.stderr)
+            self.fill = fill_template(self.db, self.broker.exchange, count, self.args.size)
+            self.template, self.template_rows = self.fill["table"], count
+        return copy_backlog(self.db, self.template, count)
+
+
+def drain_row(ctx: Context, name: str, count: int, *, relays: int = 1, db: str | None = None,
+              table: str | None = None) -> Row:  # fmt: skip
+    """``relays`` relay processes drain ``table`` (``count`` rows) into a fresh queue."""
+    dsn = db or ctx.db.dsn
+    table = table or ctx.backlog(count)
+    specs = [relay_spec(dsn, ctx.args.url, table, until_empty=relays == 1) for _ in range(relays)]
+    wait_idle()
+    with ctx.broker.queue() as queue:
+        children = [Child(spec) for spec in specs]
+        watched, results = measured(
+            ctx.args.url, queue, count, children, relay_names=[s["name"] for s in specs],
+            stop_when_full=relays > 1,
+        )  # fmt: skip
+        depth = watched.depth
+    left = status(dsn, table)
+    if db is None:
+        ctx.db.drop(table)
+    if left.pending or left.failed:
+        raise RuntimeError(f"{name}: {left.pending} rows pending, {left.failed} failed after it")
+    seconds = watched.seconds or 0.0
+    cpu = sum(r["cpu"] for r in results)
+    return {
+        "name": name,
+        "msgs": count,
+        "seconds": seconds,
+        "rate": count / seconds,
+        "cpu_us": cpu / count * 1e6,
+        "backend_cpu_us": None
+        if watched.backend_cpu is None
+        else watched.backend_cpu / count * 1e6,
+        "broker_cpu_us": None if watched.broker_cpu is None else watched.broker_cpu / count * 1e6,
+        "broker_cores": None if watched.broker_cpu is None else watched.broker_cpu / seconds,
+        "machine_busy": watched.machine_busy,
+        "rss_ready_mb": max(c.ready_kb for c in children) / 1024,
+        "rss_peak_mb": max(watched.peak_kb.values(), default=0) / 1024,
+        "rss_hwm_mb": max(r["hwm_kb"] or 0 for r in results) / 1024,
+        "published": [r["stats"]["published"] for r in results],
+        "extra_in_queue": depth - count,
+        "halves": watched.halves(count),
+    }
+
+
+def publish_many_row(ctx: Context, count: int) -> Row:
+    wait_idle()
+    with ctx.broker.queue() as queue:
+        spec = {"role": "publish-many", "url": ctx.args.url, "exchange": ctx.broker.exchange,
+                "count": count, "size": ctx.args.size}  # fmt: skip
+        child = Child(spec)
+        watched, (result,) = measured(ctx.args.url, queue, count, [child])
+    seconds = watched.seconds or 0.0
+    return {
+        "name": "Publisher.publish_many (1,000 a call)",
+        "msgs": count,
+        "seconds": seconds,
+        "rate": count / seconds,
+        "cpu_us": result["cpu"] / count * 1e6,
+        "backend_cpu_us": None,
+        "broker_cpu_us": None if watched.broker_cpu is None else watched.broker_cpu / count * 1e6,
+        "broker_cores": None if watched.broker_cpu is None else watched.broker_cpu / seconds,
+        "machine_busy": watched.machine_busy,
+        "rss_peak_mb": max(watched.peak_kb.values(), default=0) / 1024,
+        "halves": watched.halves(count),
+    }
+
+
+def ceiling_row(ctx: Context, count: int) -> Row:
+    wait_idle()
+    with ctx.broker.queue(bind=False) as queue:
+        broker, machine = broker_cpu(), machine_ticks()
+        seconds = raw_confirmed_seconds(
+            ctx.args.url, queue, count, body(0, ctx.args.size), window=10_000
+        )
+        after, (busy, total) = broker_cpu(), machine_ticks()
+    used = None if broker is None or after is None else after - broker
+    return {
+        "name": "raw frames, no client work (broker ceiling)",
+        "msgs": count,
+        "seconds": seconds,
+        "rate": count / seconds,
+        "cpu_us": None,
+        "backend_cpu_us": None,
+        "broker_cpu_us": None if used is None else used / count * 1e6,
+        "broker_cores": None if used is None else used / seconds,
+        "machine_busy": (busy - machine[0]) / max(1, total - machine[1]),
+    }
+
+
+def section_drain(ctx: Context) -> None:
+    n = ctx.args.backlog
+    plain = publish_many_row(ctx, n)
+    relay = drain_row(ctx, f"OutboxRelay, 1 process, PostgreSQL backlog of {n:,}", n)
+    relay["vs_publish_many"] = relay["rate"] / plain["rate"]
+    ceiling = ceiling_row(ctx, min(n, ctx.args.ceiling_count))
+    fill = {"name": "Outbox.add_many (10,000 a transaction): the backlog written", "msgs": n,
+            "rate": ctx.fill["rate"], "cpu_us": ctx.fill["cpu_us"]}  # fmt: skip
+    ctx.results["drain"] = [plain, relay, ceiling, fill]
+
+
+def section_rss(ctx: Context) -> None:
+    small = ctx.args.small_backlog or ctx.args.backlog // 10
+    rows = [drain_row(ctx, f"OutboxRelay, backlog of {small:,}", small)]
+    big = next(
+        (r for r in ctx.results.get("drain", []) if r["name"].startswith("OutboxRelay")), None
+    )
+    if big is None:
+        big = drain_row(ctx, f"OutboxRelay, backlog of {ctx.args.backlog:,}", ctx.args.backlog)
+    rows.append(big)
+    ctx.results["rss"] = [
+        {"name": r["name"], "msgs": r["msgs"], "rss_ready_mb": r["rss_ready_mb"],
+         "rss_peak_mb": r["rss_peak_mb"], "rss_hwm_mb": r["rss_hwm_mb"]}
+        for r in rows
+    ]  # fmt: skip
+
+
+def section_relays(ctx: Context) -> None:
+    n = ctx.args.backlog
+    one = next(
+        (r for r in ctx.results.get("drain", []) if r["name"].startswith("OutboxRelay")), None
+    )
+    if one is None:
+        one = drain_row(ctx, f"OutboxRelay, 1 process, PostgreSQL backlog of {n:,}", n)
+    two = drain_row(ctx, f"OutboxRelay, 2 processes, PostgreSQL backlog of {n:,}", n, relays=2)
+    two["vs_one"] = two["rate"] / one["rate"]
+    ctx.results["relays"] = [one, two]
+
+
+def section_latency(ctx: Context) -> None:
+    rows = [latency_row(ctx, notify=True, seconds=ctx.args.latency_seconds)]
+    # without NOTIFY the relay only polls (every second): a shorter run shows it
+    rows.append(latency_row(ctx, notify=False, seconds=max(1.0, ctx.args.latency_seconds / 2)))
+    ctx.results["latency"] = rows
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))] if ordered else float("nan")
+
+
+def latency_row(ctx: Context, *, notify: bool, seconds: float) -> Row:
+    args = ctx.args
+    table = ctx.db.table()
+    outbox = Outbox(table, notify=notify)
+    commits: dict[str, float] = {}
+    arrivals: dict[str, float] = {}
+    wait_idle()
+    with ctx.broker.queue() as queue:
+        spec = relay_spec(ctx.db.dsn, args.url, table, until_empty=False)
+        relay = Child(spec)
+        try:
+            relay.wait_ready()
+            relay.go()
+            _wait_for_relay(ctx.db.dsn, table)
+            consumer = Consumer(args.url, queue, arrivals)
+            consumer.start()
+            payload = body(0, args.size)
+            writers = [
+                threading.Thread(target=_paced_writer, args=(
+                    ctx.db, outbox, ctx.broker.exchange, payload, args.rate / args.latency_writers,
+                    seconds, i / args.rate, commits,
+                ))
+                for i in range(args.latency_writers)
+            ]  # fmt: skip
+            for writer in writers:
+                writer.start()
+            for writer in writers:
+                writer.join()
+            consumer.wait_for(len(commits), timeout=30)
+            consumer.stop()
+            relay.stop()
+            result = relay.result()
+        finally:
+            relay.kill()
+    ctx.db.drop(table)
+    delivered = [arrivals[m] - commits[m] for m in commits if m in arrivals]
+    stats = result["stats"]
+    return {
+        "name": f"idle relay, NOTIFY {'on' if notify else 'off (polls every 1 s)'}",
+        "commits": len(commits),
+        "commit_rate": len(commits) / seconds,
+        "confirm_p50_ms": (stats["latency_p50_s"] or float("nan")) * 1000,
+        "confirm_p99_ms": (stats["latency_p99_s"] or float("nan")) * 1000,
+        "delivered": len(delivered),
+        "delivery_p50_ms": percentile(delivered, 0.5) * 1000,
+        "delivery_p99_ms": percentile(delivered, 0.99) * 1000,
+        "relay_cpu_pct": result["cpu"] / result["seconds"] * 100,
+        "relay_cpu_us": result["cpu"] / max(1, len(commits)) * 1e6,
+    }
+
+
+def _wait_for_relay(dsn: str, table: str, timeout: float = 15) -> None:
+    """Until the relay owns every partition (an idle relay, ready for the writers)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        relays = status(dsn, table).relays
+        if relays and relays[0].partitions == 64:
+            time.sleep(0.3)  # its LISTEN session, started after
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the relay did not take its partitions")
+
+
+def _paced_writer(  # noqa: PLR0917  (a thread's arguments)
+    db: Database,
+    outbox: Outbox,
+    exchange: str,
+    payload: bytes,
+    rate: float,
+    seconds: float,
+    offset: float,
+    commits: dict[str, float],
+) -> None:
+    """One add() a transaction, ``rate`` a second, for ``seconds``; the commit times by id."""
+    with db.connect() as conn:
+        started = time.perf_counter() + offset
+        n = 0
+        while True:
+            due = started + n / rate
+            if due - started >= seconds:
+                return
+            wait = due - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            message_id = outbox.add(conn, exchange, ROUTING_KEY, payload)
+            conn.commit()
+            commits[message_id] = time.time()
+            n += 1
+
+
+class Consumer:
+    """Reads a queue in a thread, noting when each message id arrived."""
+
+    def __init__(self, url: str, queue: str, arrivals: dict[str, float]) -> None:
+        self.url, self.queue, self.arrivals = url, queue, arrivals
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wait_for(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.arrivals) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        connection = pika.BlockingConnection(pika.URLParameters(self.url))
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=1000)
+        try:
+            for method, props, _data in channel.consume(
+                self.queue, auto_ack=True, inactivity_timeout=0.1
+            ):
+                if method is not None:
+                    self.arrivals[props.message_id] = time.time()
+                if self._stop.is_set():
+                    break
+            channel.cancel()
+        finally:
+            connection.close()
+
+
+WRITERS = ("Outbox.add(), NOTIFY on", "Outbox.add(), NOTIFY off", "plain INSERT")
+#: the writer rows run in this many rounds, interleaved, and report their medians (other work
+#: on a shared machine comes and goes: each row gets its share of it)
+ROUNDS = 4
+
+
+def section_writer(ctx: Context) -> None:
+    args = ctx.args
+    rows: list[Row] = []
+    for per_txn, txns in ((1, args.writer_txns), (100, max(1, args.writer_txns // 10))):
+        with contextlib.ExitStack() as stack:
+            writes = {name: stack.enter_context(writer(ctx, name)) for name in WRITERS}
+            rounds: dict[str, list[Row]] = {name: [] for name in WRITERS}
+            for _ in range(ROUNDS):
+                for name, write in writes.items():
+                    rounds[name].append(timed_writes(write, per_txn, max(1, txns // ROUNDS)))
+        for name in WRITERS:
+            figures = rounds[name]
+            row: Row = {
+                "name": name,
+                "rows_per_txn": per_txn,
+                "txns": sum(f["txns"] for f in figures),
+            }
+            for key in ("statement_us", "total_us", "cpu_us", "txn_rate"):
+                row[key] = statistics.median(f[key] for f in figures)
+            rows.append(row)
+        plain = rows[-1]
+        for row in rows[-len(WRITERS) :]:
+            row["extra_us_per_row"] = row["statement_us"] - plain["statement_us"]
+    ctx.results["writer"] = rows
+
+
+@dataclass
+class Writer:
+    """One row a ``write()``, on a connection (and a table) of its own; ``commit()``."""
+
+    write: Callable[[], None]
+    commit: Callable[[], None]
+
+
+@contextlib.contextmanager
+def writer(ctx: Context, name: str) -> Iterator[Writer]:
+    """The writer of the row ``name`` (:data:`WRITERS`), with a session LISTENing on its
+    table's channel as an idle relay's is."""
+    table = ctx.db.table()
+    exchange, payload = ctx.broker.exchange, body(0, ctx.args.size)
+    outbox = Outbox(table, notify=name.endswith("NOTIFY on"))
+    with ctx.db.connect() as conn, listening(ctx.db, table):
+        # the plain INSERT writes the row add() wrote, with its own id and time
+        outbox.add(conn, exchange, ROUTING_KEY, payload)
+        conn.commit()
+        template = list(conn.execute(f"SELECT {COLUMNS} FROM {table}").fetchone() or ())
+        marks = ", ".join(["%s"] * len(WRITE_COLUMNS))
+        insert = f"INSERT INTO {table} ({COLUMNS}) VALUES ({marks})"
+
+        def plain() -> None:
+            template[0] = uuid.uuid4().hex
+            template[-1] = time.time()
+            conn.execute(insert, template, prepare=True)
+
+        def add() -> None:
+            outbox.add(conn, exchange, ROUTING_KEY, payload)
+
+        result = Writer(plain if name == "plain INSERT" else add, conn.commit)
+        for _ in range(50):  # warm: prepared statements, caches
+            result.write()
+            result.commit()
+        yield result
+    ctx.db.drop(table)
+
+
+@contextlib.contextmanager
+def listening(db: Database, table: str) -> Iterator[None]:
+    """A session LISTENing on the outbox's channel, as an idle relay's is, reading what comes."""
+    stop = threading.Event()
+    conn = db.connect(autocommit=True)
+    conn.execute(f'LISTEN "{table}"')
+
+    def read() -> None:
+        while not stop.is_set():
+            for _ in conn.notifies(timeout=0.2):
+                pass
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        conn.close()
+
+
+def timed_writes(writer: Writer, per_txn: int, txns: int) -> Row:
+    """``txns`` transactions of ``per_txn`` rows."""
+    clock, write, commit = time.perf_counter, writer.write, writer.commit
+    in_statements = 0.0
+    started, cpu = clock(), time.process_time()
+    for _ in range(txns):
+        before = clock()
+        for _ in range(per_txn):
+            write()
+        in_statements += clock() - before
+        commit()
+    seconds, cpu = clock() - started, time.process_time() - cpu
+    rows = txns * per_txn
+    return {
+        "txns": txns,
+        "statement_us": in_statements / rows * 1e6,
+        "total_us": seconds / rows * 1e6,
+        "cpu_us": cpu / rows * 1e6,
+        "txn_rate": txns / seconds,
+    }
+
+
+def section_commits(ctx: Context) -> None:
+    args = ctx.args
+    plan = [(writers, notify) for writers in sorted({1, args.writers}) for notify in (False, True)]
+    # every row's processes start at once (each one's start-up is then paid once), each row's
+    # wait for their "go"
+    groups: list[tuple[int, bool, str, list[Child]]] = []
+    try:
+        for writers, notify in plan:
+            table = ctx.db.table()
+            spec = {"role": "writer", "db": ctx.db.dsn, "table": table, "notify": notify,
+                    "exchange": ctx.broker.exchange, "size": args.size,
+                    "seconds": args.commit_seconds}  # fmt: skip
+            groups.append((writers, notify, table, [Child(spec) for _ in range(writers)]))
+        for *_, children in groups:
+            for child in children:
+                child.wait_ready()
+        rows = [commits_row(ctx, *group) for group in groups]
+    finally:
+        for *_, children in groups:
+            for child in children:
+                child.kill()
+    ctx.results["commits"] = rows
+
+
+def commits_row(ctx: Context, writers: int, notify: bool, table: str, children: list[Child]) -> Row:
+    with listening(ctx.db, table):
+        for child in children:
+            child.go()
+        results = [child.result() for child in children]
+    ctx.db.drop(table)
+    commits = sum(r["count"] for r in results)
+    seconds = statistics.mean(r["seconds"] for r in results)
+    return {
+        "name": f"{writers} writer{'s' if writers > 1 else ''}, NOTIFY {'on' if notify else 'off'}",
+        "writers": writers,
+        "notify": notify,
+        "commits": commits,
+        "commit_rate": commits / seconds,
+    }
+
+
+def section_sqlite(ctx: Context) -> None:
+    n = ctx.args.sqlite_backlog
+    with tempfile.TemporaryDirectory(prefix="ra-bench-outbox-") as directory:
+        path = os.path.join(directory, "outbox.db")
+        outbox = Outbox("amqp_outbox")
+        conn = sqlite3.connect(path)
+        outbox.install(conn)
+        conn.commit()
+        started, cpu = time.perf_counter(), time.process_time()
+        for start in range(0, n, 10_000):
+            outbox.add_many(conn, [
+                {"exchange": ctx.broker.exchange, "routing_key": ROUTING_KEY,
+                 "body": body(i, ctx.args.size)}
+                for i in range(start, min(n, start + 10_000))
+            ])  # fmt: skip
+            conn.commit()
+        fill_seconds, fill_cpu = time.perf_counter() - started, time.process_time() - cpu
+        conn.close()
+        row = drain_row(ctx, f"OutboxRelay, SQLite backlog of {n:,}", n,
+                        db=f"sqlite:///{path}", table="amqp_outbox")  # fmt: skip
+    plain = next(
+        (r for r in ctx.results.get("drain", []) if r["name"].startswith("Publisher")), None
+    )
+    if plain is None or plain["msgs"] != n:
+        plain = publish_many_row(ctx, n)
+    row["vs_publish_many"] = row["rate"] / plain["rate"]
+    fill = {"name": "Outbox.add_many on SQLite (10,000 a transaction)", "msgs": n,
+            "rate": n / fill_seconds, "cpu_us": fill_cpu / n * 1e6}  # fmt: skip
+    ctx.results["sqlite"] = [plain, row, fill]
+
+
+# --- printing ---------------------------------------------------------------------------------
+
+
+def fmt(value: Any, spec: str, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:{spec}}{suffix}"
+
+
+def print_results(ctx: Context) -> None:
+    results, args = ctx.results, ctx.args
+    print(
+        f"\n== outbox: {args.size} B bodies, persistent, mandatory, one durable lazy queue "
+        f"(PostgreSQL {server_version(ctx.db)}, {os.cpu_count()} cores) =="
+    )
+    print(f"load average at the start: {ctx.load}; sections took {ctx.took}")
+    for key, title in (("drain", f"drain: a {args.backlog:,}-row backlog, one relay"),
+                       ("relays", "two relays against one")):  # fmt: skip
+        if key not in results:
+            continue
+        print(f"\n-- {title} --")
+        print(
+            f"{'row':<62} {'msgs':>9} {'msgs/s':>8} {'halves':>13} {'ratio':>6} "
+            f"{'client CPU':>10} {'PG CPU':>9} {'broker CPU':>10} {'broker':>6} {'machine':>7}"
+        )
+        for r in results[key]:
+            ratio = r.get("vs_publish_many", r.get("vs_one"))
+            first, second = r.get("halves") or (None, None)
+            halves = f"{fmt(first, ',.0f')}/{fmt(second, ',.0f')}" if first else "-"
+            print(
+                f"{r['name']:<62} {r['msgs']:>9,} {r['rate']:>8,.0f} {halves:>13} "
+                f"{fmt(ratio, '.2f', 'x'):>6} "
+                f"{fmt(r.get('cpu_us'), '.1f', ' us'):>10} "
+                f"{fmt(r.get('backend_cpu_us'), '.1f', ' us'):>9} "
+                f"{fmt(r.get('broker_cpu_us'), '.1f', ' us'):>10} "
+                f"{fmt(r.get('broker_cores'), '.2f'):>6} "
+                f"{fmt(r.get('machine_busy', None) and r['machine_busy'] * 100, '.0f', '%'):>7}"
+            )
+        print(
+            "  halves: msgs/s while the queue took its first and its second half; CPU columns: "
+            "per message (client: the\n  process's own; PG: the relays' backends; broker: "
+            "beam.smp); broker: cores it used; machine: busy share of all cores"
+        )
+        if key == "relays" and len(results[key]) == 2:
+            print(f"  2 relays published {results[key][1]['published']} rows each")
+    if "rss" in results:
+        rows = results["rss"]
+        print("\n-- relay memory (its process) --")
+        print(f"{'row':<62} {'RSS ready':>10} {'peak VmRSS':>11} {'VmHWM':>9}")
+        for r in rows:
+            print(
+                f"{r['name']:<62} {r['rss_ready_mb']:>7.1f} MB {r['rss_peak_mb']:>8.1f} MB "
+                f"{r['rss_hwm_mb']:>6.1f} MB"
+            )
+        if len(rows) == 2:
+            print(f"  peak difference: {rows[1]['rss_peak_mb'] - rows[0]['rss_peak_mb']:+.1f} MB")
+    if "latency" in results:
+        print(
+            f"\n-- commit to confirm: an idle relay, {args.latency_writers} writer threads, "
+            f"{args.rate:,} transactions/s of one add() --"
+        )
+        print(
+            f"{'row':<38} {'commits':>8} {'/s':>6} {'confirm p50':>11} {'p99':>9} "
+            f"{'delivery p50':>12} {'p99':>9} {'relay CPU':>9} {'a message':>9}"
+        )
+        for r in results["latency"]:
+            print(
+                f"{r['name']:<38} {r['commits']:>8,} {r['commit_rate']:>6,.0f} "
+                f"{fmt(r['confirm_p50_ms'], '.1f', ' ms'):>11} "
+                f"{fmt(r['confirm_p99_ms'], '.1f', ' ms'):>9} "
+                f"{fmt(r['delivery_p50_ms'], '.1f', ' ms'):>12} "
+                f"{fmt(r['delivery_p99_ms'], '.1f', ' ms'):>9} {r['relay_cpu_pct']:>8.0f}% "
+                f"{r['relay_cpu_us']:>6.0f} us"
+            )
+        print(
+            "  confirm: relay.stats(), from add() (the row's created_at) to the relay taking the "
+            "broker's confirm;\n  delivery: a consumer of the queue, from commit() returning in "
+            "the writer to the delivery;\n  relay CPU: its process's, in % of one core over its "
+            "run, and per message (idle time included)"
+        )
+    if "writer" in results:
+        print("\n-- the writer's cost: one connection, rows per transaction as shown --")
+        print(
+            f"{'row':<28} {'rows/txn':>8} {'txns':>6} {'in statement':>12} {'vs INSERT':>9} "
+            f"{'with commit':>11} {'client CPU':>10} {'txns/s':>8}"
+        )
+        for r in results["writer"]:
+            print(
+                f"{r['name']:<28} {r['rows_per_txn']:>8} {r['txns']:>6,} "
+                f"{r['statement_us']:>9.1f} us {r['extra_us_per_row']:>+6.1f} us "
+                f"{r['total_us']:>8.1f} us {r['cpu_us']:>7.1f} us {r['txn_rate']:>8,.0f}"
+            )
+        print("  per row; in statement: the add() or INSERT calls, the commit excluded")
+    if "commits" in results:
+        print(
+            f"\n-- NOTIFY and concurrent commits: writer processes, one add() a transaction, "
+            f"{args.commit_seconds:g} s --"
+        )
+        print(f"{'row':<28} {'commits':>9} {'commits/s':>10}")
+        for r in results["commits"]:
+            print(f"{r['name']:<28} {r['commits']:>9,} {r['commit_rate']:>10,.0f}")
+    if "sqlite" in results:
+        plain, row, fill = results["sqlite"]
+        print("\n-- SQLite --")
+        print(f"{'row':<62} {'msgs':>9} {'msgs/s':>8} {'ratio':>6} {'client CPU':>10}")
+        for r in (plain, row, fill):
+            print(
+                f"{r['name']:<62} {r['msgs']:>9,} {r['rate']:>8,.0f} "
+                f"{fmt(r.get('vs_publish_many'), '.2f', 'x'):>6} "
+                f"{fmt(r.get('cpu_us'), '.1f', ' us'):>10}"
+            )
+
+
+def server_version(db: Database) -> str:
+    with db.connect() as conn:
+        row = conn.execute("SHOW server_version").fetchone()
+    return str(row[0]).split()[0] if row else "?"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--backlog", type=int, default=1_000_000, help="rows (1,000,000)")
+    parser.add_argument(
+        "--small-backlog", type=int, default=0, help="the rss section's smaller backlog "
+        "(default: a tenth of --backlog)"
+    )  # fmt: skip
+    parser.add_argument("--size", type=int, default=200, help="body bytes (200)")
+    parser.add_argument(
+        "--ceiling-count", type=int, default=200_000, help="messages of the broker-ceiling row"
+    )
+    parser.add_argument("--rate", type=int, default=500, help="latency: transactions/s (500)")
+    parser.add_argument("--latency-seconds", type=float, default=10.0)
+    parser.add_argument("--latency-writers", type=int, default=4, help="writer threads (4)")
+    parser.add_argument(
+        "--writer-txns", type=int, default=2000, help="writer: one-row transactions (2,000; "
+        "a tenth as many of 100 rows)"
+    )  # fmt: skip
+    parser.add_argument("--writers", type=int, default=8, help="commits: writer processes (8)")
+    parser.add_argument("--commit-seconds", type=float, default=5.0)
+    parser.add_argument("--sqlite-backlog", type=int, default=200_000)
+    parser.add_argument("--only", default=",".join(SECTIONS), help=",".join(SECTIONS))
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, for a smoke test (seconds)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--url", default=URL)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child_main(json.loads(args.child))
+    if args.quick:
+        args.backlog, args.small_backlog, args.ceiling_count = 3000, 1000, 2000
+        args.rate, args.latency_seconds, args.writer_txns = 100, 1.0, 40
+        args.writers, args.commit_seconds, args.sqlite_backlog = 2, 0.5, 2000
+    sections = args.only.split(",")
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"--only: unknown sections {sorted(unknown)}")
+    db, broker = Database(PG, checkpoint=not args.quick), Broker(args.url)
+    with open("/proc/loadavg") as loadavg:
+        ctx = Context(args, db, broker, load=" ".join(loadavg.read().split()[:3]))
+    try:
+        for section in SECTIONS:
+            if section in sections:
+                print(f" {section} ...", file=sys.stderr)
+                started = time.perf_counter()
+                globals()[f"section_{section}"](ctx)
+                ctx.took[section] = round(time.perf_counter() - started)
+                print(f"   {ctx.took[section]} s", file=sys.stderr)
+        if args.json:
+            print(json.dumps({**ctx.results, "load": ctx.load, "took": ctx.took}, indent=2))
+        else:
+            print_results(ctx)
+    finally:
+        db.close()
+        broker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
