@@ -6,9 +6,38 @@ Kept out of conftest.py so test modules can import it by a name no other conftes
 
 from __future__ import annotations
 
+import os
 import uuid
+from urllib.parse import urlsplit
 
 import pika
+
+#: AMQP's own port, the test broker's when nothing else names one (the documented default)
+AMQP_DEFAULT_PORT = 5672
+
+
+def _test_broker() -> tuple[str, str, int]:
+    """(URL, host, port) of the broker the suite runs against: ``AMQP_TEST_URL`` when set (its
+    host and port then win), else ``AMQP_TEST_HOST`` (127.0.0.1) and ``AMQP_TEST_PORT``."""
+    host = os.environ.get("AMQP_TEST_HOST", "127.0.0.1")
+    port = int(os.environ.get("AMQP_TEST_PORT", AMQP_DEFAULT_PORT))
+    url = os.environ.get("AMQP_TEST_URL")
+    if url:
+        parts = urlsplit(url)
+        host = parts.hostname or host
+        port = parts.port or (5671 if parts.scheme == "amqps" else AMQP_DEFAULT_PORT)
+        return url, host, port
+    return f"amqp://guest:guest@{_hostport(host, port)}/%2F", host, port
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+#: the test broker: every test that reaches a broker reaches this one (never a port of its own)
+AMQP_URL, AMQP_HOST, AMQP_PORT = _test_broker()
+#: ``host:port`` of the test broker, for tests that build URLs with other credentials or options
+AMQP_HOSTPORT = _hostport(AMQP_HOST, AMQP_PORT)
 
 
 class BrokerAdmin:

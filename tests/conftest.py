@@ -1,7 +1,10 @@
 """Shared fixtures: the real broker (an admin client for assertions) and the fault harness.
 
 Broker tests never skip: when no broker answers, the session fails (scripts/dev.sh starts the
-local RabbitMQ before pytest runs, so CI always has one).
+local RabbitMQ before pytest runs, so CI always has one). The broker is any AMQP 0-9-1 broker
+named by ``AMQP_TEST_URL`` or ``AMQP_TEST_HOST``/``AMQP_TEST_PORT`` (``broker_support``); a test
+that needs RabbitMQ itself is marked ``rabbitmq_only(reason=...)``, and
+``-m "broker and not faults and not rabbitmq_only"`` is the portable contract.
 """
 
 from __future__ import annotations
@@ -16,12 +19,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import harness` from any test module
 
-from broker_support import BrokerAdmin
+from broker_support import AMQP_HOST, AMQP_PORT, AMQP_URL, BrokerAdmin
 from harness.fixtures import *  # noqa: F403  (fault-injection fixtures)
-
-AMQP_HOST = os.environ.get("AMQP_TEST_HOST", "127.0.0.1")
-AMQP_PORT = int(os.environ.get("AMQP_TEST_PORT", "5672"))
-AMQP_URL = os.environ.get("AMQP_TEST_URL", f"amqp://guest:guest@{AMQP_HOST}:{AMQP_PORT}/%2F")
 
 
 def _broker_answers() -> bool:
@@ -53,6 +52,14 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     report = outcome.get_result()  # type: ignore[attr-defined]
     if report.skipped and os.environ.get("RELIABLE_AMQP_NO_SKIP") == "1":
         report.outcome = "failed"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test marked ``rabbitmq_only`` says why: ``rabbitmq_only(reason="...")``."""
+    for item in items:
+        for mark in item.iter_markers("rabbitmq_only"):
+            if not str(mark.kwargs.get("reason", "")).strip():
+                raise pytest.UsageError(f'{item.nodeid}: rabbitmq_only needs reason="..."')
 
 
 @pytest.fixture(scope="session")

@@ -93,7 +93,7 @@ def test_a_declaration_before_any_connection_is_bounded_by_the_connect_policy() 
 def test_a_declaration_while_recovering_waits_timeout_then_raises(
     broker: BrokerAdmin, make_proxy: Any
 ) -> None:
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     policy = RetryPolicy(max_attempts=None, deadline=None, initial_delay=0.2, max_delay=0.2)
     queue = unique("declared-later")
     broker._queues.append(queue)  # deleted at teardown
@@ -111,7 +111,7 @@ def test_a_declaration_while_recovering_waits_timeout_then_raises(
     broker._ch().queue_declare(queue, passive=True)
     publisher.close()
 
-    other = make_proxy(5672)
+    other = make_proxy()
 
     async def declare_while_down() -> None:
         publisher = AsyncPublisher(other.url(), connect_policy=policy)

@@ -19,6 +19,7 @@ import pytest
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 from pika.exceptions import AMQPConnectionError, ChannelClosedByBroker
 
+from broker_support import AMQP_DEFAULT_PORT, AMQP_PORT, AMQP_URL
 from harness.node import DEFAULT_MEMORY_HIGH_WATERMARK, DisposableBroker
 from harness.proxy import TcpProxy
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.faults
 
-SHARED_BROKER_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+SHARED_BROKER_URL = AMQP_URL  # the test broker the other tests share
 
 
 def _connect(url: str, **options: Any) -> pika.BlockingConnection:
@@ -65,7 +66,7 @@ def queue_name(
 def test_node_is_separate_from_the_shared_broker(
     disposable_broker: DisposableBroker, queue_name: str
 ) -> None:
-    assert disposable_broker.port != 5672
+    assert disposable_broker.port not in (AMQP_DEFAULT_PORT, AMQP_PORT)
     assert disposable_broker.nodename != "rabbit@localhost"
     with _connect(disposable_broker.url) as connection:
         channel = connection.channel()

@@ -109,7 +109,7 @@ def test_unconfirmed_at_exit_are_reported_within_the_grace(
     tmp_path: Path, amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(CUT_AT_EXIT))
     child = subprocess.Popen(
@@ -145,7 +145,7 @@ def test_with_a_spool_what_exit_leaves_goes_out_with_the_next_publisher(
 ) -> None:
     queue = broker.queue()
     spool = tmp_path / "spool"
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     proxy.refuse()  # unreachable from the start: publish() goes to the spool meanwhile
     done, took = run_script(tmp_path, CUT_AT_EXIT, proxy.url(), queue, str(spool), stdin="go\n")
     print(f"the child took {took:.1f} s (exit_timeout=2)")
@@ -183,7 +183,7 @@ def test_a_collected_open_publisher_warns_with_the_count(
     broker: BrokerAdmin, make_proxy: ProxyFactory, reported: Callable[[], list[str]]
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     publisher = Publisher(proxy.url(), close_timeout=1)
     publisher.connect()
     proxy.stall()  # nothing gets through: nothing is confirmed

@@ -21,7 +21,7 @@ async def test_cancelled_waiters_do_not_lose_their_messages(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     async with AsyncPublisher(proxy.url(), heartbeat=0) as publisher:
         proxy.stall()  # nothing confirms while the waiters are cancelled
         tasks = [
@@ -63,7 +63,7 @@ async def test_cancelling_a_publish_waiting_for_room_takes_nothing(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     async with AsyncPublisher(proxy.url(), max_in_flight=1, heartbeat=0) as publisher:
         proxy.stall()
         first = await publisher.publish("", queue, b"first")
@@ -88,7 +88,7 @@ async def test_aclose_settles_futures_awaited_by_tasks(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     publisher = await AsyncPublisher(proxy.url(), heartbeat=0, max_in_flight=10).connect()
     proxy.stall()
     waiters = [
@@ -109,7 +109,7 @@ async def test_cancelling_aclose_still_settles_everything(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     publisher = await AsyncPublisher(proxy.url(), heartbeat=0).connect()
     proxy.stall()
     futures = [await publisher.publish("", queue, b"%d" % i) for i in range(20)]

@@ -92,7 +92,7 @@ async def test_cut_connection_is_recovered_and_republished(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     n = 5000
     async with AsyncPublisher(proxy.url(), connect_policy=QUICK_RECONNECT) as publisher:
         futures = await publish_while(publisher, queue, n, proxy.cut, at=2000)
@@ -108,7 +108,7 @@ async def test_cut_during_connect_is_retried(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     proxy.refuse()
     publisher = AsyncPublisher(proxy.url(), connect_policy=QUICK_RECONNECT)
     connecting = asyncio.create_task(publisher.connect())
@@ -125,7 +125,7 @@ async def test_cut_during_connect_is_retried(
 async def test_connect_policy_spent_fails_loudly(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     proxy.refuse()
     short = RetryPolicy(max_attempts=3, initial_delay=0.01, max_delay=0.02, jitter=0.0)
     publisher = AsyncPublisher(proxy.url(), connect_policy=short)
@@ -140,7 +140,7 @@ async def test_lent_robust_connection_recovers_and_republishes(
 ) -> None:
     # aio-pika's RobustConnection would reject these confirm futures; ours republishes them.
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     connection = await aio_pika.connect_robust(proxy.url(), reconnect_interval=0.1)
     n = 3000
     try:
@@ -160,7 +160,7 @@ async def test_lost_plain_lent_connection_ends_the_publisher(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     connection = await aio_pika.connect(proxy.url())
     publisher = await AsyncPublisher.from_connection(connection).connect()
     proxy.stall()
@@ -207,7 +207,7 @@ async def test_fails_over_to_the_next_url(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    dead = make_proxy(5672)
+    dead = make_proxy()
     dead.refuse()
     async with AsyncPublisher([dead.url(), amqp_url], connect_policy=QUICK_RECONNECT) as publisher:
         assert (await publisher.publish_and_wait("", queue, b"x")).attempts == 1
@@ -246,7 +246,7 @@ async def test_five_cuts_during_one_stream_events_and_stats(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     events = Events()
     n = 20_000
     async with AsyncPublisher(
@@ -303,7 +303,7 @@ async def test_stalled_link_is_detected_by_heartbeat_then_recovered(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     events = Events()
     async with AsyncPublisher(
         proxy.url(), heartbeat=1, connect_policy=PATIENT, connect_timeout=2, on_event=events

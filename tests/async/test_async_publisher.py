@@ -369,7 +369,7 @@ async def test_delivery_timeout_bounds_a_stalled_link(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     async with AsyncPublisher(proxy.url(), delivery_timeout=1.0, heartbeat=0) as publisher:
         assert (await publisher.publish_and_wait("", queue, b"ok")).attempts == 1
         proxy.stall()
@@ -389,7 +389,7 @@ async def test_full_window_raises_publish_timeout(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     async with AsyncPublisher(
         proxy.url(), max_in_flight=2, publish_timeout=0.5, heartbeat=0
     ) as publisher:
@@ -409,7 +409,7 @@ async def test_close_resolves_every_future(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     publisher = await AsyncPublisher(proxy.url(), heartbeat=0).connect()
     proxy.stall()
     futures = [await publisher.publish("", queue, b"%d" % i) for i in range(25)]

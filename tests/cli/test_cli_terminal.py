@@ -123,7 +123,7 @@ def test_a_connection_lost_mid_run_shows_on_the_progress_bar_then_the_error_once
     queue = broker.queue(
         **cast(dict[str, Any], {"x-max-length": 2, "x-overflow": "reject-publish"})
     )
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     source = tmp_path / "in.txt"
     source.write_text("".join(f"{i}\n" for i in range(1, 21)))
     argv = [

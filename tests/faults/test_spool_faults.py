@@ -31,7 +31,6 @@ pytestmark = [pytest.mark.broker, pytest.mark.faults]
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import spool_outage  # type: ignore[import-not-found]  # noqa: E402  (benchmarks/: the 5M run)
 
-AMQP_PORT = int(os.environ.get("AMQP_TEST_PORT", "5672"))
 #: a URL nothing listens on (port 1 on loopback: refused at once)
 UNREACHABLE = "amqp://guest:guest@127.0.0.1:1/%2F"
 
@@ -252,7 +251,7 @@ def test_a_long_outage(
     ``benchmarks/spool_outage.py``, whose :func:`outage` this is."""
     count = 1_000_000
     queue = broker.queue(x_queue_mode="lazy")
-    proxy = make_proxy(AMQP_PORT)
+    proxy = make_proxy()
     result = spool_outage.outage(
         proxy, queue, str(tmp_path / "spool"), count=count, report_every=100_000, report=False
     )

@@ -110,7 +110,7 @@ def test_five_connection_cuts_during_one_stream(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     events = Events()
     futures: list[Future[Confirmation]] = []
     with Publisher(
@@ -135,7 +135,7 @@ def test_stalled_link_is_detected_by_heartbeat_then_recovered(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     events = Events()
     with Publisher(proxy.url(), heartbeat=1, connect_policy=PATIENT, on_event=events) as publisher:
         first = [publisher.publish("", queue, f"{i:06d}".encode()) for i in range(100)]
@@ -204,9 +204,9 @@ def test_failover_to_the_second_url(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    dead = make_proxy(5672)
+    dead = make_proxy()
     dead.refuse()
-    alive = make_proxy(5672)
+    alive = make_proxy()
     events = Events()
     with Publisher([dead.url(), alive.url()], on_event=events) as publisher:
         futures = [publisher.publish("", queue, f"{i:06d}".encode()) for i in range(1000)]

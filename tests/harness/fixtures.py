@@ -7,8 +7,9 @@ or with ``from harness.fixtures import *``.
 - ``disposable_broker``: the same node, guaranteed running when a test starts. After the test it is
   started again if the test killed it, and memory/disk limits a test changed are restored, so
   the next test gets a healthy node whatever this one did.
-- ``make_proxy``: factory ``make_proxy(target_port, target_host="127.0.0.1") -> TcpProxy``;
-  every proxy it made is closed after the test.
+- ``make_proxy``: factory ``make_proxy(target_port=None, target_host="127.0.0.1") -> TcpProxy``;
+  with no port, a proxy to the test broker (``AMQP_TEST_URL``, or ``AMQP_TEST_HOST`` and
+  ``AMQP_TEST_PORT``); every proxy it made is closed after the test.
 - ``tcp_proxy``: a started proxy to the disposable broker.
 """
 
@@ -18,6 +19,8 @@ import os
 from collections.abc import Callable, Iterator
 
 import pytest
+
+from broker_support import AMQP_DEFAULT_PORT, AMQP_HOST, AMQP_PORT
 
 from .node import DisposableBroker
 from .proxy import TcpProxy
@@ -67,11 +70,11 @@ def make_proxy() -> Iterator[ProxyFactory]:
     """Factory for started TcpProxy objects; all are closed (and checked) after the test."""
     proxies: list[TcpProxy] = []
 
-    def factory(target_port: int, target_host: str = "127.0.0.1") -> TcpProxy:
-        if (target_port, target_host) == (5672, "127.0.0.1"):
-            # 5672 in a test means the shared test broker: in the RabbitMQ 4 leg that is a
-            # RabbitMQ 4 node on another port (AMQP_TEST_PORT), and the proxies go there.
-            target_port = int(os.environ.get("AMQP_TEST_PORT", "5672"))
+    def factory(target_port: int | None = None, target_host: str = "127.0.0.1") -> TcpProxy:
+        if target_port is None or (target_port, target_host) == (AMQP_DEFAULT_PORT, "127.0.0.1"):
+            # The test broker, wherever it is (a RabbitMQ 4 node, another broker, on another
+            # port). An explicit 5672 still means it, for tests written before the default.
+            target_port, target_host = AMQP_PORT, AMQP_HOST
         proxy = TcpProxy(target_port, target_host).start()
         proxies.append(proxy)
         return proxy

@@ -84,7 +84,12 @@ for name in sys.argv[1:]:
 print(json.dumps(out))
 """
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.broker,
+    pytest.mark.slow,
+    # the subset holds fault tests on disposable RabbitMQ nodes (kill -9, rabbitmqctl alarms)
+    pytest.mark.rabbitmq_only(reason="the subset runs fault tests on RabbitMQ nodes of its own"),
+]
 
 
 @dataclass

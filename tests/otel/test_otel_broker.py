@@ -14,7 +14,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from broker_support import BrokerAdmin
+from broker_support import AMQP_HOST, AMQP_PORT, BrokerAdmin
 from harness.fixtures import ProxyFactory
 from otel_support import Otel, make_otel, points_by
 from reliable_amqp import (
@@ -112,8 +112,8 @@ def test_one_producer_span_per_message_under_the_callers_span(
             "messaging.destination.name": "",
             "messaging.rabbitmq.destination.routing_key": queue,
             "messaging.message.body.size": 12,
-            "server.address": "127.0.0.1",
-            "server.port": 5672,
+            "server.address": AMQP_HOST,  # the broker the suite runs against
+            "server.port": AMQP_PORT,
         }
 
     # a consumer continues the trace: each message's traceparent names its own span
@@ -195,7 +195,7 @@ def test_a_span_survives_a_reconnect(
     otel: Otel, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     events = _Events()
     publisher = Publisher(
         proxy.url(),
@@ -234,7 +234,7 @@ def test_a_span_survives_a_reconnect_async(
     otel: Otel, broker: BrokerAdmin, make_proxy: ProxyFactory
 ) -> None:
     queue = broker.queue()
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     events = _Events()
 
     async def main() -> tuple[Confirmation, int]:

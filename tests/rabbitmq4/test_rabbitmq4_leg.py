@@ -24,7 +24,11 @@ from harness.rabbitmq4 import ROOT_ENV, Rabbitmq4Node, ensure_root, versions
 from harness.rabbitmq4_fixtures import add_summary, broker_versions
 from matrix.test_versions import _VERSIONS, PACKAGES, LegResult, _clean_env, run_subset
 
-pytestmark = [pytest.mark.broker, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.broker,
+    pytest.mark.slow,
+    pytest.mark.rabbitmq_only(reason="runs RabbitMQ 4 nodes of its own (scripts/rabbitmq4.sh)"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 #: a hard bound on the run (about 60 s alone)

@@ -12,9 +12,15 @@ from typing import Any
 
 import pytest
 
+from broker_support import AMQP_HOSTPORT
 from spark_support import read_all, unique_name
 
-pytestmark = [pytest.mark.spark, pytest.mark.broker, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.spark,
+    pytest.mark.broker,
+    pytest.mark.slow,
+    pytest.mark.rabbitmq_only(reason="adds a broker user with rabbitmqctl"),
+]
 
 
 def _ctl(*args: str) -> None:
@@ -31,7 +37,7 @@ def test_a_password_option_shows_nowhere(broker: Any, tmp_path: Path) -> None:
         event_log, work = tmp_path / "events", tmp_path / "work"
         event_log.mkdir()
         work.mkdir()
-        url = "amqp://127.0.0.1:5672/%2F"  # no credentials in the URL: they are options
+        url = f"amqp://{AMQP_HOSTPORT}/%2F"  # no credentials in the URL: they are options
         env = {k: v for k, v in os.environ.items() if not k.startswith("SPARK_")}
         env["PYSPARK_PYTHON"] = env["PYSPARK_DRIVER_PYTHON"] = sys.executable
         probe = Path(__file__).with_name("secret_probe.py")

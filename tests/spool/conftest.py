@@ -4,7 +4,6 @@ both publishers, a proxy in front of the broker."""
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,8 +15,6 @@ from harness.proxy import TcpProxy
 from reliable_amqp import Publisher
 from reliable_amqp._spool import Spool
 from spool_support import Kind, SpooledAsync
-
-AMQP_PORT = int(os.environ.get("AMQP_TEST_PORT", "5672"))
 
 
 @pytest.fixture
@@ -45,4 +42,4 @@ def kind(request: pytest.FixtureRequest) -> Kind:
 @pytest.fixture
 def proxy(make_proxy: ProxyFactory) -> TcpProxy:
     """A proxy in front of the shared broker (its URL is ``proxy.url()``)."""
-    return make_proxy(AMQP_PORT)
+    return make_proxy()

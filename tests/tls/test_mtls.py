@@ -15,7 +15,10 @@ from harness.node import DisposableBroker, TlsListener
 from reliable_amqp import Confirmation, TlsError
 from tls_support import PUBLISHERS, Certificates, client_context, publish_one
 
-pytestmark = pytest.mark.broker
+pytestmark = [
+    pytest.mark.broker,
+    pytest.mark.rabbitmq_only(reason="a disposable RabbitMQ node of its own, with a TLS listener"),
+]
 
 CERTIFICATE_REQUIRED = "the broker requires a client certificate (cert_file)"
 

@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 import pytest
 
+from broker_support import AMQP_HOSTPORT
 from reliable_amqp import (
     AsyncPublisher,
     AuthenticationFailed,
@@ -25,7 +26,7 @@ from reliable_amqp import (
 
 pytestmark = pytest.mark.broker
 
-HOST = "127.0.0.1:5672"
+HOST = AMQP_HOSTPORT  # the test broker's host:port, for URLs with other credentials
 SECRET = "Zq7/Xw9?Yv8#Ut6@Sr5"
 FRAGMENTS = ("Zq7", "Xw9", "Yv8", "Ut6", "Sr5")
 KINDS = ("sync", "async")

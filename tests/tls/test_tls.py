@@ -14,7 +14,10 @@ from harness.node import DisposableBroker, TlsListener
 from reliable_amqp import Confirmation, TlsError
 from tls_support import PUBLISHERS, Certificates, client_context, publish_one
 
-pytestmark = pytest.mark.broker
+pytestmark = [
+    pytest.mark.broker,
+    pytest.mark.rabbitmq_only(reason="a disposable RabbitMQ node of its own, with a TLS listener"),
+]
 
 SELF_SIGNED = "certificate verify failed: self-signed certificate in certificate chain"
 NOT_TLS = "the port does not speak TLS (is it the plain AMQP port, 5672?)"
