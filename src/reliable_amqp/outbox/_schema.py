@@ -125,3 +125,42 @@ def sqlite_ddl(tables: Tables) -> list[str]:
         f"CREATE TABLE IF NOT EXISTS {tables.failed} (\n"
         f"    id integer PRIMARY KEY,{common},{_FAILED}\n)",
     ]
+
+
+def mysql_quote(name: str) -> str:
+    """A table name (``name`` or ``schema.name``) quoted for MariaDB and MySQL."""
+    return ".".join(f"`{part}`" for part in name.split("."))
+
+
+def mysql_columns(columns: tuple[str, ...] | list[str]) -> str:
+    """A column list for MariaDB and MySQL (``key`` is a reserved word there)."""
+    return ", ".join(f"`{c}`" for c in columns)
+
+
+_MYSQL_COMMON = """
+    message_id varchar(255) NOT NULL,
+    `key` text,
+    part smallint NOT NULL,
+    exchange varchar(255) NOT NULL,
+    routing_key varchar(255) NOT NULL,
+    record longblob NOT NULL,
+    body longblob NOT NULL,
+    traceparent varchar(255),
+    tracestate text,
+    created_at double NOT NULL"""
+
+
+def mysql_ddl(tables: Tables) -> list[str]:
+    """``install()`` on MariaDB and MySQL (InnoDB): the statements, each idempotent. Names are
+    AMQP short strings (at most 255 bytes), so varchar(255) holds them; binary collation, so
+    message ids compare exactly. DDL commits the caller's open transaction on these databases."""
+    options = ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+    return [
+        f"CREATE TABLE IF NOT EXISTS {mysql_quote(tables.name)} (\n"
+        f"    id bigint NOT NULL AUTO_INCREMENT PRIMARY KEY,{_MYSQL_COMMON}\n{options}",
+        f"CREATE TABLE IF NOT EXISTS {mysql_quote(tables.failed)} (\n"
+        f"    id bigint NOT NULL PRIMARY KEY,{_MYSQL_COMMON},\n"
+        "    failed_at double NOT NULL,\n"
+        "    attempts integer NOT NULL,\n"
+        f"    reason text NOT NULL\n{options}",
+    ]
