@@ -11,7 +11,7 @@ import pytest
 
 from broker_support import BrokerAdmin
 from outbox_support import read_ids, wait_for_count
-from reliable_amqp.outbox import AsyncOutbox, AsyncOutboxRelay, status
+from reliable_amqp.outbox import AsyncOutbox, AsyncOutboxRelay
 
 pytestmark = pytest.mark.broker
 

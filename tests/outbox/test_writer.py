@@ -171,7 +171,7 @@ def test_a_sqlite_connection_in_autocommit_is_refused(sqlite_dsn: str) -> None:
 
 
 def test_other_connections_and_bad_table_names_are_refused_by_name() -> None:
-    with pytest.raises(ConfigurationError, match="a psycopg 3 Connection, a sqlite3.Connection"):
+    with pytest.raises(ConfigurationError, match=r"a psycopg 3 Connection, a sqlite3\.Connection"):
         Outbox().add(object(), "", "q", b"x")
     with pytest.raises(ConfigurationError, match="plain SQL identifier"):
         Outbox(table="orders; DROP TABLE x")
