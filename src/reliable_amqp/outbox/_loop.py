@@ -36,6 +36,8 @@ log = logging.getLogger("reliable_amqp.outbox")
 
 #: how often the owner of partition 0 looks for long transactions and the backlog
 HEALTH_INTERVAL = 5.0
+#: the backlog metric counts pending rows up to this many (a count stays cheap)
+BACKLOG_CAP = 1_000_000
 
 
 # --- the operations the loop asks its driver for --------------------------------------------
@@ -388,8 +390,12 @@ class RelayLoop:
         """Warn once about each long transaction that has written rows nobody can see yet."""
         if 0 not in self.ownership.owned:
             return  # one relay speaks for all: the owner of partition 0
+        pending, oldest = yield StoreCall("backlog", (BACKLOG_CAP,))
         writers: list[OpenWriter] = yield StoreCall("open_writers")
-        self.metrics.observe_open(writers)
+        ages = [w.age_s for w in writers]
+        if oldest is not None:
+            ages.append(max(0.0, time.time() - oldest))
+        self.metrics.observe(pending, max(ages) if ages else 0.0, writers)
         seen = {w.session for w in writers}
         for writer in writers:
             if writer.age_s < self.long_txn or writer.session in self._warned:

@@ -313,10 +313,24 @@ class PgRelayStore:
         row = self._conn.execute(f"SELECT EXISTS (SELECT 1 FROM {self.tables.name})").fetchone()
         return bool(row[0])
 
+    def backlog(self, cap: int) -> tuple[int, float | None]:
+        """(pending rows, counted up to ``cap``; the oldest pending row's created_at)."""
+        return backlog(self._conn, self.tables, cap)
+
     def open_writers(self) -> list[OpenWriter]:
         """Other sessions in a transaction that has written to the outbox and not ended: rows
         the relay cannot see yet (they hold a RowExclusiveLock on the table until they end)."""
         return open_writers(self._conn, self.tables)
+
+
+def backlog(conn: Any, tables: Tables, cap: int) -> tuple[int, float | None]:
+    """Pending rows counted up to ``cap`` (a capped count stays cheap on a huge backlog) and
+    the created_at of the lowest id (the oldest row, through the primary key)."""
+    (count,) = conn.execute(
+        f"SELECT count(*) FROM (SELECT 1 FROM {tables.name} LIMIT %s) AS pending", (cap,)
+    ).fetchone()
+    row = conn.execute(f"SELECT created_at FROM {tables.name} ORDER BY id LIMIT 1").fetchone()
+    return int(count), (float(row[0]) if row else None)
 
 
 def open_writers(conn: Any, tables: Tables) -> list[OpenWriter]:

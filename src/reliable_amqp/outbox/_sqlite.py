@@ -287,6 +287,17 @@ class SqliteRelayStore:
         row = self._c().execute(f"SELECT EXISTS (SELECT 1 FROM {self.tables.name})").fetchone()
         return bool(row[0])
 
+    def backlog(self, cap: int) -> tuple[int, float | None]:
+        """(pending rows, counted up to ``cap``; the oldest pending row's created_at)."""
+        conn = self._c()
+        (count,) = conn.execute(
+            f"SELECT count(*) FROM (SELECT 1 FROM {self.tables.name} LIMIT ?)", (cap,)
+        ).fetchone()
+        row = conn.execute(
+            f"SELECT created_at FROM {self.tables.name} ORDER BY id LIMIT 1"
+        ).fetchone()
+        return int(count), (float(row[0]) if row else None)
+
     def open_writers(self) -> list[Any]:
         return []  # SQLite cannot tell; a writer holding the lock shows as a busy relay
 

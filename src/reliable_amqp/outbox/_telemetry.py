@@ -58,6 +58,8 @@ class OutboxMetrics:
         self._failed: Any = None
         self._attributes = {"reliable_amqp.outbox.table": table}
         self._open: Sequence[OpenWriter] = ()
+        self._backlog: int | None = None
+        self._oldest: float | None = None
         if _trace is None:
             return
         meter = (
@@ -81,6 +83,19 @@ class OutboxMetrics:
             unit="s",
             description="Age of the oldest open transaction that has written to the outbox",
         )
+        meter.create_observable_gauge(
+            "reliable_amqp.outbox.backlog",
+            callbacks=[self._observe_backlog],
+            unit="{row}",
+            description="Committed rows not yet confirmed (counted up to 1,000,000)",
+        )
+        meter.create_observable_gauge(
+            "reliable_amqp.outbox.oldest_age",
+            callbacks=[self._observe_oldest],
+            unit="s",
+            description="Age of the oldest row a relay still has to deliver, open "
+            "transactions' rows included",
+        )
 
     def confirmed(self, latency: float) -> None:
         if self._latency is not None:
@@ -90,11 +105,30 @@ class OutboxMetrics:
         if self._failed is not None:
             self._failed.add(count, self._attributes)
 
-    def observe_open(self, writers: Sequence[OpenWriter]) -> None:
+    def observe(self, backlog: int, oldest_age: float, writers: Sequence[OpenWriter]) -> None:
+        """What the owner of partition 0 found at its last look (every 5 s)."""
+        self._backlog = backlog
+        self._oldest = oldest_age
         self._open = writers
+
+    def _observe_backlog(self, _options: Any) -> Any:
+        from opentelemetry.metrics import Observation
+
+        if self._backlog is None:
+            return []  # not this relay's to report (another owns partition 0)
+        return [Observation(self._backlog, self._attributes)]
+
+    def _observe_oldest(self, _options: Any) -> Any:
+        from opentelemetry.metrics import Observation
+
+        if self._oldest is None:
+            return []
+        return [Observation(self._oldest, self._attributes)]
 
     def _observe_open(self, _options: Any) -> Any:
         from opentelemetry.metrics import Observation
 
+        if self._backlog is None:
+            return []
         age = max((w.age_s for w in self._open), default=0.0)
         return [Observation(age, self._attributes)]
