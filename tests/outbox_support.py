@@ -93,3 +93,47 @@ def wait_for_count(broker: BrokerAdmin, queue: str, count: int, timeout: float) 
         time.sleep(0.05)
         seen = broker.count(queue)
     return seen
+
+
+# MariaDB runs on every machine of this project too (127.0.0.1:3306, root, empty password).
+MYSQL_HOST = os.environ.get("MYSQLTEST_HOST", "127.0.0.1")
+MYSQL_PORT = int(os.environ.get("MYSQLTEST_PORT", "3306"))
+
+
+@contextlib.contextmanager
+def mysql_database() -> Iterator[str]:
+    """A new MariaDB database with a unique name (its ``mysql://`` DSN), dropped afterwards."""
+    import pymysql
+
+    name = "ra_test_" + uuid.uuid4().hex[:12]
+
+    def admin() -> Any:
+        return pymysql.connect(
+            host=MYSQL_HOST, port=MYSQL_PORT, user="root", password="", autocommit=True,
+            connect_timeout=10,
+        )  # fmt: skip
+
+    try:
+        conn = admin()
+    except pymysql.err.OperationalError as exc:
+        raise AssertionError(
+            f"MariaDB does not answer at {MYSQL_HOST}:{MYSQL_PORT} (it runs on every machine of "
+            f"this project, CI's included): {exc}"
+        ) from exc
+    with conn, conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE {name} CHARACTER SET utf8mb4")
+    try:
+        yield f"mysql://root@{MYSQL_HOST}:{MYSQL_PORT}/{name}"
+    finally:
+        with admin() as conn, conn.cursor() as cur:
+            cur.execute(f"DROP DATABASE IF EXISTS {name}")
+
+
+def mysql_connect(dsn: str, **options: Any) -> Any:
+    """A PyMySQL connection to a test database's DSN (autocommit off: PyMySQL's default)."""
+    import pymysql
+
+    database = dsn.rsplit("/", 1)[1]
+    return pymysql.connect(
+        host=MYSQL_HOST, port=MYSQL_PORT, user="root", password="", database=database, **options
+    )

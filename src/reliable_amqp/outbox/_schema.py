@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reliable_amqp._core.errors import ConfigurationError
@@ -132,7 +133,7 @@ def mysql_quote(name: str) -> str:
     return ".".join(f"`{part}`" for part in name.split("."))
 
 
-def mysql_columns(columns: tuple[str, ...] | list[str]) -> str:
+def mysql_columns(columns: Sequence[str]) -> str:
     """A column list for MariaDB and MySQL (``key`` is a reserved word there)."""
     return ", ".join(f"`{c}`" for c in columns)
 

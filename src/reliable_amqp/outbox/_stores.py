@@ -16,7 +16,8 @@ from reliable_amqp.outbox._status import OpenWriter
 
 
 class RelayStore(Protocol):
-    """What the relay needs of a database (``_pg.PgRelayStore``, ``_sqlite.SqliteRelayStore``)."""
+    """What the relay needs of a database (``_pg.PgRelayStore``,
+    ``_sqlite.SqliteRelayStore``, ``_mysql.MysqlRelayStore``)."""
 
     dialect: str
 
@@ -50,11 +51,20 @@ def database_errors() -> tuple[type[BaseException], ...]:
         errors += [psycopg.OperationalError, psycopg.InterfaceError]
     except ImportError:
         pass
+    try:
+        import pymysql
+
+        # OperationalError: the server went away, refused us, or a lock wait or deadlock ended
+        # a statement; InterfaceError: the connection is closed already
+        errors += [pymysql.err.OperationalError, pymysql.err.InterfaceError]
+    except ImportError:
+        pass
     return tuple(errors)
 
 
 def open_store(db: str, tables: Tables, name: str) -> RelayStore:
-    """The store for a DSN: ``postgresql://...`` (or ``postgres://``) or ``sqlite:///path``."""
+    """The store for a DSN: ``postgresql://...`` (or ``postgres://``), ``mysql://...`` (or
+    ``mariadb://``) or ``sqlite:///path``."""
     if not isinstance(db, str):
         raise ConfigurationError(f"db: expected a DSN string, got {type(db).__name__}")
     if db.startswith(("postgresql://", "postgres://")):

@@ -11,8 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
-from reliable_amqp.outbox import _pg, _sqlite
-from reliable_amqp.outbox._schema import DEFAULT_TABLE, WRITE_COLUMNS, Tables
+from reliable_amqp.outbox import _mysql, _pg, _sqlite
+from reliable_amqp.outbox._schema import (
+    DEFAULT_TABLE,
+    WRITE_COLUMNS,
+    Tables,
+    mysql_columns,
+    mysql_quote,
+)
 from reliable_amqp.outbox._status import OutboxStatus
 
 
@@ -50,9 +56,22 @@ def connect(db: str) -> Iterator[tuple[str, Any]]:
         finally:
             conn.close()
         return
+    if db.startswith(("mysql://", "mariadb://")):
+        with _mysql.tool_connection(db) as tool:  # commits on a clean exit
+            yield "mysql", tool
+        return
     raise ConfigurationError(
-        "--db: expected postgresql://user@host:port/dbname or sqlite:///path/to/file.db"
+        "--db: expected postgresql://user@host:port/dbname, mysql://user@host:port/dbname or "
+        "sqlite:///path/to/file.db"
     )
+
+
+def _names(dialect: str, tables: Tables, columns: Sequence[str]) -> tuple[str, str, str]:
+    """(table, failed table, column list) as the dialect spells them (``key`` is reserved on
+    MariaDB and MySQL)."""
+    if dialect == "mysql":
+        return mysql_quote(tables.name), mysql_quote(tables.failed), mysql_columns(columns)
+    return tables.name, tables.failed, ", ".join(columns)
 
 
 def install(db: str, table: str = DEFAULT_TABLE) -> None:
@@ -61,6 +80,8 @@ def install(db: str, table: str = DEFAULT_TABLE) -> None:
     with connect(db) as (dialect, conn):
         if dialect == "sqlite":
             _sqlite.install(conn, tables)
+        elif dialect == "mysql":
+            _mysql.install(conn.raw, tables)
         else:
             _pg.install(conn, tables)
 
@@ -72,6 +93,12 @@ def status(db: str, table: str = DEFAULT_TABLE) -> OutboxStatus:
         if dialect == "sqlite":
             pending, failed, oldest, relays = _sqlite.status_rows(conn, tables, _sqlite.path_of(db))
             writers = []
+        elif dialect == "mysql":
+            database = _mysql.database_of(_mysql.connect_args(db), tables)
+            pending, failed, oldest, relays, sessions = _mysql.status_rows(
+                conn.raw, tables, database
+            )
+            writers = _mysql.open_writers(conn.raw, database, sessions)
         else:
             pending, failed, oldest, relays = _pg.status_rows(conn, tables)
             writers = _pg.open_writers(conn, tables)
@@ -89,11 +116,11 @@ def status(db: str, table: str = DEFAULT_TABLE) -> OutboxStatus:
 def failed_rows(db: str, table: str = DEFAULT_TABLE) -> list[FailedRow]:
     """The failed rows, oldest first."""
     tables = Tables.named(table)
-    with connect(db) as (_dialect, conn):
-        rows = conn.execute(
-            "SELECT id, message_id, key, exchange, routing_key, record, body, created_at,"
-            f" failed_at, attempts, reason FROM {tables.failed} ORDER BY id"
-        ).fetchall()
+    columns = ("id", "message_id", "key", "exchange", "routing_key", "record", "body",
+               "created_at", "failed_at", "attempts", "reason")  # fmt: skip
+    with connect(db) as (dialect, conn):
+        _table, failed, cols = _names(dialect, tables, columns)
+        rows = conn.execute(f"SELECT {cols} FROM {failed} ORDER BY id").fetchall()
     return [
         FailedRow(int(r[0]), r[1], r[2], r[3], r[4], bytes(r[5]), bytes(r[6]), float(r[7]),
                   float(r[8]), int(r[9]), r[10])
@@ -114,16 +141,15 @@ def retry_failed(
     """Move failed rows (all, or those with these message ids) back to the outbox, in their
     order, with their message ids; they are published after the rows pending now. How many."""
     tables = Tables.named(table)
-    cols = ", ".join(WRITE_COLUMNS)
     with connect(db) as (dialect, conn):
+        pending, failed, cols = _names(dialect, tables, WRITE_COLUMNS)
         where, params = _where(message_ids, dialect)
         cur = conn.execute(
-            f"INSERT INTO {tables.name} ({cols}) SELECT {cols} FROM {tables.failed}{where}"
-            " ORDER BY id",
+            f"INSERT INTO {pending} ({cols}) SELECT {cols} FROM {failed}{where} ORDER BY id",
             params,
         )
         moved = cur.rowcount
-        conn.execute(f"DELETE FROM {tables.failed}{where}", params)
+        conn.execute(f"DELETE FROM {failed}{where}", params)
         if dialect == "postgresql":
             conn.execute(f"SELECT pg_notify('{tables.channel}', '')")
     return int(moved)
@@ -135,6 +161,7 @@ def drop_failed(
     """Delete failed rows (all, or those with these message ids); how many."""
     tables = Tables.named(table)
     with connect(db) as (dialect, conn):
+        _pending, failed, _cols = _names(dialect, tables, ())
         where, params = _where(message_ids, dialect)
-        cur = conn.execute(f"DELETE FROM {tables.failed}{where}", params)
+        cur = conn.execute(f"DELETE FROM {failed}{where}", params)
         return int(cur.rowcount)
