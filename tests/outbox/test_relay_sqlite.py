@@ -158,3 +158,37 @@ def test_a_second_relay_waits_and_takes_over_when_the_first_is_killed(
                 process.kill()
                 process.wait()
     assert {mid for mid, _ in read_ids(broker, queue)} == set(ids)
+
+
+def test_failed_rows_exported_and_dropped_are_published_again_from_the_file(
+    sqlite_dsn: str, amqp_url: str, broker: BrokerAdmin, tmp_path: object
+) -> None:
+    outbox = _install(sqlite_dsn)
+    queue = broker.queue()
+    broker.channel.queue_delete(queue)  # unroutable for now
+    conn = _open(sqlite_dsn)
+    ids = [outbox.add(conn, "", queue, b"body %d" % i, headers={"n": i}) for i in range(2)]
+    conn.commit()
+    conn.close()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "reliable_amqp", *args],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+
+    relayed = cli("outbox", "relay", "--db", sqlite_dsn, "--url", amqp_url, "--until-empty")
+    assert relayed.returncode == 0, relayed.stderr
+    assert relayed.stderr.count("moved to amqp_outbox_failed") == 2
+    exported = f"{tmp_path}/failed.jsonl"
+    done = cli("outbox", "failed", "--db", sqlite_dsn, "--export", exported, "--drop", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"failed": 2, "exported": 2, "dropped": 2}
+    assert status(sqlite_dsn).failed == 0
+    broker.queue(queue)
+    again = cli("publish", "--format", "jsonl", "--url", amqp_url, exported)
+    assert again.returncode == 0, again.stderr
+    got = broker.drain(queue)
+    assert [p.message_id for p, _ in got] == ids
+    assert [b for _, b in got] == [b"body 0", b"body 1"]
+    assert [p.headers["n"] for p, _ in got] == [0, 1]
