@@ -478,7 +478,7 @@ class MysqlRelayStore:
                     conn,
                     f"INSERT INTO {failed} ({cols}, failed_at, attempts, reason)"
                     f" SELECT {cols}, %s, %s, %s FROM {self._table} WHERE id = %s"
-                    " ON DUPLICATE KEY UPDATE id = id",
+                    f" ON DUPLICATE KEY UPDATE {failed}.id = {failed}.id",
                     (now, attempts, reason, row_id),
                 )
                 _run(conn, f"DELETE FROM {self._table} WHERE id = %s", (row_id,))

@@ -95,6 +95,7 @@ def status(db: str, table: str = DEFAULT_TABLE) -> OutboxStatus:
             writers = []
         elif dialect == "mysql":
             database = _mysql.database_of(_mysql.connect_args(db), tables)
+            _mysql.check_tables(conn.raw, tables, database)
             pending, failed, oldest, relays, sessions = _mysql.status_rows(
                 conn.raw, tables, database
             )
