@@ -36,7 +36,7 @@ ensure_venv() {
     stamp="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16) $ROOT"
     if [ "$(cat "$VENV/.reliable-amqp-stamp" 2>/dev/null)" != "$stamp" ]; then
         log "installing reliable-amqp[dev,aio,spark,otel,outbox] (editable) from $ROOT"
-        "$VENV/bin/pip" install -q -e "$ROOT[dev,aio,spark,otel,outbox,outbox-mysql]"
+        "$VENV/bin/pip" install -q -e "$ROOT[dev,aio,spark,otel,outbox,outbox-mysql,outbox-sqlalchemy,outbox-django,outbox-asyncpg,outbox-dev]"
         echo "$stamp" > "$VENV/.reliable-amqp-stamp"
     fi
 }
