@@ -133,3 +133,24 @@ def report_spool_failed(error: BaseException, message_id: str) -> str:
     text = f"recovered message {message_id!r} moved to the spool's failed table: {error}"
     library.warning("reliable-amqp: %s", text)
     return text
+
+
+def report_interrupted(name: str, count: int, spool: str | None) -> None:
+    """One WARNING when Ctrl-C cut a sync publisher's close short (its ``close()`` was
+    interrupted, or its ``with`` block ended by ``KeyboardInterrupt``) with ``count`` messages
+    not confirmed: nobody gets those failures as exceptions (the interrupt goes on instead)."""
+    if not count:
+        return
+    fate = (
+        f"they stay in the spool {spool} and the next publisher opened on it sends them"
+        if spool is not None
+        else "they failed with PublisherClosed"
+    )
+    noun = "message" if count == 1 else "messages"
+    library.warning(
+        "reliable-amqp: %s was closed by Ctrl-C (KeyboardInterrupt) with %d %s not confirmed: %s",
+        name,
+        count,
+        noun,
+        fate,
+    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -326,52 +325,6 @@ def test_help_and_version() -> None:
     assert "guest:guest" not in publish_help.stdout
     version = run_cli("--version", url=None)
     assert version.returncode == 0 and version.stdout.strip().startswith("reliable-amqp ")
-
-
-def test_interrupt_exits_130_and_keeps_what_was_not_confirmed(
-    amqp_url: str, broker: BrokerAdmin, tmp_path: Path
-) -> None:
-    # A full queue and a patient nack policy keep the run going until it is interrupted.
-    queue = broker.queue(
-        **cast(dict[str, Any], {"x-max-length": 2, "x-overflow": "reject-publish"})
-    )
-    source = tmp_path / "in.txt"
-    source.write_text("".join(f"{i}\n" for i in range(1, 21)))
-    failed = tmp_path / "failed.jsonl"
-    env = {**os.environ, "AMQP_URL": amqp_url}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "reliable_amqp",
-            "publish",
-            str(source),
-            "--routing-key",
-            queue,
-            "--nack-retries",
-            "1000",
-            "--retry-initial-delay",
-            "0.2",
-            "--retry-max-delay",
-            "0.2",
-            "--failed",
-            str(failed),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    deadline = time.monotonic() + 30
-    while broker.count(queue) < 2 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)
-    process.send_signal(signal.SIGINT)
-    _out, err = process.communicate(timeout=30)
-    assert process.returncode == 130, err
-    records = [json.loads(line) for line in failed.read_text().splitlines()]
-    assert [r["body"] for r in records] == [str(i) for i in range(3, 21)]
-    assert "interrupted" in err
 
 
 @pytest.mark.faults

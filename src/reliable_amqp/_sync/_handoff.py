@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from reliable_amqp._compat.futures import SharedLockCondition, settle
+from reliable_amqp._compat.futures import LightFuture, SharedLockCondition, settle
 from reliable_amqp._core.errors import (
     PublisherClosed,
     PublisherForked,
@@ -38,6 +38,8 @@ from reliable_amqp._sync._future import failed as report_if_unretrieved
 from reliable_amqp._sync.topology import Request
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from reliable_amqp._otel._telemetry import Telemetry
 
 
@@ -237,3 +239,16 @@ class Handoff:
             f"process {os.getpid()} that fork() made (its I/O thread and connection stay with "
             "the parent): create a new Publisher in the child"
         )
+
+
+#: the code of the waits where a caller's thread holds nothing of a sync publisher's (see
+#: :func:`safe_to_interrupt`)
+_WAITS = frozenset({Handoff.wait.__code__, LightFuture._wait_done.__code__})
+
+
+def safe_to_interrupt(frame: FrameType | None) -> bool:
+    """Whether ``frame``, where a signal handler found the main thread, is one of the waits of a
+    sync publisher (for room, a flush, a connection, a confirm, a declaration): a
+    ``KeyboardInterrupt`` raised there ends the wait and leaves the publisher as it was (the
+    command line raises one only there while it hands messages over)."""
+    return frame is not None and frame.f_code in _WAITS

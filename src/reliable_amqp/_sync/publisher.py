@@ -31,6 +31,7 @@ from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
+from reliable_amqp._logs import report_interrupted
 from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
 from reliable_amqp._sync._future import PublishFuture, future_factory
@@ -59,6 +60,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 #: how long a publisher closed at interpreter exit waits for its I/O thread to end, beyond
 #: ``exit_timeout`` (a connection attempt under way ends at its next check of the stop flag)
 _EXIT_JOIN = 3.0
+#: how long a publisher whose ``with`` block Ctrl-C ended waits for confirms before it closes
+INTERRUPTED_CLOSE = 1.0
 #: Publishers connected and not closed: closed at interpreter exit (see _close_at_exit)
 _open_publishers: weakref.WeakSet[Publisher] = weakref.WeakSet()
 
@@ -133,7 +136,21 @@ class _Parts:
             if self.spooled is not None:
                 self.spooled.close(wait)
             return 0
-        left = self.flush(wait)
+        try:
+            left = self.flush(wait)
+        except KeyboardInterrupt:
+            # Ctrl-C while waiting for confirms: stop waiting, close now (what is unconfirmed
+            # fails, or stays in the spool), say so once, and let the interrupt go on.
+            left = handoff.window.count
+            handoff.closing_unclosed = True
+            self._finish(wait, join, left)
+            report_interrupted(self.name, left, self.options.spool)
+            raise
+        return self._finish(wait, join, left)
+
+    def _finish(self, wait: float, join: float | None, left: int) -> int:
+        """The rest of :meth:`close`, once the flush is over with ``left`` unconfirmed."""
+        handoff = self.handoff
         self.io.stop(wait=join is None)
         if join is not None and not self.io.join(join):
             return max(left, handoff.window.count)  # still stopping: the engine is its own
@@ -254,7 +271,22 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            self._close_interrupted()
+        else:
+            self.close()
+
+    def _close_interrupted(self) -> None:
+        """Ctrl-C ended the ``with`` block: close within :data:`INTERRUPTED_CLOSE` s (not
+        ``close_timeout``: the user asked to stop), what is unconfirmed then reported once."""
+        if self._handoff.forked:
+            return
+        self._finalizer.detach()
+        _open_publishers.discard(self)
+        parts = self._parts
+        parts.handoff.closing_unclosed = True
+        left = parts.close(min(INTERRUPTED_CLOSE, self.options.close_timeout))
+        report_interrupted(parts.name, left, self.options.spool)
 
     def close(self, timeout: float | None = None) -> int:
         """Flush (up to ``timeout``, default ``close_timeout``), then close.

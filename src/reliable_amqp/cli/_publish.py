@@ -32,6 +32,7 @@ from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._spool import inspect as inspect_spool
 from reliable_amqp._sync.publisher import Publisher
+from reliable_amqp.cli._interrupt import Interrupts
 from reliable_amqp.cli._io import (
     Defaults,
     InputError,
@@ -54,6 +55,9 @@ from reliable_amqp.cli._parse import (
     printable,
 )
 from reliable_amqp.cli._spool import SpoolRun
+
+#: seconds an interrupted run waits for the confirms of what it sent before it closes
+INTERRUPTED_CLOSE = 1.0
 
 #: Summary lines, in order: label, the outcome it counts, and what to do about it.
 OUTCOMES: tuple[tuple[str, type[BaseException] | None, str], ...] = (
@@ -192,12 +196,19 @@ class _Tally:
 
 def run_publish(args: argparse.Namespace) -> int:
     """Run ``reliable-amqp publish``; returns the exit code."""
+    with Interrupts() as interrupts:
+        return _run(args, interrupts)
+
+
+def _run(args: argparse.Namespace, interrupts: Interrupts) -> int:
     options = check_options(args)
     try:
-        items = _read(args, _defaults(args))
+        items = _read(args, _defaults(args))  # Ctrl-C here: nothing was sent, exit 130
     except InputError as exc:
         print(f"reliable-amqp: bad input, nothing was published:\n{exc}", file=sys.stderr)
         return EXIT_USAGE
+    # from here on, every message is accounted for in --failed, Ctrl-C or not (_interrupt)
+    interrupts.deferring = True
     # opened before anything is sent: a --failed that cannot be written is a usage error
     failed_stream = open_failed_file(args.failed) if args.failed else None
     tally = _Tally()
@@ -215,11 +226,14 @@ def run_publish(args: argparse.Namespace) -> int:
     )
     started = time.monotonic()
     try:
-        code = _publish_all(args, options, items, tally, progress, status=status)
+        code = _publish_all(
+            args, options, items, tally, progress, interrupts=interrupts, status=status
+        )
     except BaseException:
         if failed_stream is not None:
             failed_stream.close()
         raise
+    interrupts.deferring = True  # the outcomes are written whole (a second Ctrl-C still stops)
     progress.finish(tally.confirmed, tally.failed)
     if spool_run is not None:  # what the spool keeps is no failure (nor for --failed: twice)
         kept = [pair for pair in tally.failures if isinstance(pair[1], PublisherClosed)]
@@ -257,6 +271,8 @@ def run_publish(args: argparse.Namespace) -> int:
         code = EXIT_NOT_CONFIRMED
     if spool_run is not None:
         code = spool_run.exit_code(code)
+    if interrupts.pending:  # Ctrl-C while the outcomes were written: they were, then stop
+        code = EXIT_INTERRUPTED
     return code
 
 
@@ -267,10 +283,12 @@ def _publish_all(
     tally: _Tally,
     progress: Progress,
     *,
+    interrupts: Interrupts,
     status: RetryStatus | None = None,
 ) -> int:
     """Publish every item, wait for every outcome; returns the exit code so far."""
     if not items and options.spool is None:
+        interrupts.check()
         return EXIT_OK
     kwargs = options.kwargs()
     if status is not None:
@@ -278,27 +296,38 @@ def _publish_all(
     publisher = Publisher(list(options.urls), **kwargs)
     published = 0
     code = EXIT_OK
+    close_timeout: float | None = None  # close_timeout: after the last flush, it has no wait
     try:
+        # connecting and declaring wait in the publisher's waits, where Ctrl-C is safe
+        interrupts.deferring = False
+        interrupts.check()  # one that came while the run was set up
         publisher.connect()
         if args.declare_queue:
             publisher.declare_queue(args.declare_queue, durable=True)
         publish = publisher.publish_message
         started = time.monotonic()
+        # a message handed over is counted, with its callback, before a Ctrl-C is obeyed
+        interrupts.deferring = True
         for item in items:
             future = publish(item.message)
-            published += 1
             future.add_done_callback(tally.watch(item))
+            published += 1
+            if interrupts.pending:
+                interrupts.check()
             if not published & 255:
                 progress.update(tally.confirmed, tally.failed)
+        interrupts.deferring = False
+        interrupts.check()
         while publisher.flush(0.1):
             progress.update(tally.confirmed, tally.failed)
         tally.publishing = time.monotonic() - started
     except KeyboardInterrupt:
+        interrupts.deferring = True  # what follows runs whole (a second Ctrl-C still stops)
         print("\nreliable-amqp: interrupted; settling what was sent", file=sys.stderr)
         code = EXIT_INTERRUPTED
         tally.add(items[published:], "not sent: interrupted")
         published = len(items)
-        publisher.close(timeout=2)
+        close_timeout = INTERRUPTED_CLOSE
     except BrokerError as exc:  # the declaration was refused
         print(
             f"reliable-amqp: cannot declare queue {args.declare_queue!r}: {printable(exc)}",
@@ -319,11 +348,13 @@ def _publish_all(
         tally.add(items[published:], f"not sent: {_unsent(exc)}")
         published = len(items)
     finally:
+        interrupts.deferring = True
         if published < len(items):
             tally.add(items[published:], "not sent: the run stopped first")
         try:
-            publisher.close()
-        except KeyboardInterrupt:
+            publisher.close(timeout=close_timeout)
+        except KeyboardInterrupt:  # Ctrl-C (again) while closing: stop waiting for confirms
+            code = EXIT_INTERRUPTED
             publisher.close(timeout=0)
     if status is not None and status.gave_up is not None and tally.said is None:
         # the publisher gave up while nothing raised (the messages in flight failed, or wait in

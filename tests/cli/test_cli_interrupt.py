@@ -1,0 +1,146 @@
+"""Ctrl-C on `reliable-amqp publish` is obeyed wherever it lands (issue 33).
+
+SIGINT is sent at a sweep of delays from the start of the process, so that it lands while
+Python starts, while the input is read, while connecting, while messages are handed over (also
+into a full in-flight window, where ``publish()`` blocks), and while confirms are awaited; a
+core is kept busy meanwhile, as on a loaded CI machine. Every run must end within 5 s of the
+signal, and account for every message: exit 130 with exactly the messages the queue did not get
+in ``--failed`` (or, interrupted before anything was sent, nothing sent and ``--failed`` left
+alone). Some runs get a second Ctrl-C soon after the first, which cuts the wait for confirms.
+
+The queue never confirms past two messages (``x-max-length`` 2, ``reject-publish``) and the
+nack policy is patient, so a run is still going whenever the signal comes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker_support import BrokerAdmin
+
+pytestmark = [pytest.mark.broker, pytest.mark.slow]
+
+#: how long a run may take to end after the (first) signal
+OBEYED_WITHIN = 5.0
+
+
+@pytest.fixture
+def busy_core() -> Iterator[None]:
+    """One core kept busy for the test's duration."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def _start(
+    url: str, queue: str, source: Path, failed: Path, window: int | None
+) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "reliable_amqp", "publish", str(source), "--routing-key", queue]
+    argv += ["--nack-retries", "1000", "--retry-initial-delay", "0.2", "--retry-max-delay", "0.2"]
+    argv += ["--failed", str(failed)]
+    if window is not None:
+        argv += ["--max-in-flight", str(window)]
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "AMQP_URL": url},
+    )
+
+
+def _first_message_after(broker: BrokerAdmin, url: str, tmp_path: Path) -> float:
+    """Seconds from the start of a run to its first message in the queue, on this machine now
+    (the sweep spreads its signals over a little more than that)."""
+    queue = broker.queue(x_max_length=2, x_overflow="reject-publish")
+    source = tmp_path / "calibrate.txt"
+    source.write_text("1\n")
+    started = time.monotonic()
+    process = _start(url, queue, source, tmp_path / "calibrate.jsonl", None)
+    try:
+        while broker.count(queue) < 1:
+            assert time.monotonic() - started < 60, "the command never published"
+            time.sleep(0.02)
+        return time.monotonic() - started
+    finally:
+        process.kill()
+        process.communicate()
+
+
+@pytest.mark.parametrize(
+    ("count", "window"),
+    [(20, None), (200, 5)],  # the second keeps publish() blocked on a full window
+    ids=["confirms", "full-window"],
+)
+def test_ctrl_c_at_any_moment_exits_130_with_every_message_accounted_for(
+    amqp_url: str,
+    broker: BrokerAdmin,
+    tmp_path: Path,
+    *,
+    busy_core: None,
+    count: int,
+    window: int | None,
+) -> None:
+    ready = _first_message_after(broker, amqp_url, tmp_path)
+    steps = 8
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{n}\n" for n in range(1, count + 1)))
+    outcomes = []
+    for step in range(steps):
+        queue = broker.queue(x_max_length=2, x_overflow="reject-publish")
+        failed = tmp_path / f"failed-{step}.jsonl"
+        process = _start(amqp_url, queue, source, failed, window)
+        if step < steps // 2:  # from the start: Python starting, reading, connecting, ...
+            delay = ready * step / (steps // 2 - 1)
+            time.sleep(delay)
+        else:  # once messages flow: handing them over, waiting for room, for confirms
+            while broker.count(queue) < 1 and process.poll() is None:
+                time.sleep(0.01)
+            delay = 0.15 * (step - steps // 2)
+            time.sleep(delay)
+        process.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        if step % 2:  # a second Ctrl-C soon after: stop waiting for confirms
+            time.sleep(0.1)
+            if process.poll() is None:
+                process.send_signal(signal.SIGINT)
+        try:
+            _out, err = process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _out, err = process.communicate()
+            pytest.fail(f"Ctrl-C at step {step}: still running 30 s later\n{err}")
+        took = time.monotonic() - signalled
+        assert took < OBEYED_WITHIN, f"Ctrl-C at step {step}: {took:.1f} s to exit\n{err}"
+        stored = broker.count(queue)
+        unconfirmed = [str(n) for n in range(stored + 1, count + 1)]
+        if failed.exists():
+            records = [json.loads(line) for line in failed.read_text().splitlines()]
+            assert process.returncode == 130, err
+            assert [r["body"] for r in records] == unconfirmed, err
+            assert "interrupted" in err
+            outcomes.append("accounted")
+        else:
+            # Interrupted before anything was sent: while the input was read (the command
+            # says so, exit 130), or while Python was still starting (killed by SIGINT,
+            # which a shell reports as 130 too; or, in CPython's own start of `python -m`,
+            # exit 1 with "Could not import runpy module").
+            assert stored == 0, err
+            assert process.returncode in (130, -signal.SIGINT) or (
+                process.returncode == 1 and "Could not import runpy module" in err
+            ), err
+            outcomes.append("before")
+    # the sweep did reach the runs that had sent messages
+    assert outcomes[steps // 2 :] == ["accounted"] * (steps // 2), outcomes
