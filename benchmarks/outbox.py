@@ -47,6 +47,7 @@ import contextlib
 import json
 import math
 import os
+import queue
 import signal
 import sqlite3
 import statistics
@@ -280,6 +281,14 @@ class Child:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
 
+    def say(self, line: str) -> None:
+        """Write ``line``, wait for the child's "ok"."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        if self.proc.stdout.readline().strip() != "ok":
+            raise RuntimeError(f"{self.spec['role']}: no answer to {line!r}:\n{self._error()}")
+
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self.proc.send_signal(signal.SIGTERM)
@@ -317,6 +326,8 @@ def child_main(spec: dict[str, Any]) -> int:
         return child_publish_many(spec)
     if role == "writer":
         return child_writer(spec)
+    if role == "listener":
+        return child_listener(spec)
     raise SystemExit(f"unknown role {role!r}")
 
 
@@ -380,6 +391,34 @@ def child_writer(spec: dict[str, Any]) -> int:
             count += 1
         seconds = time.perf_counter() - started
     print(json.dumps({"count": count, "seconds": seconds}), flush=True)
+    return 0
+
+
+def child_listener(spec: dict[str, Any]) -> int:
+    """LISTEN on the channels named on stdin (one a line, answered "ok" once listening), reading
+    every notification, until stdin closes."""
+    channels: queue.Queue[str | None] = queue.Queue()
+
+    def commands() -> None:
+        for line in sys.stdin:
+            channels.put(line.strip())
+        channels.put(None)
+
+    count = 0
+    with psycopg.connect(spec["db"], autocommit=True) as conn:
+        print("ready 0", flush=True)
+        threading.Thread(target=commands, daemon=True).start()
+        while True:
+            with contextlib.suppress(queue.Empty):
+                channel = channels.get_nowait()
+                if channel is None:
+                    break
+                if channel != "go":
+                    conn.execute(f'LISTEN "{channel}"')
+                    print("ok", flush=True)
+            for _ in conn.notifies(timeout=0.05):
+                count += 1
+    print(json.dumps({"notifications": count}), flush=True)
     return 0
 
 
@@ -562,6 +601,8 @@ class Context:
     #: /proc/loadavg when the run started (other work on a shared machine shows here)
     load: str = ""
     took: dict[str, int] = field(default_factory=dict)
+    #: the LISTEN session of the writer sections (see :func:`listening`)
+    listener: Child | None = None
 
     def backlog(self, count: int) -> str:
         """A fresh outbox table holding ``count`` rows (the template written once, as needed)."""
@@ -717,6 +758,7 @@ def latency_row(ctx: Context, *, notify: bool, seconds: float) -> Row:
     table = ctx.db.table()
     outbox = Outbox(table, notify=notify)
     commits: dict[str, float] = {}
+    durations: list[float] = []
     arrivals: dict[str, float] = {}
     wait_idle()
     with ctx.broker.queue() as queue:
@@ -732,7 +774,7 @@ def latency_row(ctx: Context, *, notify: bool, seconds: float) -> Row:
             writers = [
                 threading.Thread(target=_paced_writer, args=(
                     ctx.db, outbox, ctx.broker.exchange, payload, args.rate / args.latency_writers,
-                    seconds, i / args.rate, commits,
+                    seconds, i / args.rate, commits, durations,
                 ))
                 for i in range(args.latency_writers)
             ]  # fmt: skip
@@ -758,6 +800,8 @@ def latency_row(ctx: Context, *, notify: bool, seconds: float) -> Row:
         "delivered": len(delivered),
         "delivery_p50_ms": percentile(delivered, 0.5) * 1000,
         "delivery_p99_ms": percentile(delivered, 0.99) * 1000,
+        "commit_p50_ms": percentile(durations, 0.5) * 1000,
+        "commit_p99_ms": percentile(durations, 0.99) * 1000,
         "relay_cpu_pct": result["cpu"] / result["seconds"] * 100,
         "relay_cpu_us": result["cpu"] / max(1, len(commits)) * 1e6,
     }
@@ -784,8 +828,10 @@ def _paced_writer(  # noqa: PLR0917  (a thread's arguments)
     seconds: float,
     offset: float,
     commits: dict[str, float],
+    durations: list[float],
 ) -> None:
-    """One add() a transaction, ``rate`` a second, for ``seconds``; the commit times by id."""
+    """One add() a transaction, ``rate`` a second, for ``seconds``; the commit times by id, and
+    how long each took from add() to commit() returning."""
     with db.connect() as conn:
         started = time.perf_counter() + offset
         n = 0
@@ -796,9 +842,11 @@ def _paced_writer(  # noqa: PLR0917  (a thread's arguments)
             wait = due - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
+            before = time.time()
             message_id = outbox.add(conn, exchange, ROUTING_KEY, payload)
             conn.commit()
-            commits[message_id] = time.time()
+            commits[message_id] = after = time.time()
+            durations.append(after - before)
             n += 1
 
 
@@ -886,7 +934,7 @@ def writer(ctx: Context, name: str) -> Iterator[Writer]:
     table = ctx.db.table()
     exchange, payload = ctx.broker.exchange, body(0, ctx.args.size)
     outbox = Outbox(table, notify=name.endswith("NOTIFY on"))
-    with ctx.db.connect() as conn, listening(ctx.db, table):
+    with ctx.db.connect() as conn, listening(ctx, table):
         # the plain INSERT writes the row add() wrote, with its own id and time
         outbox.add(conn, exchange, ROUTING_KEY, payload)
         conn.commit()
@@ -911,25 +959,14 @@ def writer(ctx: Context, name: str) -> Iterator[Writer]:
 
 
 @contextlib.contextmanager
-def listening(db: Database, table: str) -> Iterator[None]:
-    """A session LISTENing on the outbox's channel, as an idle relay's is, reading what comes."""
-    stop = threading.Event()
-    conn = db.connect(autocommit=True)
-    conn.execute(f'LISTEN "{table}"')
-
-    def read() -> None:
-        while not stop.is_set():
-            for _ in conn.notifies(timeout=0.2):
-                pass
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        conn.close()
+def listening(ctx: Context, table: str) -> Iterator[None]:
+    """A session LISTENing on the outbox's channel and reading what comes, as an idle relay's
+    does: in a process of its own (its work is not the writer's), one for the whole run."""
+    if ctx.listener is None:
+        ctx.listener = Child({"role": "listener", "db": ctx.db.dsn})
+        ctx.listener.wait_ready()
+    ctx.listener.say(table)
+    yield
 
 
 def timed_writes(writer: Writer, per_txn: int, txns: int) -> Row:
@@ -979,7 +1016,7 @@ def section_commits(ctx: Context) -> None:
 
 
 def commits_row(ctx: Context, writers: int, notify: bool, table: str, children: list[Child]) -> Row:
-    with listening(ctx.db, table):
+    with listening(ctx, table):
         for child in children:
             child.go()
         results = [child.result() for child in children]
@@ -1041,7 +1078,8 @@ def print_results(ctx: Context) -> None:
         f"\n== outbox: {args.size} B bodies, persistent, mandatory, one durable lazy queue "
         f"(PostgreSQL {server_version(ctx.db)}, {os.cpu_count()} cores) =="
     )
-    print(f"load average at the start: {ctx.load}; sections took {ctx.took}")
+    print(f"library: {library_source()}")
+    print(f"load average at the start: {ctx.load}; sections took {ctx.took} (seconds)")
     for key, title in (("drain", f"drain: a {args.backlog:,}-row backlog, one relay"),
                        ("relays", "two relays against one")):  # fmt: skip
         if key not in results:
@@ -1049,7 +1087,8 @@ def print_results(ctx: Context) -> None:
         print(f"\n-- {title} --")
         print(
             f"{'row':<62} {'msgs':>9} {'msgs/s':>8} {'halves':>13} {'ratio':>6} "
-            f"{'client CPU':>10} {'PG CPU':>9} {'broker CPU':>10} {'broker':>6} {'machine':>7}"
+            f"{'client CPU':>10} {'PG CPU':>9} {'broker CPU':>10} {'all CPU':>9} {'broker':>6} "
+            f"{'machine':>7}"
         )
         for r in results[key]:
             ratio = r.get("vs_publish_many", r.get("vs_one"))
@@ -1061,25 +1100,37 @@ def print_results(ctx: Context) -> None:
                 f"{fmt(r.get('cpu_us'), '.1f', ' us'):>10} "
                 f"{fmt(r.get('backend_cpu_us'), '.1f', ' us'):>9} "
                 f"{fmt(r.get('broker_cpu_us'), '.1f', ' us'):>10} "
+                f"{fmt(all_cpu(r), '.1f', ' us'):>9} "
                 f"{fmt(r.get('broker_cores'), '.2f'):>6} "
                 f"{fmt(r.get('machine_busy', None) and r['machine_busy'] * 100, '.0f', '%'):>7}"
             )
         print(
             "  halves: msgs/s while the queue took its first and its second half; CPU columns: "
             "per message (client: the\n  process's own; PG: the relays' backends; broker: "
-            "beam.smp); broker: cores it used; machine: busy share of all cores"
+            "beam.smp; all: the three); broker: cores it used; machine: busy share of all cores"
         )
+        relay = next((r for r in results[key] if r["name"].startswith("OutboxRelay")), None)
+        plain = next((r for r in results[key] if r["name"].startswith("Publisher")), None)
+        relay_cpu = all_cpu(relay) if relay else None
+        plain_cpu = all_cpu(plain) if plain else None
+        if relay_cpu and plain_cpu:
+            print(
+                f"  CPU a message, all of it: publish_many {plain_cpu:.1f} us, the relay "
+                f"{relay_cpu:.1f} us; on a machine whose cores are all busy the rates "
+                f"follow: {plain_cpu / relay_cpu:.2f}x"
+            )
         if key == "relays" and len(results[key]) == 2:
             print(f"  2 relays published {results[key][1]['published']} rows each")
     if "rss" in results:
         rows = results["rss"]
         print("\n-- relay memory (its process) --")
-        print(f"{'row':<62} {'RSS ready':>10} {'peak VmRSS':>11} {'VmHWM':>9}")
+        print(f"{'row':<62} {'RSS ready':>10} {'peak VmRSS':>11} {'VmHWM':>9} {'growth':>9}")
         for r in rows:
             print(
                 f"{r['name']:<62} {r['rss_ready_mb']:>7.1f} MB {r['rss_peak_mb']:>8.1f} MB "
-                f"{r['rss_hwm_mb']:>6.1f} MB"
+                f"{r['rss_hwm_mb']:>6.1f} MB {r['rss_peak_mb'] - r['rss_ready_mb']:>+6.1f} MB"
             )
+        print("  ready: once imported and built, before run(); growth: peak VmRSS - ready")
         if len(rows) == 2:
             print(f"  peak difference: {rows[1]['rss_peak_mb'] - rows[0]['rss_peak_mb']:+.1f} MB")
     if "latency" in results:
@@ -1089,7 +1140,8 @@ def print_results(ctx: Context) -> None:
         )
         print(
             f"{'row':<38} {'commits':>8} {'/s':>6} {'confirm p50':>11} {'p99':>9} "
-            f"{'delivery p50':>12} {'p99':>9} {'relay CPU':>9} {'a message':>9}"
+            f"{'delivery p50':>12} {'p99':>9} {'commit p50':>10} {'p99':>8} {'relay CPU':>9} "
+            f"{'a message':>9}"
         )
         for r in results["latency"]:
             print(
@@ -1097,14 +1149,18 @@ def print_results(ctx: Context) -> None:
                 f"{fmt(r['confirm_p50_ms'], '.1f', ' ms'):>11} "
                 f"{fmt(r['confirm_p99_ms'], '.1f', ' ms'):>9} "
                 f"{fmt(r['delivery_p50_ms'], '.1f', ' ms'):>12} "
-                f"{fmt(r['delivery_p99_ms'], '.1f', ' ms'):>9} {r['relay_cpu_pct']:>8.0f}% "
+                f"{fmt(r['delivery_p99_ms'], '.1f', ' ms'):>9} "
+                f"{fmt(r['commit_p50_ms'], '.1f', ' ms'):>10} "
+                f"{fmt(r['commit_p99_ms'], '.1f', ' ms'):>8} "
+                f"{r['relay_cpu_pct']:>8.0f}% "
                 f"{r['relay_cpu_us']:>6.0f} us"
             )
         print(
             "  confirm: relay.stats(), from add() (the row's created_at) to the relay taking the "
             "broker's confirm;\n  delivery: a consumer of the queue, from commit() returning in "
-            "the writer to the delivery;\n  relay CPU: its process's, in % of one core over its "
-            "run, and per message (idle time included)"
+            "the writer to the delivery;\n  commit: in the writer, from add() to commit() "
+            "returning (part of confirm's figure, not of delivery's);\n  relay CPU: its "
+            "process's, in % of one core over its run, and per message (idle time included)"
         )
     if "writer" in results:
         print("\n-- the writer's cost: one connection, rows per transaction as shown --")
@@ -1137,6 +1193,34 @@ def print_results(ctx: Context) -> None:
                 f"{fmt(r.get('vs_publish_many'), '.2f', 'x'):>6} "
                 f"{fmt(r.get('cpu_us'), '.1f', ' us'):>10}"
             )
+
+
+def all_cpu(row: Row) -> float | None:
+    """Client, PostgreSQL and broker CPU a message (None when the client's or the broker's is
+    not known; PostgreSQL's counts 0 for a row that does not use it)."""
+    if row.get("cpu_us") is None or row.get("broker_cpu_us") is None:
+        return None
+    return float(row["cpu_us"] + (row.get("backend_cpu_us") or 0.0) + row["broker_cpu_us"])
+
+
+def library_source() -> str:
+    """Where reliable_amqp was imported from, and its git commit (with "+changes" when its
+    outbox package differs from that commit) when it is a checkout."""
+    import reliable_amqp
+
+    src = Path(reliable_amqp.__file__).resolve().parent
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--", "outbox"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return str(src)
+    return f"{src} at {rev}{' +changes in outbox/' if dirty else ''}"
 
 
 def server_version(db: Database) -> str:
@@ -1202,6 +1286,8 @@ def main() -> int:
         else:
             print_results(ctx)
     finally:
+        if ctx.listener is not None:
+            ctx.listener.result()  # its stdin closed: it ends
         db.close()
         broker.close()
     return 0
