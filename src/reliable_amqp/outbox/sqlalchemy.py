@@ -63,7 +63,7 @@ def _double() -> sa.types.TypeEngine[Any]:
     return (
         sa.DOUBLE_PRECISION()
         .with_variant(sa.REAL(), "sqlite")
-        .with_variant(mysql.DOUBLE(), "mysql", "mariadb")
+        .with_variant(mysql.DOUBLE(asdecimal=False), "mysql", "mariadb")
     )
 
 
