@@ -76,6 +76,14 @@ def _ids_of(conn: Any, message_ids: list[str]) -> list[int]:
         return [int(r[0]) for r in cur.fetchall()]
 
 
+def test_the_documented_mysql_ddl_is_what_install_runs() -> None:
+    from pathlib import Path
+
+    doc = Path(__file__).resolve().parent.parent.parent / "docs" / "outbox.md"
+    ddl = Outbox().ddl("mysql").rstrip("\n")
+    assert f"```sql\n{ddl}\n```" in doc.read_text(encoding="utf-8")
+
+
 # --- the writer --------------------------------------------------------------------------------
 
 
