@@ -15,9 +15,10 @@ commit made before it (the default REPEATABLE READ inside one transaction would 
 that hides late commits).
 
 **Wake-ups.** MariaDB has no NOTIFY. A watcher session reads ``SELECT MAX(id)`` (one index dive:
-the optimizer answers it from the primary key's last entry) every :data:`WATCH_INTERVAL` and
-wakes the relay when it grew; a row added in the relay's own process makes the watcher look
-every :data:`HOT_INTERVAL` for the next second. A row that commits after a higher id was seen
+the optimizer answers it from the primary key's last entry) every :data:`WATCH_INTERVAL`
+(:data:`IDLE_WATCH_INTERVAL` once nothing new came for :data:`IDLE_AFTER` seconds) and wakes
+the relay when it grew; a row added in the relay's own process makes the watcher look every
+:data:`HOT_INTERVAL` for the next second. A row that commits after a higher id was seen
 does not grow the maximum: the relay's next read (``poll_interval``) or next wake-up takes it.
 """
 
@@ -70,8 +71,11 @@ DDL.setdefault("mysql", mysql_ddl)
 #: membership locks: each relay holds one while it is alive; more relays than partitions could
 #: own nothing anyway
 MEMBER_SLOTS = PARTITIONS
-#: how often an idle relay's watcher reads the table's highest id
+#: how often a relay's watcher reads the table's highest id ...
 WATCH_INTERVAL = 0.005
+#: ... once it saw no new row for IDLE_AFTER seconds (a quiet outbox costs the server less)
+IDLE_WATCH_INTERVAL = 0.025
+IDLE_AFTER = 10.0
 #: ... and for a second after a row was added in the relay's process (its commit is near)
 HOT_INTERVAL = 0.001
 #: seconds a relay's statement waits for a row lock (fail() moving rows) before it gives up
@@ -392,6 +396,7 @@ class MysqlRelayStore:
         errors = (pymysql.err.Error, OSError)
         conn: Any = None
         seen = -1
+        changed = time.monotonic()
         while not self._closing.is_set():
             try:
                 if conn is None:
@@ -401,6 +406,7 @@ class MysqlRelayStore:
                 top = int(top or 0)
                 if top > seen:
                     seen = top
+                    changed = time.monotonic()
                     wake.set()
             except errors:
                 if conn is not None:
@@ -410,8 +416,14 @@ class MysqlRelayStore:
                 wake.set()  # the relay finds out about the database itself
                 self._closing.wait(0.5)
                 continue
-            hot = time.monotonic() < self.hot_until
-            self.poke.wait(HOT_INTERVAL if hot else WATCH_INTERVAL)
+            now = time.monotonic()
+            if now < self.hot_until:
+                interval = HOT_INTERVAL
+            elif now - changed < IDLE_AFTER:
+                interval = WATCH_INTERVAL
+            else:
+                interval = IDLE_WATCH_INTERVAL
+            self.poke.wait(interval)
             self.poke.clear()
         if conn is not None:
             with contextlib.suppress(Exception):
