@@ -20,7 +20,7 @@ from decimal import Decimal
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar, cast
 
-from reliable_amqp._core.errors import InvalidMessage
+from reliable_amqp._core.errors import InvalidMessage, a_type
 from reliable_amqp._core.frames import (
     decimal_parts,
     encode_table,
@@ -367,7 +367,7 @@ def _check_value(path: str, value: object, depth: int) -> Any:
         return [_check_value(f"{path}[{i}]", item, depth + 1) for i, item in enumerate(value)]
     raise InvalidMessage(
         path,
-        f"a {type(value).__name__} has no AMQP field type (use str, bytes, int, float, bool, "
+        f"{a_type(value)} has no AMQP field type (use str, bytes, int, float, bool, "
         "Decimal, datetime, None, list or dict)",
     )
 

@@ -29,6 +29,12 @@ class ConfigurationError(ReliableAmqpError, ValueError):
     """An option, URL or retry policy is invalid (raised before anything is sent)."""
 
 
+def a_type(value: object) -> str:
+    """``value``'s type named with its article, for messages: "a list", "an object"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 class InvalidMessage(ReliableAmqpError, ValueError):
     """A message given to ``publish()`` cannot be sent as it is; nothing was sent.
 
@@ -264,6 +270,8 @@ def connection_failure(
     password never is.
     """
     if kind == "credentials":
+        if detail.startswith("ACCESS_REFUSED"):  # aiormq drops the code pika keeps: say it alike
+            detail = f"403 {detail}"
         of = f" of user {login[0]!r} on virtual host {login[1]!r}" if login else ""
         return AuthenticationFailed(
             f"the broker refused the credentials{of} (wrong user or password): {detail}"

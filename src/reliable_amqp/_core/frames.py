@@ -22,7 +22,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from reliable_amqp._core.errors import InvalidMessage
+from reliable_amqp._core.errors import InvalidMessage, a_type
 from reliable_amqp._core.message import MessageParts, MessageProperties
 
 FRAME_METHOD = 1
@@ -115,7 +115,7 @@ def _encode_value(parts: list[bytes], value: Any, path: str) -> None:
     elif value is None:
         parts.append(b"V")
     else:
-        raise InvalidMessage(path, f"a {type(value).__name__} has no AMQP field type")
+        raise InvalidMessage(path, f"{a_type(value)} has no AMQP field type")
 
 
 def headers_match(sent: object, got: object) -> bool:
