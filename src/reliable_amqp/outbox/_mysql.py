@@ -282,8 +282,8 @@ class LockNames:
 
     def __init__(self, database: str, tables: Tables) -> None:
         schema, _, name = tables.name.rpartition(".")
-        digest = hashlib.sha1(f"{schema or database}.{name}".encode()).hexdigest()[:20]
-        base = f"reliable_amqp.{digest}"
+        where = f"{schema or database}.{name}".encode()
+        base = f"reliable_amqp.{hashlib.sha1(where, usedforsecurity=False).hexdigest()[:20]}"
         self.partitions = [f"{base}.p{n}" for n in range(PARTITIONS)]
         self.members = [f"{base}.r{n}" for n in range(MEMBER_SLOTS)]
         self.members_sql = "SELECT " + ", ".join(f"IS_USED_LOCK('{m}')" for m in self.members)
