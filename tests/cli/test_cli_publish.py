@@ -407,3 +407,12 @@ def test_with_a_spool_an_unreachable_broker_is_named_once(tmp_path: Path) -> Non
     )
     assert result.stderr.count("connection refused") == 1
     assert "2 messages stay in the spool" in lines[1]
+
+
+def test_a_url_parameter_a_flag_replaces_names_the_flag(amqp_url: str) -> None:
+    url = amqp_url + "?connection_attempts=3"
+    result = run_cli("publish", "--routing-key", "q", "--url", url, url=None, stdin=b"x\n")
+    assert result.returncode == 2
+    assert "the URL parameter 'connection_attempts' is not accepted; use --connect-retries " in (
+        result.stderr
+    )

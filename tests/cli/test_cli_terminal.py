@@ -113,6 +113,10 @@ def test_a_refused_port_shows_each_retry_then_the_error_once(
     assert not [line for line in lines if "attempt 3 of 3" in line or "Error" in line]
     assert "2 messages (lines 1 to 2) not sent: no connection to the broker" in lines
     assert "s3cret-pw" not in final
+    # nothing was published: no progress bar ("0/2 confirmed ... 2 failed", issue 33); the
+    # note shown while the input was checked is gone
+    assert not [line for line in lines if line.startswith("[")] and "0/2" not in final, final
+    assert "reading and checking" not in final
 
 
 @pytest.mark.faults

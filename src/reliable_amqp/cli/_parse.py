@@ -334,11 +334,29 @@ def _complete_policy(strings: dict[str, str], name: str, default: RetryPolicy) -
 
 
 def check_options(args: argparse.Namespace) -> PublisherOptions:
-    """Like :func:`publisher_options`, but a bad value is reported as a usage error."""
+    """Like :func:`publisher_options`, but a bad value is reported as a usage error (naming
+    the command's flag where the library names a publisher option a flag sets)."""
     try:
         return publisher_options(args)
     except ConfigurationError as exc:
-        raise UsageError(printable(exc)) from None
+        raise UsageError(in_flags(printable(exc))) from None
+
+
+def in_flags(text: str) -> str:
+    """``text`` (an error of the library's) pointing at the command's flags: "use the publisher
+    option connect_policy instead" becomes "use --connect-retries instead"."""
+    for option, flags in _OPTION_FLAGS.items():
+        text = text.replace(
+            f"use the publisher option {option} instead",
+            f"use {' or '.join(flags)} instead",
+        )
+    return text
+
+
+#: the flags that set (part of) each publisher option
+_OPTION_FLAGS: dict[str, list[str]] = {}
+for _tuning in TUNING:
+    _OPTION_FLAGS.setdefault(_tuning.option.partition(".")[0], []).append(_tuning.flag)
 
 
 class UsageError(Exception):

@@ -155,11 +155,19 @@ def _read(args: argparse.Namespace, defaults: Defaults) -> list[Item]:
                 "reading messages from the terminal, one per line; end with Ctrl-D", file=sys.stderr
             )
         return read_messages(sys.stdin.buffer, "<stdin>", args.format, defaults)
+    # a large input takes seconds to check: on a terminal, say so meanwhile
+    show = sys.stderr.isatty() and not args.quiet
+    if show:
+        print(f"reliable-amqp: reading and checking {args.input} ...", end="", file=sys.stderr)
+        sys.stderr.flush()
     try:
         with open(args.input, "rb") as stream:
             return read_messages(stream, args.input, args.format, defaults)
     except OSError as exc:
         raise UsageError(f"cannot read {args.input}: {exc.strerror or exc}") from None
+    finally:
+        if show:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
 
 
 class _Tally:
@@ -234,7 +242,8 @@ def _run(args: argparse.Namespace, interrupts: Interrupts) -> int:
             failed_stream.close()
         raise
     interrupts.deferring = True  # the outcomes are written whole (a second Ctrl-C still stops)
-    progress.finish(tally.confirmed, tally.failed)
+    if progress.drawn or status.connected:  # not for a run that never got to publish
+        progress.finish(tally.confirmed, tally.failed)
     if spool_run is not None:  # what the spool keeps is no failure (nor for --failed: twice)
         kept = [pair for pair in tally.failures if isinstance(pair[1], PublisherClosed)]
         tally.failures = [p for p in tally.failures if not isinstance(p[1], PublisherClosed)]
