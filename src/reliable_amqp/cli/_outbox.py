@@ -31,8 +31,8 @@ from reliable_amqp.cli._parse import (
     EXIT_OK,
     UsageError,
 )
-from reliable_amqp.outbox import OutboxRelay
-from reliable_amqp.outbox._schema import DEFAULT_TABLE, Tables, postgresql_ddl, sqlite_ddl
+from reliable_amqp.outbox import Outbox, OutboxRelay
+from reliable_amqp.outbox._schema import DEFAULT_TABLE, Tables
 from reliable_amqp.outbox._stores import database_errors
 from reliable_amqp.outbox._tools import (
     FailedRow,
@@ -55,7 +55,8 @@ def add_outbox_arguments(parser: argparse.ArgumentParser) -> None:
             "--db",
             required=True,
             metavar="DSN",
-            help="the database: postgresql://user@host:port/dbname or sqlite:///path/to/file.db",
+            help="the database: postgresql://user@host:port/dbname, "
+            "mysql://user:password@host:port/dbname or sqlite:///path/to/file.db",
         )
         p.add_argument("--table", default=DEFAULT_TABLE, help=f"(default {DEFAULT_TABLE})")
         p.add_argument("-v", "--verbose", action="count", default=0, help="show the library's log")
@@ -150,9 +151,11 @@ def _run(args: argparse.Namespace) -> int:
 def _init(args: argparse.Namespace) -> int:
     tables = Tables.named(args.table)
     if args.print_ddl:
-        sqlite = args.db.startswith("sqlite:")
-        statements = sqlite_ddl(tables) if sqlite else postgresql_ddl(tables)
-        print(";\n\n".join(statements) + ";")
+        scheme = args.db.split("://", 1)[0]
+        dialect = {"sqlite": "sqlite", "mysql": "mysql", "mariadb": "mysql"}.get(
+            scheme, "postgresql"
+        )
+        print(Outbox(tables.name).ddl(dialect), end="")
         return EXIT_OK
     install(args.db, args.table)
     print(f"outbox {args.table} ready in {_safe_db(args.db)}")

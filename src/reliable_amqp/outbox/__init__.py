@@ -5,7 +5,8 @@ commits.
 connection, inside the caller's transaction; :class:`OutboxRelay` publishes committed rows
 through a confirming publisher and deletes each one only once the broker confirmed it
 (:class:`AsyncOutboxRelay` as a task of an asyncio application). Needs
-the ``outbox`` extra for PostgreSQL (psycopg 3); SQLite needs nothing. See docs/outbox.md.
+the ``outbox`` extra for PostgreSQL (psycopg 3) or ``outbox-mysql`` for MariaDB and MySQL
+(PyMySQL); SQLite needs nothing. See docs/outbox.md.
 """
 
 from reliable_amqp.outbox._loop import RelayStats

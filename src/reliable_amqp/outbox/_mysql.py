@@ -46,7 +46,6 @@ from reliable_amqp.outbox._schema import (
     mysql_quote,
 )
 from reliable_amqp.outbox._status import OpenWriter, RelayInfo
-from reliable_amqp.outbox._writer import DDL
 
 pymysql: Any
 try:
@@ -65,8 +64,6 @@ __all__ = [
     "sync_writer",
     "wake_local",
 ]
-
-DDL.setdefault("mysql", mysql_ddl)
 
 #: membership locks: each relay holds one while it is alive; more relays than partitions could
 #: own nothing anyway
@@ -229,15 +226,45 @@ def open_connection(args: dict[str, Any], *, autocommit: bool = True) -> Any:
     return conn
 
 
+#: server and client error numbers that mean the session is gone or the statement may simply be
+#: tried again (lost connection, server shutting down, killed session, lock wait timeout,
+#: deadlock, read-only during failover): the relay reconnects. PyMySQL raises OperationalError
+#: for many SQL errors as well (1052 ambiguous column, ...); those are bugs or a damaged schema,
+#: and stop the relay instead of being retried forever.
+_SESSION_ERRORS = frozenset(
+    (1040, 1053, 1077, 1080, 1152, 1153, 1154, 1158, 1159, 1160, 1161, 1205, 1213, 1290, 1836,
+     1927, 2002, 2003, 2005, 2006, 2011, 2013, 2014, 2026, 2055, 4031)
+)  # fmt: skip
+
+
+class MysqlStatementError(RuntimeError):
+    """A statement of the relay failed for a reason that retrying will not cure."""
+
+
+def _checked(exc: BaseException) -> BaseException:
+    """``exc`` if it means the session went away (retried), else a MysqlStatementError."""
+    if isinstance(exc, pymysql.err.OperationalError) and exc.args:
+        code = exc.args[0]
+        if isinstance(code, int) and code not in _SESSION_ERRORS:
+            return MysqlStatementError(f"MySQL error {code}: {exc.args[1:] or ''}")
+    return exc
+
+
 def _rows(conn: Any, sql: str, params: Sequence[Any] | None = None) -> list[tuple[Any, ...]]:
-    with conn.cursor() as cur:
-        cur.execute(sql, params)
-        return list(cur.fetchall())
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, params)
+            return list(cur.fetchall())
+    except pymysql.err.OperationalError as exc:
+        raise _checked(exc) from exc
 
 
 def _run(conn: Any, sql: str, params: Sequence[Any] | None = None) -> int:
-    with conn.cursor() as cur:
-        return int(cur.execute(sql, params))
+    try:
+        with conn.cursor() as cur:
+            return int(cur.execute(sql, params))
+    except pymysql.err.OperationalError as exc:
+        raise _checked(exc) from exc
 
 
 def _ints(values: Sequence[int]) -> str:

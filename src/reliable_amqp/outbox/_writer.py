@@ -15,13 +15,20 @@ from typing import Any
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp.outbox._adapters import async_writer, sync_writer
 from reliable_amqp.outbox._rows import RowValues, many_row_values, row_values
-from reliable_amqp.outbox._schema import DEFAULT_TABLE, Tables, postgresql_ddl, sqlite_ddl
+from reliable_amqp.outbox._schema import (
+    DEFAULT_TABLE,
+    Tables,
+    mysql_ddl,
+    postgresql_ddl,
+    sqlite_ddl,
+)
 from reliable_amqp.outbox._telemetry import current_trace
 
 #: the DDL of each dialect ``ddl()`` prints (adapters of other databases add theirs)
 DDL: dict[str, Callable[[Tables], list[str]]] = {
     "postgresql": postgresql_ddl,
     "sqlite": sqlite_ddl,
+    "mysql": mysql_ddl,
 }
 
 
