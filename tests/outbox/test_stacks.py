@@ -199,6 +199,17 @@ def test_async_session_over_asyncpg_gives_exactly_the_committed_rows(
             await outbox.install(session)
             await (await session.connection()).run_sync(metadata.create_all)
             await session.commit()
+        async with engine.connect() as conn:  # an AsyncConnection: the same, without a session
+            await outbox.install(conn)
+            gone = await outbox.add(conn, "", queue, b"rolled back")
+            await conn.rollback()
+            kept = await outbox.add_many(
+                conn, [{"exchange": "", "routing_key": queue, "body": b"c"}]
+            )
+            await conn.commit()
+            ids = (await conn.execute(sa.text("SELECT message_id FROM amqp_outbox"))).scalars()
+            assert list(ids) == kept and gone not in kept
+        committed.extend(kept)
         await engine.dispose()
 
     async def main() -> None:

@@ -34,6 +34,7 @@ def main(queue: str, count: int) -> None:
     with connection.cursor() as cursor:
         cursor.execute("CREATE TABLE orders (id integer PRIMARY KEY, note text)")
     outbox = Outbox()
+    outbox.install(connection)  # idempotent: the migration made the tables already
     try:
         outbox.add(connection, "", queue, b"outside atomic")
     except ConfigurationError as exc:
