@@ -114,10 +114,47 @@ def proc_kb(pid: int, key: str = "VmRSS") -> int | None:
     return None
 
 
+def listener_inodes(port: int) -> set[str]:
+    """The socket inodes listening on TCP ``port`` (/proc/net/tcp and tcp6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            next(lines)
+            for line in lines:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    return inodes
+
+
+#: the broker whose CPU is measured (main() sets it to --url) and its pid, once found
+BROKER = {"url": URL}
+_BROKER_PID: list[int | None] = []
+
+
+def broker_pid() -> int | None:
+    """The local broker's ``beam.smp``: the one listening on the broker URL's port (another
+    node may run beside it), None when it is not on this machine."""
+    if not _BROKER_PID:
+        pids = broker_pids()
+        inodes = listener_inodes(pika.URLParameters(BROKER["url"]).port)
+        found = None
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                links = {
+                    os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")
+                }
+                if any(f"socket:[{inode}]" in links for inode in inodes):
+                    found = pid
+                    break
+        _BROKER_PID.append(found if found is not None or len(pids) != 1 else pids[0])
+    return _BROKER_PID[0]
+
+
 def broker_cpu() -> float | None:
-    """CPU seconds of the local broker (its ``beam.smp``), None when there is not exactly one."""
-    pids = broker_pids()
-    return proc_cpu(pids[0]) if len(pids) == 1 else None
+    """CPU seconds of the local broker (see :func:`broker_pid`), None when not known."""
+    pid = broker_pid()
+    return None if pid is None else proc_cpu(pid)
 
 
 def machine_ticks() -> tuple[int, int]:
@@ -1257,15 +1294,17 @@ def main() -> int:
         "--quick", action="store_true", help="tiny sizes, for a smoke test (seconds)"
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--save", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument("--url", default=URL)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child_main(json.loads(args.child))
+    BROKER["url"] = args.url
     if args.quick:
         args.backlog, args.small_backlog, args.ceiling_count = 3000, 1000, 2000
         args.rate, args.latency_seconds, args.writer_txns = 100, 1.0, 40
-        args.writers, args.commit_seconds, args.sqlite_backlog = 2, 0.5, 2000
+        args.writers, args.commit_seconds, args.sqlite_backlog = 2, 0.5, 3000
     sections = args.only.split(",")
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -1281,8 +1320,11 @@ def main() -> int:
                 globals()[f"section_{section}"](ctx)
                 ctx.took[section] = round(time.perf_counter() - started)
                 print(f"   {ctx.took[section]} s", file=sys.stderr)
+        figures = {**ctx.results, "load": ctx.load, "took": ctx.took}
+        if args.save:
+            Path(args.save).write_text(json.dumps(figures, indent=2))
         if args.json:
-            print(json.dumps({**ctx.results, "load": ctx.load, "took": ctx.took}, indent=2))
+            print(json.dumps(figures, indent=2))
         else:
             print_results(ctx)
     finally:

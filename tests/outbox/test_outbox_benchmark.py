@@ -23,9 +23,10 @@ def positive(row: dict[str, Any], *keys: str) -> None:
 
 
 @pytest.mark.broker
-def test_outbox_benchmark_prints_every_row(amqp_url: str) -> None:
+def test_outbox_benchmark_prints_every_row(amqp_url: str, tmp_path: Path) -> None:
+    saved = tmp_path / "figures.json"
     result = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--json", "--url", amqp_url],
+        [sys.executable, str(BENCH), "--quick", "--save", str(saved), "--url", amqp_url],
         capture_output=True,
         text=True,
         timeout=120,
@@ -35,7 +36,12 @@ def test_outbox_benchmark_prints_every_row(amqp_url: str) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    figures = json.loads(result.stdout)
+    figures = json.loads(saved.read_text())
+    printed = result.stdout
+    for section in ("drain", "relays", "latency", "writer", "commits", "sqlite"):
+        for row in figures[section]:
+            assert row["name"] in printed, (section, row["name"])
+    assert "peak difference" in printed
 
     plain, relay, ceiling, fill = figures["drain"]
     assert plain["name"].startswith("Publisher.publish_many")
