@@ -221,3 +221,29 @@ def test_import_without_pyspark_names_the_extra() -> None:
         timeout=60,
     )
     assert plain.returncode == 0, plain.stderr  # the core never needs Spark
+
+
+def test_workers_that_cannot_import_the_library_are_named_before_a_job(tmp_path: Any) -> None:
+    from types import SimpleNamespace
+
+    from reliable_amqp.spark import _workers
+
+    # an interpreter on this machine without reliable_amqp: a bare venv of this Python
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "v")], check=True)
+    bare = str(tmp_path / "v" / "bin" / "python")
+    local = SimpleNamespace(sparkContext=SimpleNamespace(master="local[2]", pythonExec=bare))
+    with pytest.raises(ConfigurationError) as caught:
+        _workers.check_workers(local)
+    assert f"Spark's Python workers run {bare} " in str(caught.value)
+    assert f"PYSPARK_PYTHON={sys.executable}" in str(caught.value)
+    # the driver's own interpreter, or workers out of reach: nothing to say
+    same = SimpleNamespace(master="local[2,3]", pythonExec=sys.executable)
+    _workers.check_workers(same)
+    _workers.check_workers(SimpleNamespace(master="spark://elsewhere:7077", pythonExec=bare))
+    _workers.check_workers(object())  # Spark Connect: no sparkContext
+
+
+def test_rows_not_confirmed_does_not_promise_a_retry() -> None:
+    text = str(RowsNotConfirmed(1, 10, {"MessageNacked": 10}, ["a:1:0"]))
+    assert "Spark retries the task when it allows retries" in text
+    assert "local[N] master does not" in text

@@ -34,6 +34,7 @@ from reliable_amqp.spark._mapping import ColumnPlan
 from reliable_amqp.spark._publish import SinkConfig
 from reliable_amqp.spark._sink import publish_arrow
 from reliable_amqp.spark._trace import capture
+from reliable_amqp.spark._workers import check_workers
 
 log = logging.getLogger("reliable_amqp.spark")
 
@@ -204,5 +205,10 @@ class AmqpStreamWriter(DataSourceStreamArrowWriter):
 
 
 def register(spark: SparkSession) -> None:
-    """Register the ``"amqp"`` format with a SparkSession (once per session)."""
+    """Register the ``"amqp"`` format with a SparkSession (once per session).
+
+    Raises :class:`ConfigurationError` when the session's Python workers run on this machine in
+    an interpreter that cannot import ``reliable_amqp`` (``PYSPARK_PYTHON``: see docs/spark.md).
+    """
+    check_workers(spark)
     spark.dataSource.register(AmqpDataSource)

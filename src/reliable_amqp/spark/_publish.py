@@ -201,7 +201,8 @@ class PartitionResult:
 
 
 class RowsNotConfirmed(ReliableAmqpError):
-    """Some rows of a partition were not confirmed; raised in the task so Spark retries it.
+    """Some rows of a partition were not confirmed; raised in the task so that Spark retries it
+    (where it retries tasks: not under a ``local[N]`` master).
 
     ``reasons`` maps a reason (error class and reply text) to how many rows failed so.
     """
@@ -215,8 +216,9 @@ class RowsNotConfirmed(ReliableAmqpError):
         why = "; ".join(f"{n} x {reason}" for reason, n in sorted(reasons.items(), key=_by_count))
         super().__init__(
             f"{failed} of {rows} rows of partition {partition} were not confirmed by the broker: "
-            f"{why} (message ids such as {', '.join(sample_ids)}). Spark retries the task; the "
-            "retry republishes the partition with the same message ids."
+            f"{why} (message ids such as {', '.join(sample_ids)}). Spark retries the task when "
+            "it allows retries (spark.task.maxFailures; a local[N] master does not, local[N,F] "
+            "does); a retry republishes the partition with the same message ids."
         )
         self.partition = partition
         self.rows = rows

@@ -37,6 +37,7 @@ from reliable_amqp.spark._publish import (
 )
 from reliable_amqp.spark._totals import SinkTotals, driver_accumulator
 from reliable_amqp.spark._trace import capture
+from reliable_amqp.spark._workers import check_workers
 
 _RESULT_SCHEMA = "partition int, rows long, seconds double, publisher string"
 
@@ -191,6 +192,8 @@ class AmqpSink:
 
     def _write(self, df: DataFrame, job: str, via: str) -> WriteSummary:
         plan = self.check(df.schema)
+        if not is_connect(df):
+            check_workers(df.sparkSession)
         started = time.perf_counter()
         trace = capture(self.config.publisher)
         if via == "arrow":
