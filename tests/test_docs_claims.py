@@ -1,13 +1,16 @@
 """What docs/async.md and docs/sync.md say, checked against the real broker (issue 20, "docs
 that match"): what a float header becomes on the wire and what each decoder reads back, and which
-timeout bounds a ``declare_*`` call while the broker is down."""
+timeout bounds a ``declare_*`` call while the broker is down. Also figures the docs state that a
+test can check (issue 33): the default connect budget, the stylesheet that wraps code."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import aio_pika
@@ -130,3 +133,24 @@ def test_a_declaration_while_recovering_waits_timeout_then_raises(
             await publisher.aclose()
 
     asyncio.run(declare_while_down())
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_default_connect_budget_the_docs_state() -> None:
+    from reliable_amqp._core.options import DEFAULT_CONNECT_POLICY as policy
+
+    text = " ".join((ROOT / "docs" / "faults.md").read_text(encoding="utf-8").split())
+    said = re.search(r"tries up to (\d+) times within (\d+) s \(([\d.]+) s after the first", text)
+    assert said is not None
+    assert (int(said[1]), float(said[2])) == (policy.max_attempts, policy.deadline)
+    assert float(said[3]) == policy.initial_delay
+    assert f"at most {policy.max_delay:g} s between attempts, plus up to {policy.jitter:g} s" in text
+
+
+def test_code_in_the_docs_wraps_rather_than_running_off_the_page() -> None:
+    config = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    assert "stylesheets/extra.css" in config and "pygments_lang_class: true" in config
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    assert ".language-bash" in css and "white-space: pre-wrap" in css
