@@ -146,7 +146,8 @@ def test_the_default_connect_budget_the_docs_state() -> None:
     assert said is not None
     assert (int(said[1]), float(said[2])) == (policy.max_attempts, policy.deadline)
     assert float(said[3]) == policy.initial_delay
-    assert f"at most {policy.max_delay:g} s between attempts, plus up to {policy.jitter:g} s" in text
+    between = f"at most {policy.max_delay:g} s between attempts, plus up to {policy.jitter:g} s"
+    assert between in text
 
 
 def test_code_in_the_docs_wraps_rather_than_running_off_the_page() -> None:
