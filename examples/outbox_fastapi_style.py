@@ -4,10 +4,10 @@ request's transaction; the event goes out if and only if that transaction commit
 
 FastAPI itself is not needed: ``session_scope()`` is what a ``Depends(get_session)`` dependency
 does (one session per request, committed when the handler returns, rolled back when it
-raises), and ``main()`` plays the server, calling the handler concurrently. The relay runs
-beside the event loop in a thread (``asyncio.to_thread``).
+raises), and ``main()`` plays the server, calling the handler concurrently. The relay runs as a
+task of the same event loop (``AsyncOutboxRelay``, publishing through an ``AsyncPublisher``).
 
-Needs ``pip install 'reliable-amqp[outbox,outbox-sqlalchemy,outbox-asyncpg]'`` and a PostgreSQL
+Needs ``pip install 'reliable-amqp[aio,outbox,outbox-sqlalchemy,outbox-asyncpg]'`` and a PostgreSQL
 server: by default the local one as ``postgres`` (``PG_ADMIN_URL=postgresql://user@host:port/
 postgres`` for another). It creates a database of its own and drops it at the end.
 """
@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from reliable_amqp import Publisher
-from reliable_amqp.outbox import AsyncOutbox, OutboxRelay, status
+from reliable_amqp.outbox import AsyncOutbox, AsyncOutboxRelay, status
 from reliable_amqp.outbox.sqlalchemy import outbox_table
 
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -97,8 +97,8 @@ async def main(db: str) -> None:
     with Publisher(URL) as setup:  # the consumers' queue exists before anything is relayed
         setup.declare_queue(QUEUE, durable=False)
 
-    relay = OutboxRelay(db, URL)
-    relay_task = asyncio.create_task(asyncio.to_thread(relay.run))
+    relay = AsyncOutboxRelay(db, URL)
+    relay_task = asyncio.create_task(relay.run())  # on this loop, beside the handlers
 
     async def request(payload: dict[str, Any]) -> str | None:
         try:
@@ -120,7 +120,8 @@ async def main(db: str) -> None:
     relay.stop()
     await relay_task
     await engine.dispose()
-    print(f"{len(created)} orders committed, {relay.stats().confirmed} events confirmed")
+    stats = relay.stats()
+    print(f"{len(created)} orders committed, {stats.confirmed if stats else 0} events confirmed")
 
     connection = pika.BlockingConnection(pika.URLParameters(URL))
     channel = connection.channel()
