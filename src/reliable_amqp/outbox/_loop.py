@@ -157,8 +157,9 @@ class RelayLoop:
     # --- what the drivers call ----------------------------------------------------------------
 
     def on_done(self, row_id: int, future: Any) -> None:
-        """A future's callback (the publisher's thread or loop): hand over, nothing more."""
+        """A future's callback (the publisher's thread or loop): hand over, wake the loop."""
         self.done.append((row_id, future))
+        self.wake.set()
 
     def stats(self) -> RelayStats:
         lat = sorted(self._latencies)

@@ -212,24 +212,15 @@ class OutboxRelay:
         if isinstance(op, StoreCall):
             return getattr(self._config.store, op.name)(*op.args)
         if isinstance(op, PublishRun):
-            futures = _publish_run(self._publisher, op)
-            self._wake_on_done(futures)
-            return futures
+            return _publish_run(self._publisher, op)
         if isinstance(op, PublishOne):
             with continue_trace(op.row.traceparent, op.row.tracestate):
-                future = self._publisher.publish_message(op.message)
-            self._wake_on_done([future])
-            return future
+                return self._publisher.publish_message(op.message)
         if isinstance(op, Wait):
             self._wake.wait(op.timeout)
             self._wake.clear()
             return None
         return getattr(self._publisher, op.name)(*op.args)
-
-    def _wake_on_done(self, futures: list[Any]) -> None:
-        wake = self._wake.set
-        for future in futures:
-            future.add_done_callback(lambda _f: wake())
 
 
 class _ThreadsafeWake:
@@ -238,8 +229,12 @@ class _ThreadsafeWake:
     def __init__(self, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
         self._loop = loop
         self._event = event
+        self._loop_thread = threading.get_ident()  # made in the loop's thread
 
     def set(self) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._event.set()  # a future's callback on the loop: no self-pipe write
+            return
         with contextlib.suppress(RuntimeError):  # the loop closed
             self._loop.call_soon_threadsafe(self._event.set)
 
@@ -357,14 +352,10 @@ class AsyncOutboxRelay:
             call = getattr(self._config.store, op.name)
             return await loop.run_in_executor(db_thread, lambda: call(*op.args))
         if isinstance(op, PublishRun):
-            futures = await _publish_run(self._publisher, op)
-            self._wake_on_done(futures)
-            return futures
+            return await _publish_run(self._publisher, op)
         if isinstance(op, PublishOne):
             with continue_trace(op.row.traceparent, op.row.tracestate):
-                future = await self._publisher.publish_message(op.message)
-            self._wake_on_done([future])
-            return future
+                return await self._publisher.publish_message(op.message)
         if isinstance(op, Wait):
             event = self._event
             assert event is not None
@@ -377,9 +368,3 @@ class AsyncOutboxRelay:
         if op.name == "flush":
             return await self._publisher.flush(*op.args)
         return await self._publisher.aclose(*op.args)
-
-    def _wake_on_done(self, futures: list[Any]) -> None:
-        event = self._event
-        assert event is not None
-        for future in futures:
-            future.add_done_callback(lambda _f: event.set())

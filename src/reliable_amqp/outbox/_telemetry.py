@@ -62,11 +62,10 @@ class OutboxMetrics:
         self._oldest: float | None = None
         if _trace is None:
             return
-        meter = (
-            meter_provider.get_meter("reliable_amqp.outbox")
-            if meter_provider is not None
-            else _metrics.get_meter("reliable_amqp.outbox")
-        )
+        provider = meter_provider if meter_provider is not None else _metrics.get_meter_provider()
+        if _is_proxy_or_noop(provider):
+            return  # no SDK configured (decided when the relay is made): nothing to record
+        meter = provider.get_meter("reliable_amqp.outbox")
         self._latency = meter.create_histogram(
             "reliable_amqp.outbox.commit_to_confirm",
             unit="s",
@@ -132,3 +131,10 @@ class OutboxMetrics:
             return []
         age = max((w.age_s for w in self._open), default=0.0)
         return [Observation(age, self._attributes)]
+
+
+def _is_proxy_or_noop(provider: object) -> bool:
+    if isinstance(provider, _metrics.NoOpMeterProvider):
+        return True
+    # the API's global proxy (a private class): the placeholder until an SDK is set
+    return type(provider).__name__ == "_ProxyMeterProvider"
