@@ -246,14 +246,22 @@ def test_memory_does_not_grow_with_the_backlog(kind: str, tmp_path: Path) -> Non
 def test_a_long_outage(
     amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory, tmp_path: Path
 ) -> None:
-    """Issue 21: 1,000,000 x 1 KiB spooled with the broker unreachable, RSS flat, then all of
-    them delivered in order; the spool gives its space back as it drains. The 5,000,000 run is
-    ``benchmarks/spool_outage.py``, whose :func:`outage` this is."""
-    count = 1_000_000
+    """Issue 21: 1,000,000 messages spooled with the broker unreachable, RSS flat, then all of
+    them delivered in order; the spool gives its space back as it drains. The 5,000,000 x 1 KiB
+    run is ``benchmarks/spool_outage.py``, whose :func:`outage` this is. Bodies of 100 B here
+    (issue 33, the suite's budget): what is checked is per message (memory, order, pace, the
+    space given back), and 1 KiB bodies cost a gigabyte of disk and broker traffic for it."""
+    count, size = 1_000_000, 100
     queue = broker.queue(x_queue_mode="lazy")
     proxy = make_proxy()
     result = spool_outage.outage(
-        proxy, queue, str(tmp_path / "spool"), count=count, report_every=100_000, report=False
+        proxy,
+        queue,
+        str(tmp_path / "spool"),
+        count=count,
+        size=size,
+        report_every=100_000,
+        report=False,
     )
     grown = dict(result.rss)
     print(
@@ -271,7 +279,7 @@ def test_a_long_outage(
     assert result.slowest[0] < PACE_WAIT, result.slowest
     assert max(grown.values()) < 60 * 2**20, grown
     assert grown[count] - grown[200_000] < 15 * 2**20, grown  # flat, not merely small
-    spool_outage.verify(amqp_url, queue, count, 1024)  # every one, once, in order
+    spool_outage.verify(amqp_url, queue, count, size)  # every one, once, in order
     # the space came back as the backlog drained, and the directory is back to almost nothing
     assert result.spool_bytes_draining[-1] < result.spool_bytes_full / 3, result
     assert result.spool_bytes_after < 10 * 2**20
