@@ -80,9 +80,10 @@ class _Base:
 
 
 class Outbox(_Base):
-    """Writes messages into the outbox table in the caller's transaction (psycopg 3
-    ``Connection`` or ``sqlite3.Connection``); a relay (:class:`OutboxRelay`) publishes them
-    once committed.
+    """Writes messages into the outbox table in the caller's transaction, on the connection the
+    caller holds: a psycopg 3 ``Connection``, a ``sqlite3.Connection``, a SQLAlchemy
+    ``Session`` or ``Connection``, Django's ``connection`` (in ``transaction.atomic()``) or a
+    PyMySQL connection; a relay (:class:`OutboxRelay`) publishes them once committed.
 
     ``Outbox(table="amqp_outbox", notify=True)``.
     """
