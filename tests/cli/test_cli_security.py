@@ -63,7 +63,7 @@ def assert_no_secret(*texts: str) -> None:
             f"amqp://guest:guest@{HOST}/%2F?connection_attempts=3",
             f"reliable-amqp publish: error: broker URL amqp://guest:***@{HOST}/%2F?"
             "connection_attempts=3: the URL parameter 'connection_attempts' is not accepted; "
-            "use the publisher option connect_policy instead",
+            "use --connect-retries instead",
         ),
     ],
 )
