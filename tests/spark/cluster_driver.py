@@ -13,6 +13,11 @@ Modes:
   its checkpoint until every file is written.
 
 Rows are ``spark.range`` numbers ``n``; the body is ``row {n}``.
+
+``serve`` runs one application for several of those: it reads one command a line on stdin (the
+config of a mode, with ``"mode"``) and prints each result as a JSON line, until stdin ends. The
+tests share one application this way (issue 33: each application costs a driver JVM and its
+executors, most of a test's time).
 """
 
 from __future__ import annotations
@@ -158,11 +163,30 @@ def stream(spark: SparkSession, c: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+MODES = {"ways": ways, "write": write, "stream": stream}
+
+
+def serve(spark: SparkSession) -> None:
+    """Run the commands read from stdin, one a line, printing each result as a JSON line."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        command = json.loads(line)
+        try:
+            result = {"ok": True, **MODES[command["mode"]](spark, command)}
+        except Exception as exc:  # the test reads the failure; the application goes on
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(result), flush=True)
+
+
 def main() -> int:
     mode, config = sys.argv[1], json.loads(sys.argv[2])
     spark = session(config["master"], f"reliable-amqp-cluster-{mode}")
     try:
-        result = {"ways": ways, "write": write, "stream": stream}[mode](spark, config)
+        if mode == "serve":
+            serve(spark)
+            return 0
+        result = MODES[mode](spark, config)
     finally:
         spark.stop()
     print(json.dumps({"ok": True, **result}), flush=True)

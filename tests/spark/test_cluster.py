@@ -1,7 +1,9 @@
 """The sink on a Spark standalone cluster (a master and two 1-core workers, tests/spark_cluster.py),
 driven by its own driver process (cluster_driver.py) as users run it: the three ways in, kill -9
 of an executor JVM mid-job, kill -9 of a whole worker mid-job, a named streaming query stopped
-mid-batch and restarted from its checkpoint.
+mid-batch and restarted from its checkpoint. The tests share one Spark application (the driver
+in its ``serve`` mode: a job per command), as a long-running application sees those faults one
+after another; starting one per test cost most of each test's time (issue 33).
 
 Each test checks by message id that every row arrived, and that every duplicate carries its first
 copy's message_id (at least once, duplicates droppable by id), and prints rows / distinct /
@@ -12,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue as queues
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,34 +52,86 @@ def workers(cluster: SparkCluster) -> SparkCluster:
     return cluster
 
 
-def start_driver(mode: str, config: dict[str, Any], log: Path) -> subprocess.Popen[str]:
+class Application:
+    """One Spark application for the module's tests: cluster_driver.py in ``serve`` mode, which
+    runs a job per command line and answers each with a JSON line."""
+
+    def __init__(self, master: str, log: Path) -> None:
+        self.log = log
+        self.process = start_driver("serve", {"master": master}, log, commands=True)
+        self._lines: queues.Queue[str | None] = queues.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # the driver ended
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def start(self, mode: str, config: dict[str, Any]) -> None:
+        """Start a job (``mode`` with ``config``); :meth:`result` waits for its end."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"mode": mode, **config}) + "\n")
+        self.process.stdin.flush()
+
+    def result(self, timeout: float = 200) -> dict[str, Any]:
+        """The job's result (the JSON line it printed); fails when it failed."""
+        tail = lambda: "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])  # noqa: E731
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queues.Empty:
+            raise AssertionError(f"no result within {timeout:g} s:\n{tail()}") from None
+        assert line is not None, f"driver ended ({self.process.poll()}):\n{tail()}"
+        result: dict[str, Any] = json.loads(line)
+        assert result.pop("ok"), f"{result.get('error')}\n{tail()}"
+        return result
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()  # serve() ends, the application stops
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def application(
+    cluster: SparkCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Application]:
+    """The module's Spark application."""
+    running = Application(cluster.url, tmp_path_factory.mktemp("driver") / "driver.log")
+    yield running
+    running.close()
+
+
+@pytest.fixture
+def app(application: Application, workers: SparkCluster) -> Application:
+    """The shared application, on a cluster with both workers up."""
+    assert application.alive, f"the shared Spark application ended ({application.process.poll()})"
+    return application
+
+
+def start_driver(
+    mode: str, config: dict[str, Any], log: Path, *, commands: bool = False
+) -> subprocess.Popen[str]:
     """Run cluster_driver.py in its own process (a Spark application's driver)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_"))}
     env.update(PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
     with log.open("w") as err:
         return subprocess.Popen(
             [sys.executable, str(DRIVER), mode, json.dumps(config)],
+            stdin=subprocess.PIPE if commands else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
             env=env,
         )
-
-
-def finish(driver: subprocess.Popen[str], log: Path, timeout: float = 200) -> dict[str, Any]:
-    """Wait for the driver; its last stdout line is its JSON result."""
-    try:
-        out, _ = driver.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        driver.kill()
-        driver.communicate()
-        raise
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-    assert driver.returncode == 0, f"driver failed ({driver.returncode}):\n{tail}"
-    lines = out.strip().splitlines()
-    assert lines, f"driver printed nothing:\n{tail}"
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
 
 
 def depth(url: str, queue: str) -> int:
@@ -149,64 +205,51 @@ def check(received: list[Received], expected: dict[str, int], what: str) -> Tall
     return counts
 
 
-def test_three_ways_in_deliver_every_row(
-    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path
-) -> None:
+def test_three_ways_in_deliver_every_row(app: Application, broker: Any, amqp_url: str) -> None:
     ways = ("foreach", "write", "format")
-    queues = {w: broker.queue(unique_name(f"cl-{w}")) for w in ways}
+    names = {w: broker.queue(unique_name(f"cl-{w}")) for w in ways}
     prefixes = {w: unique_name(w) for w in ways}
     rows = 12_000
-    driver = start_driver(
-        "ways",
-        {
-            "master": workers.url,
-            "url": amqp_url,
-            "rows": rows,
-            "partitions": PARTITIONS,
-            "queues": queues,
-            "prefixes": prefixes,
-        },
-        tmp_path / "driver.log",
-    )
-    result = finish(driver, tmp_path / "driver.log")
+    config = {
+        "url": amqp_url,
+        "rows": rows,
+        "partitions": PARTITIONS,
+        "queues": names,
+        "prefixes": prefixes,
+    }
+    app.start("ways", config)
+    result = app.result()
     assert result["write"]["rows"] == rows
     for way in ways:
-        received = read_all(amqp_url, queues[way], expected=rows)
+        received = read_all(amqp_url, names[way], expected=rows)
         counts = check(received, range_ids(prefixes[way], rows), f"{way} ({result[way]})")
         assert counts.duplicates == 0  # nothing failed: no task ran twice
 
 
 def _write_while(
-    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path, kill: Any
+    app: Application, broker: Any, amqp_url: str, kill: Any
 ) -> tuple[Tally, dict[str, Any], list[int]]:
     queue = broker.queue(unique_name("cl-kill"))
     prefix = unique_name("kill")
-    log = tmp_path / "driver.log"
     config = {
-        "master": workers.url,
         "url": amqp_url,
         "rows": ROWS,
         "partitions": PARTITIONS,
         "queue": queue,
         "prefix": prefix,
     }
-    driver = start_driver("write", config, log)
-    try:
-        seen = wait_for_depth(amqp_url, queue, ROWS // 4, driver)
-        killed = kill()
-        print(f"killed {killed} with {seen} of {ROWS} rows in the queue")
-        result = finish(driver, log)
-    finally:
-        if driver.poll() is None:  # a failed step above: never leave the application running
-            driver.kill()
-            driver.communicate()
+    app.start("write", config)
+    seen = wait_for_depth(amqp_url, queue, ROWS // 4, app.process)
+    killed = kill()
+    print(f"killed {killed} with {seen} of {ROWS} rows in the queue")
+    result = app.result()
     assert result["rows"] == ROWS  # the job succeeded: every row confirmed once counted
     received = read_all(amqp_url, queue, expected=ROWS)
     return check(received, range_ids(prefix), "after kill -9"), result, killed
 
 
 def test_kill_9_of_an_executor_mid_job(
-    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path
+    app: Application, workers: SparkCluster, broker: Any, amqp_url: str
 ) -> None:
     def kill_executor() -> list[int]:
         executors = workers.executors()
@@ -214,23 +257,23 @@ def test_kill_9_of_an_executor_mid_job(
         os.kill(executors[0], signal.SIGKILL)
         return executors[:1]
 
-    _write_while(workers, broker, amqp_url, tmp_path, kill_executor)
+    _write_while(app, broker, amqp_url, kill_executor)
 
 
 def test_kill_9_of_a_worker_mid_job(
-    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path
+    app: Application, workers: SparkCluster, broker: Any, amqp_url: str
 ) -> None:
     def kill_worker() -> list[int]:
         busy = [w for w in workers.workers if workers.executors(w)]
         assert busy, "no worker runs an executor"
         return workers.kill_worker(busy[0])
 
-    _, _, killed = _write_while(workers, broker, amqp_url, tmp_path, kill_worker)
+    _, _, killed = _write_while(app, broker, amqp_url, kill_worker)
     assert len(killed) >= 2  # the worker and its executor (and its Python workers)
 
 
 def test_named_streaming_query_stopped_mid_batch_resumes_from_its_checkpoint(
-    workers: SparkCluster, broker: Any, amqp_url: str, tmp_path: Path
+    app: Application, broker: Any, amqp_url: str, tmp_path: Path
 ) -> None:
     queue = broker.queue(unique_name("cl-stream"))
     source = tmp_path / "in"
@@ -240,21 +283,16 @@ def test_named_streaming_query_stopped_mid_batch_resumes_from_its_checkpoint(
         lines = [json.dumps({"n": f * per_file + i}) for i in range(per_file)]
         (source / f"part-{f}.json").write_text("\n".join(lines) + "\n")
         os.utime(source / f"part-{f}.json", (1_000_000 + f, 1_000_000 + f))
-    log = tmp_path / "driver.log"
-    driver = start_driver(
-        "stream",
-        {
-            "master": workers.url,
-            "url": amqp_url,
-            "queue": queue,
-            "source": str(source),
-            "checkpoint": str(tmp_path / "checkpoint"),
-            "query_name": f"orders_{os.getpid()}",
-            "stop_at": per_file + per_file // 8,  # early in the second batch
-        },
-        log,
-    )
-    result = finish(driver, log)
+    config = {
+        "url": amqp_url,
+        "queue": queue,
+        "source": str(source),
+        "checkpoint": str(tmp_path / "checkpoint"),
+        "query_name": f"orders_{os.getpid()}",
+        "stop_at": per_file + per_file // 8,  # early in the second batch
+    }
+    app.start("stream", config)
+    result = app.result(timeout=400)
     print(f"stream: {result}")
     assert result["restarted_id"] == result["query_id"]  # the checkpoint kept the query's id
     received = read_all(amqp_url, queue, expected=files * per_file)
