@@ -80,15 +80,17 @@ class Application:
 
     def result(self, timeout: float = 200) -> dict[str, Any]:
         """The job's result (the JSON line it printed); fails when it failed."""
-        tail = lambda: "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])  # noqa: E731
         try:
             line = self._lines.get(timeout=timeout)
         except queues.Empty:
-            raise AssertionError(f"no result within {timeout:g} s:\n{tail()}") from None
-        assert line is not None, f"driver ended ({self.process.poll()}):\n{tail()}"
+            raise AssertionError(f"no result within {timeout:g} s:\n{self._tail()}") from None
+        assert line is not None, f"driver ended ({self.process.poll()}):\n{self._tail()}"
         result: dict[str, Any] = json.loads(line)
-        assert result.pop("ok"), f"{result.get('error')}\n{tail()}"
+        assert result.pop("ok"), f"{result.get('error')}\n{self._tail()}"
         return result
+
+    def _tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
 
     def close(self) -> None:
         if self.process.stdin is not None:
