@@ -9,8 +9,9 @@ share one partition-publishing function:
   ``df.write.format("amqp").mode("append").option("url", ...).save()`` and
   ``df.writeStream.format("amqp")``.
 
-A task whose rows are not all confirmed raises :class:`RowsNotConfirmed` (Spark retries it, and the
-retry republishes the same message ids). See ``docs/spark.md``.
+A task whose rows are not all confirmed raises :class:`RowsNotConfirmed` (Spark retries it where it
+retries tasks, not under a ``local[N]`` master, and a retry republishes the same message ids).
+See ``docs/spark.md``.
 """
 
 from __future__ import annotations

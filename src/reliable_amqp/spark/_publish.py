@@ -3,7 +3,8 @@
 Every entry point (``df.foreachPartition(sink)``, ``sink.write(df)``, ``sink.for_batch`` and the
 ``"amqp"`` data source, batch and streaming) ends in :func:`publish_partition`: publish every row
 with streaming confirms, wait for every confirm (bounded), and raise :class:`RowsNotConfirmed`
-if any row failed, so that Spark retries the task. Retries republish the same message ids.
+if any row failed, so that Spark retries the task (where it retries tasks). Retries republish the
+same message ids.
 """
 
 from __future__ import annotations
