@@ -140,7 +140,7 @@ def busy_core() -> Iterator[None]:
 def test_ctrl_c_reaches_a_script_blocked_in_the_publisher(
     amqp_url: str, broker: BrokerAdmin, busy_core: None, where: str
 ) -> None:
-    for step in range(5):
+    for step in range(4):
         queue = broker.queue(x_max_length=2, x_overflow="reject-publish")
         process = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(SCRIPT), amqp_url, queue, where],

@@ -94,7 +94,7 @@ def test_ctrl_c_at_any_moment_exits_130_with_every_message_accounted_for(
     window: int | None,
 ) -> None:
     ready = _first_message_after(broker, amqp_url, tmp_path)
-    steps = 8
+    steps = 6
     source = tmp_path / "in.txt"
     source.write_text("".join(f"{n}\n" for n in range(1, count + 1)))
     outcomes = []
