@@ -180,7 +180,9 @@ class Supervisor(Generic[E]):
         nothing (the publisher is closing).
         """
         if reply is not None and reply[0] in CONNECTION_CULPRIT_CODES:
-            log.warning("reliable-amqp: the broker closed the connection: %s %s", *reply)
+            # a message's doing (501, 502, 505): it fails with MessageRejected, and the retry's
+            # WARNING below says the connection was lost and why; not a third time here
+            log.debug("reliable-amqp: the broker closed the connection: %s %s", *reply)
             resolutions = self.engine.on_connection_error(reply[0], reply[1], now)
         else:
             resolutions = self.engine.on_channel_lost(None, "connection lost", now)
