@@ -35,7 +35,9 @@ it (the broker keeps the backlog on its disk), deleted after. Bodies are ``--siz
   and values, prepared), NOTIFY on and off, one row and 100 rows a transaction.
 - **commits**: 1 and ``--writers`` writer processes committing one ``add()`` a transaction as
   fast as they can for ``--commit-seconds``, NOTIFY on and off (a LISTEN session open, as an
-  idle relay's is): whether NOTIFY's lock at commit serialises the writers.
+  idle relay's is), two rounds interleaved: whether NOTIFY's lock at commit serialises the
+  writers, seen in their commit rate and, directly, in how often their sessions wait for that
+  lock (pg_stat_activity sampled every 10 ms).
 - **sqlite**: a ``--sqlite-backlog`` drained from a SQLite file, against the drain's
   publish_many rate.
 """
@@ -318,6 +320,17 @@ class Child:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
 
+    def ask(self, line: str) -> dict[str, Any]:
+        """Write ``line``; the JSON line the child answers."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer.strip():
+            raise RuntimeError(f"{self.spec['role']}: no answer to {line!r}:\n{self._error()}")
+        result: dict[str, Any] = json.loads(answer)
+        return result
+
     def say(self, line: str) -> None:
         """Write ``line``, wait for the child's "ok"."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -415,19 +428,25 @@ def child_publish_many(spec: dict[str, Any]) -> int:
 
 
 def child_writer(spec: dict[str, Any]) -> int:
-    outbox = Outbox(spec["table"], notify=spec["notify"])
+    """For each line on stdin (a JSON object: ``table``, ``notify``, ``seconds``), commit one
+    add() a transaction as fast as it can for that long; one JSON line of figures each."""
     payload = body(0, spec["size"])
-    with psycopg.connect(spec["db"]) as conn:
-        _ready()
-        count = 0
-        started = time.perf_counter()
-        deadline = started + spec["seconds"]
-        while time.perf_counter() < deadline:
-            outbox.add(conn, spec["exchange"], ROUTING_KEY, payload)
-            conn.commit()
-            count += 1
-        seconds = time.perf_counter() - started
-    print(json.dumps({"count": count, "seconds": seconds}), flush=True)
+    with psycopg.connect(spec["db"], application_name=spec["name"]) as conn:
+        print("ready 0", flush=True)
+        for line in sys.stdin:
+            if line.strip() == "go":
+                continue
+            task = json.loads(line)
+            outbox = Outbox(task["table"], notify=task["notify"])
+            count = 0
+            started = time.perf_counter()
+            deadline = started + task["seconds"]
+            while time.perf_counter() < deadline:
+                outbox.add(conn, spec["exchange"], ROUTING_KEY, payload)
+                conn.commit()
+                count += 1
+            seconds = time.perf_counter() - started
+            print(json.dumps({"count": count, "seconds": seconds}), flush=True)
     return 0
 
 
@@ -1028,44 +1047,87 @@ def timed_writes(writer: Writer, per_txn: int, txns: int) -> Row:
     }
 
 
+#: the commits rows run in this many rounds, interleaved (NOTIFY off, on, off, on...)
+COMMIT_ROUNDS = 2
+
+
 def section_commits(ctx: Context) -> None:
     args = ctx.args
     plan = [(writers, notify) for writers in sorted({1, args.writers}) for notify in (False, True)]
-    # every row's processes start at once (each one's start-up is then paid once), each row's
-    # wait for their "go"
-    groups: list[tuple[int, bool, str, list[Child]]] = []
+    prefix = unique_name("writer")
+    # the writer processes start once and serve every row (the first one alone, then all)
+    children = [
+        Child({"role": "writer", "db": ctx.db.dsn, "name": f"{prefix}-{i}", "size": args.size,
+               "exchange": ctx.broker.exchange})
+        for i in range(max(1, args.writers))
+    ]  # fmt: skip
+    runs: dict[tuple[int, bool], list[Row]] = {key: [] for key in plan}
     try:
-        for writers, notify in plan:
-            table = ctx.db.table()
-            spec = {"role": "writer", "db": ctx.db.dsn, "table": table, "notify": notify,
-                    "exchange": ctx.broker.exchange, "size": args.size,
-                    "seconds": args.commit_seconds}  # fmt: skip
-            groups.append((writers, notify, table, [Child(spec) for _ in range(writers)]))
-        for *_, children in groups:
-            for child in children:
-                child.wait_ready()
-        rows = [commits_row(ctx, *group) for group in groups]
+        for child in children:
+            child.wait_ready()
+        for _ in range(COMMIT_ROUNDS):
+            for writers, notify in plan:
+                runs[writers, notify].append(commits_run(ctx, children[:writers], notify, prefix))
     finally:
-        for *_, children in groups:
-            for child in children:
-                child.kill()
+        for child in children:
+            child.kill()
+    rows = []
+    for (writers, notify), figures in runs.items():
+        plural = "s" if writers > 1 else ""
+        rows.append({
+            "name": f"{writers} writer{plural}, NOTIFY {'on' if notify else 'off'}",
+            "writers": writers,
+            "notify": notify,
+            "commits": sum(f["commits"] for f in figures),
+            "commit_rate": statistics.median(f["commit_rate"] for f in figures),
+            "runs": [f["commit_rate"] for f in figures],
+            "lock_wait": statistics.mean(f["lock_wait"] for f in figures),
+        })  # fmt: skip
     ctx.results["commits"] = rows
 
 
-def commits_row(ctx: Context, writers: int, notify: bool, table: str, children: list[Child]) -> Row:
+def commits_run(ctx: Context, children: list[Child], notify: bool, prefix: str) -> Row:
+    """The writers commit for ``--commit-seconds`` into a fresh table, while their sessions'
+    wait events are sampled every 10 ms: the share of samples in which a writer waited for the
+    lock NOTIFY takes at commit (a heavyweight lock on an ``object``, held to the commit's end)."""
+    table = ctx.db.table()
+    task = json.dumps({"table": table, "notify": notify, "seconds": ctx.args.commit_seconds})
+    samples = [0, 0]  # writer sessions seen, of which waiting on NOTIFY's lock
+    stop = threading.Event()
+
+    def sample() -> None:
+        with ctx.db.connect(autocommit=True) as conn:
+            while not stop.wait(0.01):
+                seen, waiting = conn.execute(
+                    "SELECT count(*), count(*) FILTER (WHERE wait_event_type = 'Lock'"
+                    " AND wait_event = 'object') FROM pg_stat_activity"
+                    " WHERE application_name LIKE %s AND state = 'active'",
+                    (prefix + "-%",),
+                ).fetchone() or (0, 0)
+                samples[0] += seen
+                samples[1] += waiting
+
+    sampler = threading.Thread(target=sample, daemon=True)
     with listening(ctx, table):
-        for child in children:
-            child.go()
-        results = [child.result() for child in children]
+        sampler.start()
+        results: list[dict[str, Any]] = []
+        threads = [
+            threading.Thread(target=lambda c=child: results.append(c.ask(task)))
+            for child in children
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        stop.set()
+        sampler.join()
     ctx.db.drop(table)
     commits = sum(r["count"] for r in results)
     seconds = statistics.mean(r["seconds"] for r in results)
     return {
-        "name": f"{writers} writer{'s' if writers > 1 else ''}, NOTIFY {'on' if notify else 'off'}",
-        "writers": writers,
-        "notify": notify,
         "commits": commits,
         "commit_rate": commits / seconds,
+        "lock_wait": samples[1] / samples[0] if samples[0] else 0.0,
     }
 
 
@@ -1215,11 +1277,20 @@ def print_results(ctx: Context) -> None:
     if "commits" in results:
         print(
             f"\n-- NOTIFY and concurrent commits: writer processes, one add() a transaction, "
-            f"{args.commit_seconds:g} s --"
+            f"{args.commit_seconds:g} s a round --"
         )
-        print(f"{'row':<28} {'commits':>9} {'commits/s':>10}")
+        print(f"{'row':<28} {'commits':>9} {'commits/s':>10} {'(rounds)':>16} {'NOTIFY lock':>11}")
         for r in results["commits"]:
-            print(f"{r['name']:<28} {r['commits']:>9,} {r['commit_rate']:>10,.0f}")
+            rounds = "/".join(f"{rate:,.0f}" for rate in r["runs"])
+            print(
+                f"{r['name']:<28} {r['commits']:>9,} {r['commit_rate']:>10,.0f} {rounds:>16} "
+                f"{r['lock_wait']:>10.0%}"
+            )
+        print(
+            f"  {COMMIT_ROUNDS} rounds interleaved, the median; NOTIFY lock: share of the "
+            "writers' sampled states (every 10 ms)\n  spent waiting for the lock NOTIFY "
+            "takes at commit (pg_stat_activity: Lock, object)"
+        )
     if "sqlite" in results:
         plain, row, fill = results["sqlite"]
         print("\n-- SQLite --")

@@ -83,6 +83,7 @@ def test_outbox_benchmark_prints_every_row(amqp_url: str, tmp_path: Path) -> Non
     ]  # fmt: skip
     for row in commits:
         positive(row, "commits", "commit_rate")
+        assert len(row["runs"]) == 2 and 0 <= row["lock_wait"] <= 1
 
     plain, relay, fill = figures["sqlite"]
     assert relay["name"].startswith("OutboxRelay, SQLite")
