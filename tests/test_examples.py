@@ -32,8 +32,8 @@ def test_there_are_examples() -> None:
 def test_example_runs(script: Path, amqp_url: str, broker: BrokerAdmin, tmp_path: Path) -> None:
     env = {**os.environ, "AMQP_URL": amqp_url}
     if script.name == "quickstart.py":
-        # quickstart.py keeps its queue (a newcomer looks at it); here it gets one that is
-        # deleted after the test, so repeated runs do not pile messages up on a shared broker.
+        # quickstart.py's queue outlives it (a newcomer looks at it; it takes back only its own
+        # messages); here it gets one of the test's own, deleted after the test.
         env["QUICKSTART_QUEUE"] = unique("quickstart")
         broker.channel.queue_declare(env["QUICKSTART_QUEUE"], durable=True)
         broker._queues.append(env["QUICKSTART_QUEUE"])

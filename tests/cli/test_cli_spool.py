@@ -108,6 +108,19 @@ def test_drop_failed_drops_exactly_what_was_exported(tmp_path: Path) -> None:
     assert "0 failed messages dropped" in result.stdout
 
 
+def test_export_and_drop_say_what_they_did_before_the_counts_after(tmp_path: Path) -> None:
+    _spool_with_failures(tmp_path / "s")
+    out = tmp_path / "failed.jsonl"
+    result = run_cli("spool", str(tmp_path / "s"), "--export-failed", str(out), "--drop-failed")
+    assert result.returncode == 0, result.stderr
+    lines = [line.strip() for line in result.stdout.splitlines()]
+    written = next(i for i, line in enumerate(lines) if "4 failed messages written" in line)
+    dropped = lines.index("4 failed messages dropped")
+    counts = next(i for i, line in enumerate(lines) if line.startswith("failed "))
+    assert written < dropped < counts  # not "failed 0" first, then where the 4 went
+    assert lines[counts].split()[:2] == ["failed", "0"]
+
+
 def test_drop_failed_is_refused_while_a_publisher_holds_the_spool(tmp_path: Path) -> None:
     _spool_with_failures(tmp_path / "s")
     spool = Spool(tmp_path / "s")  # this process holds the lock

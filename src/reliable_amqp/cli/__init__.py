@@ -8,13 +8,13 @@ not be reached or the connection was lost for good, 130 interrupted.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from collections.abc import Sequence
 
 from reliable_amqp._core.errors import ConfigurationError, SpoolError
 from reliable_amqp.cli._bench import add_bench_arguments, run_bench
+from reliable_amqp.cli._outbox import add_outbox_arguments
 from reliable_amqp.cli._parse import (
     EXIT_CONNECTION,
     EXIT_INTERRUPTED,
@@ -40,10 +40,14 @@ __all__ = [
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    parser = build_parser(
-        add_publish_arguments, add_bench_arguments, add_spool_arguments, _add_outbox_arguments
-    )
-    args = parser.parse_args(argv)
+    try:
+        parser = build_parser(
+            add_publish_arguments, add_bench_arguments, add_spool_arguments, add_outbox_arguments
+        )
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:  # while starting: nothing was done yet
+        print("\nreliable-amqp: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     _configure_logging(args.verbose)
     try:
         if args.command == "publish":
@@ -63,13 +67,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nreliable-amqp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-
-
-def _add_outbox_arguments(parser: argparse.ArgumentParser) -> None:
-    # imported when used: the outbox's modules are not needed to publish
-    from reliable_amqp.cli._outbox import add_outbox_arguments
-
-    add_outbox_arguments(parser)
 
 
 def _configure_logging(verbose: int) -> None:

@@ -19,10 +19,8 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from reliable_amqp._core.errors import AmqpConnectionError
-from reliable_amqp._spool._codec import CodecError, decode
 from reliable_amqp.cli._io import ERROR_FIELD, _json_default, open_failed_file, set_properties
 from reliable_amqp.cli._parse import (
     EXIT_CONNECTION,
@@ -31,17 +29,14 @@ from reliable_amqp.cli._parse import (
     EXIT_OK,
     UsageError,
 )
-from reliable_amqp.outbox import Outbox, OutboxRelay
-from reliable_amqp.outbox._schema import DEFAULT_TABLE, Tables
-from reliable_amqp.outbox._stores import database_errors
-from reliable_amqp.outbox._tools import (
-    FailedRow,
-    drop_failed,
-    failed_rows,
-    install,
-    retry_failed,
-    status,
-)
+
+if TYPE_CHECKING:
+    from reliable_amqp.outbox._tools import FailedRow
+
+# Nothing of reliable_amqp.outbox (its relay, its tools, the database drivers) is imported until
+# an outbox action runs: building the parser, which every command does (`publish` included),
+# imports none of it. Hence the default table's name written out here (a test checks it).
+DEFAULT_TABLE = "amqp_outbox"
 
 DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
 
@@ -124,6 +119,9 @@ def add_outbox_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_outbox(args: argparse.Namespace) -> int:
     """Run ``reliable-amqp outbox ACTION``; a database that cannot be reached exits 3."""
+    from reliable_amqp.outbox._schema import Tables
+    from reliable_amqp.outbox._stores import database_errors
+
     Tables.named(args.table)  # a bad name is a usage error before any connection
     try:
         return _run(args)
@@ -149,6 +147,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _init(args: argparse.Namespace) -> int:
+    from reliable_amqp.outbox import Outbox
+    from reliable_amqp.outbox._schema import Tables
+    from reliable_amqp.outbox._tools import install
+
     tables = Tables.named(args.table)
     if args.print_ddl:
         scheme = args.db.split("://", 1)[0]
@@ -163,6 +165,9 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _relay(args: argparse.Namespace) -> int:
+    from reliable_amqp._core.errors import AmqpConnectionError
+    from reliable_amqp.outbox import OutboxRelay
+
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     outbox_log = logging.getLogger("reliable_amqp.outbox")
@@ -207,6 +212,8 @@ def _relay(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from reliable_amqp.outbox._tools import status
+
     found = status(args.db, args.table)
     if args.json:
         print(json.dumps(found.as_dict()))
@@ -231,6 +238,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _failed(args: argparse.Namespace) -> int:
+    from reliable_amqp.outbox._tools import drop_failed, failed_rows, retry_failed
+
     rows = failed_rows(args.db, args.table)
     if args.ids:
         wanted = set(args.ids)
@@ -272,6 +281,8 @@ def _failed(args: argparse.Namespace) -> int:
 
 def failed_record(row: FailedRow) -> dict[str, Any]:
     """The JSON line of a failed row (``publish --format jsonl`` input)."""
+    from reliable_amqp._spool._codec import CodecError, decode
+
     record: dict[str, Any] = {}
     try:
         message = decode(row.record, row.body)

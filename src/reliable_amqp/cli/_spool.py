@@ -109,12 +109,8 @@ def run_spool(args: argparse.Namespace) -> int:
         if summary.in_use_by > 0
         else "in use"
     )
-    print(f"spool {summary.directory} ({use})", file=out)
-    print(
-        f"  pending  {summary.pending:>12,} messages  {_size(summary.pending_bytes):>10}", file=out
-    )
-    print(f"  failed   {summary.failed:>12,} messages  {_size(summary.failed_bytes):>10}", file=out)
-    print(f"  on disk  {'':>12}           {_size(summary.file_bytes):>10}", file=out)
+    # what this run did first, then what the spool holds after it (the counts below are the
+    # counts after any drop, so "failed 0" follows the line that says where they went)
     if exported is not None:
         print(
             f"{exported:,} failed messages written to {args.export_failed}; publish them again "
@@ -123,6 +119,12 @@ def run_spool(args: argparse.Namespace) -> int:
         )
     if dropped is not None:
         print(f"{dropped:,} failed messages dropped", file=out)
+    print(f"spool {summary.directory} ({use})", file=out)
+    print(
+        f"  pending  {summary.pending:>12,} messages  {_size(summary.pending_bytes):>10}", file=out
+    )
+    print(f"  failed   {summary.failed:>12,} messages  {_size(summary.failed_bytes):>10}", file=out)
+    print(f"  on disk  {'':>12}           {_size(summary.file_bytes):>10}", file=out)
     if problems is not None:
         for problem in problems:
             print(f"damaged: {problem}", file=out)
