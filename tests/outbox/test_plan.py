@@ -154,3 +154,12 @@ def test_refusals_fail_the_row_and_unsettled_outcomes_keep_it_pending() -> None:
     assert failure_reason(DeliveryTimeout(message, 3, 120.0)) is None
     assert failure_reason(PublisherClosed(message, 1)) is None
     assert attempts_of(MessageNacked(message, 5)) == 5
+
+
+def test_ids_in_flight_are_skipped_as_runs_of_consecutive_ids() -> None:
+    from reliable_amqp.outbox._plan import id_ranges
+
+    assert id_ranges([]) == ([], [])
+    assert id_ranges([7, 3, 4, 5, 9, 10]) == ([3, 7, 9], [5, 7, 10])
+    window = list(range(1000, 6000))
+    assert id_ranges(window) == ([1000], [5999])

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp.outbox._plan import id_ranges
 from reliable_amqp.outbox._rows import PendingRow, RowValues
 from reliable_amqp.outbox._schema import (
     PARTITIONS,
@@ -66,19 +67,31 @@ def insert_sql(tables: Tables, notify: bool) -> str:
     return f"WITH _ AS ({insert}) SELECT pg_notify('{tables.channel}', '')"
 
 
+#: the PostgreSQL type of each written column, for the arrays of insert_many_sql()
+_ARRAY_TYPES = ("text", "text", "smallint", "text", "text", "bytea", "bytea", "text", "text",
+                "float8")  # fmt: skip
+
+
 @functools.lru_cache(maxsize=64)
-def insert_many_sql(tables: Tables, count: int, notify: bool) -> str:
-    """One statement for ``count`` rows (``add_many()``), with the same wake-up."""
+def insert_many_sql(tables: Tables, notify: bool) -> str:
+    """One statement for any number of rows (``add_many()``): one array a column, unnested in
+    order. A VALUES list of 1,000 rows is parsed anew each call (10,000 placeholders: most of
+    add_many()'s time, measured); this text is the same for every call, and prepared once."""
     columns = ", ".join(WRITE_COLUMNS)
-    row = "(" + ", ".join(["%s"] * len(WRITE_COLUMNS)) + ")"
-    insert = f"INSERT INTO {tables.name} ({columns}) VALUES " + ", ".join([row] * count)
+    arrays = ", ".join(f"%s::{kind}[]" for kind in _ARRAY_TYPES)
+    names = ", ".join(f"c{i}" for i in range(len(WRITE_COLUMNS)))
+    insert = (
+        f"INSERT INTO {tables.name} ({columns}) SELECT {names} FROM unnest({arrays})"
+        f" WITH ORDINALITY AS u({names}, n) ORDER BY n"
+    )
     if not notify:
         return insert
     return f"WITH _ AS ({insert}) SELECT pg_notify('{tables.channel}', '')"
 
 
-def flat(rows: Sequence[RowValues]) -> list[Any]:
-    return [value for row in rows for value in row]
+def columns_of(rows: Sequence[RowValues]) -> list[list[Any]]:
+    """``rows`` as one list a column (the arrays of :func:`insert_many_sql`)."""
+    return [list(column) for column in zip(*rows, strict=True)]
 
 
 def check_writable(conn: Any) -> None:
@@ -107,9 +120,9 @@ class _Writer:
         if len(rows) == 1:
             conn.execute(insert_sql(tables, notify), rows[0], prepare=True)
             return
-        for start in range(0, len(rows), 1000):
-            chunk = rows[start : start + 1000]
-            conn.execute(insert_many_sql(tables, len(chunk), notify), flat(chunk))
+        for start in range(0, len(rows), 10_000):
+            chunk = rows[start : start + 10_000]
+            conn.execute(insert_many_sql(tables, notify), columns_of(chunk), prepare=True)
 
 
 class _AsyncWriter:
@@ -126,9 +139,9 @@ class _AsyncWriter:
         if len(rows) == 1:
             await conn.execute(insert_sql(tables, notify), rows[0], prepare=True)
             return
-        for start in range(0, len(rows), 1000):
-            chunk = rows[start : start + 1000]
-            await conn.execute(insert_many_sql(tables, len(chunk), notify), flat(chunk))
+        for start in range(0, len(rows), 10_000):
+            chunk = rows[start : start + 10_000]
+            await conn.execute(insert_many_sql(tables, notify), columns_of(chunk), prepare=True)
 
 
 def sync_writer(conn: object) -> _Writer | None:
@@ -279,8 +292,13 @@ class PgRelayStore:
             where.append("part = ANY(%s)")
             params.append(list(parts))
         if skip:
-            where.append("NOT (id = ANY(%s))")
-            params.append(list(skip))
+            # runs of consecutive ids, not the ids: "= ANY" of the window's thousands of ids
+            # searches the array once a row (150-200 ms a read measured at 5,000)
+            where.append(
+                "NOT EXISTS (SELECT 1 FROM unnest(%s::bigint[], %s::bigint[]) AS r(lo, hi)"
+                " WHERE id BETWEEN r.lo AND r.hi)"
+            )
+            params.extend(id_ranges(skip))
         params.append(limit)
         rows = self._conn.execute(
             f"SELECT {', '.join(READ_COLUMNS)} FROM {self.tables.name}"

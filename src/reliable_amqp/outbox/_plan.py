@@ -137,3 +137,18 @@ def failure_reason(exc: BaseException) -> str | None:
 def attempts_of(exc: BaseException) -> int:
     """How often the message went out before it failed (1 when not known)."""
     return max(1, int(getattr(exc, "attempts", 1) or 1))
+
+
+def id_ranges(ids: Iterable[int]) -> tuple[list[int], list[int]]:
+    """``ids`` as runs of consecutive integers: (lows, highs), each run ``lows[i]..highs[i]``
+    inclusive. Rows in flight were read in id order, so a window of thousands of ids is a few
+    runs: a read that skips them compares each row with a few ranges, not thousands of ids."""
+    lows: list[int] = []
+    highs: list[int] = []
+    for value in sorted(ids):
+        if highs and value == highs[-1] + 1:
+            highs[-1] = value
+        else:
+            lows.append(value)
+            highs.append(value)
+    return lows, highs

@@ -15,7 +15,7 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
@@ -29,6 +29,8 @@ from reliable_amqp.outbox._loop import (
     Steps,
     StoreCall,
     Wait,
+    asyncio_exception,
+    concurrent_exception,
 )
 from reliable_amqp.outbox._schema import DEFAULT_TABLE, Tables
 from reliable_amqp.outbox._stores import RelayStore, database_errors, open_store
@@ -74,7 +76,13 @@ class _Config:
         self.stop_timeout = float(stop_timeout)
         self.long_transaction_warning = float(long_transaction_warning)
 
-    def loop(self, window: int, meter_provider: Any, wake: Any) -> RelayLoop:
+    def loop(
+        self,
+        window: int,
+        meter_provider: Any,
+        wake: Any,
+        exception_of: Callable[[Any], BaseException | None],
+    ) -> RelayLoop:
         return RelayLoop(
             self.tables,
             self.name,
@@ -87,6 +95,7 @@ class _Config:
             errors=database_errors(),
             metrics=OutboxMetrics(self.tables.name, meter_provider),
             wake=wake,
+            exception_of=exception_of,
         )
 
 
@@ -145,6 +154,7 @@ class OutboxRelay:
             self._publisher.options.max_in_flight,
             publisher_options.get("meter_provider"),
             self._wake,
+            concurrent_exception,
         )
         self._running = False
         self._stopped = threading.Event()
@@ -295,7 +305,10 @@ class AsyncOutboxRelay:
         self._aio_loop = loop
         self._event = asyncio.Event()
         relay = self._config.loop(
-            self._window, self._meter_provider, _ThreadsafeWake(loop, self._event)
+            self._window,
+            self._meter_provider,
+            _ThreadsafeWake(loop, self._event),
+            asyncio_exception,
         )
         relay.stopping = self._stop_requested
         self._relay = relay

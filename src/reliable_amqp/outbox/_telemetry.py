@@ -60,12 +60,15 @@ class OutboxMetrics:
         self._open: Sequence[OpenWriter] = ()
         self._backlog: int | None = None
         self._oldest: float | None = None
+        #: whether an SDK records what this reports (else nothing is measured for it)
+        self.enabled = False
         if _trace is None:
             return
         provider = meter_provider if meter_provider is not None else _metrics.get_meter_provider()
         if _is_proxy_or_noop(provider):
             return  # no SDK configured (decided when the relay is made): nothing to record
         meter = provider.get_meter("reliable_amqp.outbox")
+        self.enabled = True
         self._latency = meter.create_histogram(
             "reliable_amqp.outbox.commit_to_confirm",
             unit="s",
