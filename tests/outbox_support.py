@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -136,4 +138,27 @@ def mysql_connect(dsn: str, **options: Any) -> Any:
     database = dsn.rsplit("/", 1)[1]
     return pymysql.connect(
         host=MYSQL_HOST, port=MYSQL_PORT, user="root", password="", database=database, **options
+    )
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> float:
+    """Poll ``predicate`` (a database's or broker's state) until it holds; how long that took.
+    Fails naming ``what`` after ``timeout`` seconds."""
+    import time
+
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out after {timeout} s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def outbox_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``reliable-amqp outbox ARGS...`` in a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "reliable_amqp", "outbox", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )

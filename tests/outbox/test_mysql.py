@@ -23,7 +23,15 @@ import pymysql
 import pytest
 
 from broker_support import BrokerAdmin
-from outbox_support import RelayThread, mysql_connect, mysql_database, read_ids, wait_for_count
+from outbox_support import (
+    RelayThread,
+    mysql_connect,
+    mysql_database,
+    outbox_cli,
+    read_ids,
+    wait_for_count,
+    wait_until,
+)
 from reliable_amqp import ConfigurationError
 from reliable_amqp.outbox import PARTITIONS, Outbox, status
 
@@ -45,24 +53,6 @@ def outbox(mysql_dsn: str) -> Outbox:
     box.install(conn)  # idempotent
     conn.close()
     return box
-
-
-def _wait(predicate: object, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() - start < timeout, f"timed out after {timeout} s: {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "reliable_amqp", "outbox", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def _ids_of(conn: Any, message_ids: list[str]) -> list[int]:
@@ -191,7 +181,9 @@ def test_exactly_the_committed_rows_reach_the_queue_on_mariadb(
             t.join(300)
         assert 800 < len(committed) < 1500
         assert wait_for_count(broker, queue, len(committed), 120) == len(committed)
-        _wait(lambda: status(mysql_dsn).pending == 0, 60, "the relay to delete what it published")
+        wait_until(
+            lambda: status(mysql_dsn).pending == 0, 60, "the relay to delete what it published"
+        )
     assert relay.error is None
     got = [mid for mid, _ in read_ids(broker, queue)]
     assert sorted(got) == sorted(committed)  # exactly the committed ids, each once
@@ -246,7 +238,7 @@ def test_a_commit_wakes_an_idle_relay_and_a_killed_session_loses_nothing(
     admin = mysql_connect(mysql_dsn, autocommit=True)
     try:
         with RelayThread(mysql_dsn, amqp_url, poll_interval=30.0) as relay:
-            _wait(lambda: len(relay.relay.partitions) == PARTITIONS, 30, "the relay to start")
+            wait_until(lambda: len(relay.relay.partitions) == PARTITIONS, 30, "the relay to start")
             time.sleep(0.5)  # idle
             ids = []
             delays = []
@@ -271,8 +263,8 @@ def test_a_commit_wakes_an_idle_relay_and_a_killed_session_loses_nothing(
             more = [outbox.add(conn, "", queue, b"after %d" % i, key="k") for i in range(300)]
             conn.commit()
             assert wait_for_count(broker, queue, 305, 60) >= 305
-            _wait(lambda: len(relay.relay.partitions) == PARTITIONS, 30, "the partitions back")
-            _wait(lambda: status(mysql_dsn).pending == 0, 30, "every row deleted")
+            wait_until(lambda: len(relay.relay.partitions) == PARTITIONS, 30, "the partitions back")
+            wait_until(lambda: status(mysql_dsn).pending == 0, 30, "every row deleted")
     finally:
         conn.close()
         admin.close()
@@ -283,7 +275,7 @@ def test_a_commit_wakes_an_idle_relay_and_a_killed_session_loses_nothing(
 def test_refused_rows_fail_and_the_cli_lists_and_retries_them_on_mariadb(
     mysql_dsn: str, amqp_url: str, broker: BrokerAdmin
 ) -> None:
-    init = _cli("init", "--db", mysql_dsn)
+    init = outbox_cli("init", "--db", mysql_dsn)
     assert init.returncode == 0, init.stderr
     outbox = Outbox()
     queue = broker.queue()
@@ -297,19 +289,19 @@ def test_refused_rows_fail_and_the_cli_lists_and_retries_them_on_mariadb(
     good += [outbox.add(conn, "", queue, b"good %d" % i, key=f"k{i % 5}") for i in range(100, 200)]
     conn.commit()
     conn.close()
-    shown = _cli("status", "--db", mysql_dsn, "--json")
+    shown = outbox_cli("status", "--db", mysql_dsn, "--json")
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout)["pending"] == 205
     with RelayThread(mysql_dsn, amqp_url) as relay:
         assert wait_for_count(broker, queue, 200, 60) >= 200
-        _wait(lambda: status(mysql_dsn).failed == 5, 30, "five failed rows")
-        _wait(lambda: status(mysql_dsn).pending == 0, 30, "the good rows deleted")
-        found = json.loads(_cli("status", "--db", mysql_dsn, "--json").stdout)
+        wait_until(lambda: status(mysql_dsn).failed == 5, 30, "five failed rows")
+        wait_until(lambda: status(mysql_dsn).pending == 0, 30, "the good rows deleted")
+        found = json.loads(outbox_cli("status", "--db", mysql_dsn, "--json").stdout)
         assert [r["partitions"] for r in found["relays"]] == [PARTITIONS]
     stats = relay.relay.stats()
     assert stats.failed == 5 and stats.confirmed == 200
     assert {mid for mid, _ in read_ids(broker, queue)} == set(good)
-    listed = _cli("failed", "--db", mysql_dsn)
+    listed = outbox_cli("failed", "--db", mysql_dsn)
     assert listed.returncode == 1, listed.stderr  # failed rows remain
     for mid in returned + rejected:
         assert mid in listed.stdout
@@ -319,14 +311,14 @@ def test_refused_rows_fail_and_the_cli_lists_and_retries_them_on_mariadb(
     broker.queue(nowhere)
     broker.exchange(missing_exchange)
     broker.bind(nowhere, missing_exchange, "r")
-    retried = _cli("failed", "--db", mysql_dsn, "--retry", "--json")
+    retried = outbox_cli("failed", "--db", mysql_dsn, "--retry", "--json")
     assert retried.returncode == 0, retried.stderr
     assert json.loads(retried.stdout)["retried"] == 5
-    drained = _cli("relay", "--db", mysql_dsn, "--url", amqp_url, "--until-empty")
+    drained = outbox_cli("relay", "--db", mysql_dsn, "--url", amqp_url, "--until-empty")
     assert drained.returncode == 0, drained.stderr
     assert sorted(mid for mid, _ in read_ids(broker, nowhere)) == sorted(returned + rejected)
     assert status(mysql_dsn).failed == 0 and status(mysql_dsn).pending == 0
-    dropped = _cli("failed", "--db", mysql_dsn, "--drop", "--json")
+    dropped = outbox_cli("failed", "--db", mysql_dsn, "--drop", "--json")
     assert dropped.returncode == 0 and json.loads(dropped.stdout)["dropped"] == 0
 
 
@@ -394,7 +386,7 @@ def test_per_key_order_holds_through_a_relay_killed_on_mariadb(
 
     relays = {name: _relay(mysql_dsn, amqp_url, name) for name in ("relay-a", "relay-b")}
     try:
-        _wait(lambda: _split(mysql_dsn) == [32, 32], 60, "a 32/32 split")
+        wait_until(lambda: _split(mysql_dsn) == [32, 32], 60, "a 32/32 split")
         threads = [
             threading.Thread(target=writer, args=(plan[i::WRITERS],)) for i in range(WRITERS)
         ]
@@ -406,12 +398,12 @@ def test_per_key_order_holds_through_a_relay_killed_on_mariadb(
             at_kill = len(written)
         relays["relay-a"].send_signal(signal.SIGKILL)
         relays["relay-a"].wait(30)
-        takeover = _wait(lambda: _split(mysql_dsn) == [PARTITIONS], 30, "one relay owning all")
+        takeover = wait_until(lambda: _split(mysql_dsn) == [PARTITIONS], 30, "one relay owning all")
         assert takeover < 5.0, f"the killed relay's keys were taken over after {takeover:.1f} s"
         for t in threads:
             t.join(300)
         assert len(written) == KEYS * PER_KEY
-        _wait(lambda: status(mysql_dsn).pending == 0, 180, "every row confirmed and deleted")
+        wait_until(lambda: status(mysql_dsn).pending == 0, 180, "every row confirmed and deleted")
         survivor = relays["relay-b"]
         survivor.send_signal(signal.SIGTERM)
         assert survivor.wait(60) == 0, survivor.stderr.read() if survivor.stderr else ""
@@ -446,9 +438,9 @@ def test_a_dsn_without_database_or_a_missing_table_is_a_configuration_error(
 
     with pytest.raises(ConfigurationError, match="names its database"):
         OutboxRelay("mysql://root@127.0.0.1:3306/", "amqp://guest:guest@127.0.0.1/%2F")
-    shown = _cli("status", "--db", mysql_dsn)  # no outbox table there
+    shown = outbox_cli("status", "--db", mysql_dsn)  # no outbox table there
     assert shown.returncode == 2 and "no outbox table amqp_outbox" in shown.stderr
-    unreachable = _cli("status", "--db", "mysql://root@127.0.0.1:1/nothing")
+    unreachable = outbox_cli("status", "--db", "mysql://root@127.0.0.1:1/nothing")
     assert unreachable.returncode == 3, unreachable.stderr
     assert "cannot be reached" in unreachable.stderr
     assert isinstance(pymysql.__version__, str)

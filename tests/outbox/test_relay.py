@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 from broker_support import BrokerAdmin
-from outbox_support import RelayThread, read_ids, wait_for_count
+from outbox_support import RelayThread, outbox_cli, read_ids, wait_for_count, wait_until
 from reliable_amqp.outbox import Outbox, status
 
 pytestmark = pytest.mark.broker
@@ -61,13 +61,6 @@ def outbox(pg_dsn: str) -> Outbox:
     with psycopg.connect(pg_dsn) as conn:
         box.install(conn)
     return box
-
-
-def _wait(predicate: object, timeout: float, what: str) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < end, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_exactly_the_committed_rows_reach_the_queue(
@@ -122,7 +115,7 @@ def test_exactly_the_committed_rows_reach_the_queue(
             t.join(300)
         assert 7000 < len(committed) < 9000
         assert wait_for_count(broker, queue, len(committed), 120) == len(committed)
-        _wait(lambda: status(pg_dsn).pending == 0, 60, "the relay to delete what it published")
+        wait_until(lambda: status(pg_dsn).pending == 0, 60, "the relay to delete what it published")
     assert relay.error is None
     got = [mid for mid, _ in read_ids(broker, queue)]
     assert sorted(got) == sorted(committed)  # exactly the committed ids, each once
@@ -161,16 +154,6 @@ def test_a_row_that_commits_after_a_later_one_is_still_delivered(
     assert [mid for mid, _ in read_ids(broker, queue)] == [id_b, id_a]
 
 
-def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "reliable_amqp", "outbox", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 def test_refused_rows_fail_with_their_reasons_and_block_nothing_and_retry_delivers_them(
     pg_dsn: str, amqp_url: str, broker: BrokerAdmin, outbox: Outbox, records: Records
 ) -> None:
@@ -189,8 +172,8 @@ def test_refused_rows_fail_with_their_reasons_and_block_nothing_and_retry_delive
         ]
     with RelayThread(pg_dsn, amqp_url) as relay:
         assert wait_for_count(broker, queue, 200, 60) >= 200
-        _wait(lambda: status(pg_dsn).failed == 5, 30, "five failed rows")
-        _wait(lambda: status(pg_dsn).pending == 0, 30, "the good rows deleted")
+        wait_until(lambda: status(pg_dsn).failed == 5, 30, "five failed rows")
+        wait_until(lambda: status(pg_dsn).pending == 0, 30, "the good rows deleted")
     stats = relay.relay.stats()
     assert stats.failed == 5 and stats.published == 205 and stats.confirmed == 200
     # each row was published once by the relay; a 404 closes the channel under the messages
@@ -198,7 +181,7 @@ def test_refused_rows_fail_with_their_reasons_and_block_nothing_and_retry_delive
     got = read_ids(broker, queue)
     assert {mid for mid, _ in got} == set(good)
     assert len({(mid, body) for mid, body in got}) == len(good)
-    listed = _cli("failed", "--db", pg_dsn)
+    listed = outbox_cli("failed", "--db", pg_dsn)
     assert listed.returncode == 1, listed.stderr  # failed rows remain
     for mid in returned:
         assert mid in listed.stdout
@@ -209,10 +192,10 @@ def test_refused_rows_fail_with_their_reasons_and_block_nothing_and_retry_delive
     broker.queue(nowhere)
     broker.exchange(missing_exchange)
     broker.bind(nowhere, missing_exchange, "r")
-    retried = _cli("failed", "--db", pg_dsn, "--retry", "--json")
+    retried = outbox_cli("failed", "--db", pg_dsn, "--retry", "--json")
     assert retried.returncode == 0, retried.stderr
     assert '"retried": 5' in retried.stdout
-    drained = _cli("relay", "--db", pg_dsn, "--url", amqp_url, "--until-empty")
+    drained = outbox_cli("relay", "--db", pg_dsn, "--url", amqp_url, "--until-empty")
     assert drained.returncode == 0, drained.stderr
     assert sorted(mid for mid, _ in read_ids(broker, nowhere)) == sorted(returned + rejected)
     assert status(pg_dsn).failed == 0 and status(pg_dsn).pending == 0
@@ -232,7 +215,7 @@ def test_the_relay_rides_out_the_loss_of_its_database_session(
             ids += [outbox.add(conn, "", queue, b"%d" % i, key=f"k{i % 3}") for i in range(300)]
             conn.commit()
             assert wait_for_count(broker, queue, len(ids), 60) >= len(ids)
-            _wait(lambda: relay.relay.partitions, 30, "the relay to own its partitions again")
+            wait_until(lambda: relay.relay.partitions, 30, "the relay to own its partitions again")
             # the relay's session (and every lock it held) is killed under it
             killed = admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
@@ -243,7 +226,7 @@ def test_the_relay_rides_out_the_loss_of_its_database_session(
         ids += [outbox.add(conn, "", queue, b"last") for _ in range(10)]
         conn.commit()
         assert wait_for_count(broker, queue, len(ids), 60) >= len(ids)
-        _wait(lambda: status(pg_dsn).pending == 0, 60, "every row deleted")
+        wait_until(lambda: status(pg_dsn).pending == 0, 60, "every row deleted")
     got = [mid for mid, _ in read_ids(broker, queue)]
     assert set(got) == set(ids)  # nothing lost; duplicates only of what was in flight
     assert len(got) - len(ids) <= 3 * 5000
@@ -259,7 +242,7 @@ def test_two_relays_share_the_partitions_and_publish_each_row_once(
         RelayThread(pg_dsn, amqp_url, name="one", rebalance_interval=0.2) as one,
         RelayThread(pg_dsn, amqp_url, name="two", rebalance_interval=0.2) as two,
     ):
-        _wait(
+        wait_until(
             lambda: len(one.relay.partitions) == len(two.relay.partitions) == 32,
             30,
             "32 partitions each",
@@ -277,7 +260,7 @@ def test_two_relays_share_the_partitions_and_publish_each_row_once(
                 ],
             )  # fmt: skip
         assert wait_for_count(broker, queue, 4000, 60) == 4000
-        _wait(lambda: status(pg_dsn).pending == 0, 60, "every row deleted")
+        wait_until(lambda: status(pg_dsn).pending == 0, 60, "every row deleted")
         assert one.relay.stats().published > 0 and two.relay.stats().published > 0
     got = [mid for mid, _ in read_ids(broker, queue)]
     assert sorted(got) == sorted(ids)

@@ -11,14 +11,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import defaultdict
 
 import psycopg
 import pytest
 
 from broker_support import BrokerAdmin
-from outbox_support import read_ids, wait_for_count
+from outbox_support import read_ids, wait_for_count, wait_until
 from reliable_amqp.outbox import PARTITIONS, Outbox, status
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -42,14 +41,6 @@ def _relay(pg_dsn: str, amqp_url: str, name: str) -> subprocess.Popen[str]:
 
 def _owners(pg_dsn: str) -> dict[str, int]:
     return {r.name: r.partitions for r in status(pg_dsn).relays}
-
-
-def _wait(predicate: object, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() - start < timeout, f"timed out after {timeout} s: {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def test_per_key_order_holds_through_a_relay_killed_and_restarted(
@@ -90,7 +81,7 @@ def test_per_key_order_holds_through_a_relay_killed_and_restarted(
     relays = {"relay-a": _relay(pg_dsn, amqp_url, "relay-a")}
     relays["relay-b"] = _relay(pg_dsn, amqp_url, "relay-b")
     try:
-        _wait(lambda: _owners(pg_dsn) == {"relay-a": 32, "relay-b": 32}, 60, "a 32/32 split")
+        wait_until(lambda: _owners(pg_dsn) == {"relay-a": 32, "relay-b": 32}, 60, "a 32/32 split")
         threads = [
             threading.Thread(target=writer, args=(plan[i::WRITERS],)) for i in range(WRITERS)
         ]
@@ -100,7 +91,7 @@ def test_per_key_order_holds_through_a_relay_killed_and_restarted(
         assert wait_for_count(broker, queue, 2000, 60) >= 2000  # mid-drain
         relays["relay-a"].send_signal(signal.SIGKILL)
         relays["relay-a"].wait(30)
-        takeover = _wait(
+        takeover = wait_until(
             lambda: _owners(pg_dsn) == {"relay-b": PARTITIONS}, 30, "relay-b owning everything"
         )
         assert takeover < 5.0, f"the killed relay's keys were taken over after {takeover:.1f} s"
@@ -108,8 +99,8 @@ def test_per_key_order_holds_through_a_relay_killed_and_restarted(
         for t in threads:
             t.join(300)
         assert len(written) == KEYS * PER_KEY
-        _wait(lambda: _owners(pg_dsn) == {"relay-a": 32, "relay-b": 32}, 60, "the split again")
-        _wait(lambda: status(pg_dsn).pending == 0, 180, "every row confirmed and deleted")
+        wait_until(lambda: _owners(pg_dsn) == {"relay-a": 32, "relay-b": 32}, 60, "the split again")
+        wait_until(lambda: status(pg_dsn).pending == 0, 180, "every row confirmed and deleted")
         for name, process in relays.items():
             process.send_signal(signal.SIGTERM)
             assert process.wait(60) == 0, (

@@ -10,12 +10,11 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from broker_support import BrokerAdmin
-from outbox_support import RelayThread, read_ids, wait_for_count
+from outbox_support import RelayThread, read_ids, wait_for_count, wait_until
 from reliable_amqp.outbox import PARTITIONS, Outbox, status
 
 pytestmark = pytest.mark.broker
@@ -34,14 +33,6 @@ def _install(dsn: str) -> Outbox:
     conn.commit()
     conn.close()
     return outbox
-
-
-def _wait(predicate: object, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() - start < timeout, f"timed out after {timeout} s: {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def test_exactly_the_committed_rows_reach_the_queue_on_sqlite(
@@ -85,7 +76,7 @@ def test_exactly_the_committed_rows_reach_the_queue_on_sqlite(
                 committed.append(mid)
         conn.close()
         assert wait_for_count(broker, queue, len(committed), 120) == len(committed)
-        _wait(lambda: status(sqlite_dsn).pending == 0, 60, "every row deleted")
+        wait_until(lambda: status(sqlite_dsn).pending == 0, 60, "every row deleted")
     assert relay.error is None
     got = [mid for mid, _ in read_ids(broker, queue)]
     assert sorted(got) == sorted(committed)
@@ -97,7 +88,7 @@ def test_a_row_added_in_the_relays_process_goes_out_at_once(
     outbox = _install(sqlite_dsn)
     queue = broker.queue()
     with RelayThread(sqlite_dsn, amqp_url, poll_interval=30.0) as relay:
-        _wait(lambda: len(relay.relay.partitions) == PARTITIONS, 30, "the relay to start")
+        wait_until(lambda: len(relay.relay.partitions) == PARTITIONS, 30, "the relay to start")
         conn = _open(sqlite_dsn)
         outbox.add(conn, "", queue, b"now")
         conn.commit()
@@ -134,7 +125,7 @@ def test_a_second_relay_waits_and_takes_over_when_the_first_is_killed(
         return [r["name"] for r in found["relays"]]
 
     first = relay("first")
-    _wait(lambda: holder() == ["first"], 30, "the first relay to hold the outbox")
+    wait_until(lambda: holder() == ["first"], 30, "the first relay to hold the outbox")
     second = relay("second")
     try:
         conn = _open(sqlite_dsn)
@@ -144,12 +135,12 @@ def test_a_second_relay_waits_and_takes_over_when_the_first_is_killed(
         assert holder() == ["first"]  # the second waits
         first.send_signal(signal.SIGKILL)
         first.wait(30)
-        _wait(lambda: holder() == ["second"], 10, "the second relay to take over")
+        wait_until(lambda: holder() == ["second"], 10, "the second relay to take over")
         ids += [outbox.add(conn, "", queue, b"%d" % i) for i in range(500)]
         conn.commit()
         conn.close()
         assert wait_for_count(broker, queue, 1000, 30) >= 1000
-        _wait(lambda: status(sqlite_dsn).pending == 0, 30, "every row deleted")
+        wait_until(lambda: status(sqlite_dsn).pending == 0, 30, "every row deleted")
         second.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0
     finally:
