@@ -40,7 +40,7 @@ def test_unreachable_says_the_cause_and_where(
         (
             ("credentials", "ACCESS_REFUSED - Login was refused"),
             "the broker refused the credentials of user 'orders' on virtual host 'prod' (wrong "
-            "user or password): ACCESS_REFUSED - Login was refused",
+            "user or password): 403 ACCESS_REFUSED - Login was refused",
         ),
         (
             ("vhost", "NOT_ALLOWED"),
