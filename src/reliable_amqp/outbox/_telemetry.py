@@ -9,6 +9,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from reliable_amqp._otel import _is_proxy_or_noop as is_proxy_or_noop
 from reliable_amqp.outbox._status import OpenWriter
 
 try:
@@ -65,7 +66,7 @@ class OutboxMetrics:
         if _trace is None:
             return
         provider = meter_provider if meter_provider is not None else _metrics.get_meter_provider()
-        if _is_proxy_or_noop(provider):
+        if is_proxy_or_noop(provider, _metrics):
             return  # no SDK configured (decided when the relay is made): nothing to record
         meter = provider.get_meter("reliable_amqp.outbox")
         self.enabled = True
@@ -134,10 +135,3 @@ class OutboxMetrics:
             return []
         age = max((w.age_s for w in self._open), default=0.0)
         return [Observation(age, self._attributes)]
-
-
-def _is_proxy_or_noop(provider: object) -> bool:
-    if isinstance(provider, _metrics.NoOpMeterProvider):
-        return True
-    # the API's global proxy (a private class): the placeholder until an SDK is set
-    return type(provider).__name__ == "_ProxyMeterProvider"
