@@ -11,6 +11,10 @@ all, in parallel, before pytest starts; ``scripts/dev.sh venvs LEG`` builds one)
 - ``lowest``: Python 3.10 with ``constraints/lowest.txt``, every runtime dependency at its lower
   bound.
 
+No leg installs the outbox's optional stacks (SQLAlchemy, Django, asyncpg, PyMySQL, psycopg):
+each leg checks they are missing, imports the library, its CLI and the outbox, and writes through
+the outbox on sqlite3, so the matrix shows the library and its non-outbox tests work without them.
+
 Each test runs :data:`SUBSET` inside its venv as a subprocess and asserts it passed with more
 than 0 tests; the versions it ran with are printed at the end of the run (terminal summary) and
 in each test's output. A missing interpreter fails the leg, it never skips it. The legs run
@@ -35,7 +39,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from matrix_support import SUMMARY
+from matrix_support import OPTIONAL, SUMMARY, WITHOUT_OPTIONAL
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX_DIR = Path(
@@ -104,6 +108,8 @@ class LegResult:
     failed: list[str] = field(default_factory=list)
     seconds: float = 0.0
     output: str = ""
+    #: what the library's import and an outbox write on sqlite3 printed without OPTIONAL
+    without_optional: str = ""
 
     def headline(self) -> str:
         """One line: versions, counts, time."""
@@ -186,7 +192,7 @@ def run_leg(leg: str, workdir: Path) -> LegResult:
         return result
     python = leg_python(leg)
     probe = subprocess.run(
-        [str(python), "-c", _VERSIONS, *PACKAGES],
+        [str(python), "-c", _VERSIONS, *PACKAGES, *OPTIONAL],
         capture_output=True,
         text=True,
         env=env,
@@ -196,6 +202,15 @@ def run_leg(leg: str, workdir: Path) -> LegResult:
         result.output = f"{python} could not report its versions:\n{probe.stderr[-4000:]}"
         return result
     result.versions = json.loads(probe.stdout)
+    without = subprocess.run(
+        [str(python), "-c", WITHOUT_OPTIONAL, *OPTIONAL],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=workdir,
+        check=False,
+    )
+    result.without_optional = (without.stdout + without.stderr).strip()[-4000:]
     run_subset(str(python), env, workdir / f"{leg}.xml", LEG_TIMEOUT, result)
     result.seconds = time.monotonic() - started
     result.failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", result.output, re.MULTILINE)
@@ -259,6 +274,11 @@ def test_contract_subset_passes(
     print(result.headline())
     tail = result.output[-8000:]
     assert result.versions, tail
+    installed = {n: result.versions[n] for n in OPTIONAL if result.versions[n] != "missing"}
+    assert not installed, f"{leg} has optional stacks installed, it shows nothing: {installed}"
+    assert result.without_optional == "ok", (
+        f"{leg}: the library without {', '.join(OPTIONAL)}:\n{result.without_optional}"
+    )
     passed, returncode = result.counts.get("passed", 0), result.returncode
     assert passed > 0, f"no test passed in {leg}\n{tail}"
     failed = "\n  ".join(["", *result.failed])

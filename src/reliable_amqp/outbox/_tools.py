@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
-from reliable_amqp.outbox import _mysql, _pg, _sqlite
+from reliable_amqp.outbox import _sqlite
 from reliable_amqp.outbox._schema import (
     DEFAULT_TABLE,
     WRITE_COLUMNS,
@@ -42,7 +42,11 @@ class FailedRow:
 @contextlib.contextmanager
 def connect(db: str) -> Iterator[tuple[str, Any]]:
     """(dialect, connection) for a DSN; the connection commits when the block ends well."""
+    # The drivers' modules are imported for their own DSNs only: importing the outbox (or using
+    # it on SQLite) imports neither psycopg nor PyMySQL (tests/outbox/test_imports.py).
     if db.startswith(("postgresql://", "postgres://")):
+        from reliable_amqp.outbox import _pg
+
         pg = _pg.require_psycopg()
         with pg.connect(db) as conn:  # commits on a clean exit, rolls back otherwise
             yield "postgresql", conn
@@ -57,6 +61,8 @@ def connect(db: str) -> Iterator[tuple[str, Any]]:
             conn.close()
         return
     if db.startswith(("mysql://", "mariadb://")):
+        from reliable_amqp.outbox import _mysql
+
         with _mysql.tool_connection(db) as tool:  # commits on a clean exit
             yield "mysql", tool
         return
@@ -81,8 +87,12 @@ def install(db: str, table: str = DEFAULT_TABLE) -> None:
         if dialect == "sqlite":
             _sqlite.install(conn, tables)
         elif dialect == "mysql":
+            from reliable_amqp.outbox import _mysql
+
             _mysql.install(conn.raw, tables)
         else:
+            from reliable_amqp.outbox import _pg
+
             _pg.install(conn, tables)
 
 
@@ -94,6 +104,8 @@ def status(db: str, table: str = DEFAULT_TABLE) -> OutboxStatus:
             pending, failed, oldest, relays = _sqlite.status_rows(conn, tables, _sqlite.path_of(db))
             writers = []
         elif dialect == "mysql":
+            from reliable_amqp.outbox import _mysql
+
             database = _mysql.database_of(_mysql.connect_args(db), tables)
             _mysql.check_tables(conn.raw, tables, database)
             pending, failed, oldest, relays, sessions = _mysql.status_rows(
@@ -101,6 +113,8 @@ def status(db: str, table: str = DEFAULT_TABLE) -> OutboxStatus:
             )
             writers = _mysql.open_writers(conn.raw, database, sessions)
         else:
+            from reliable_amqp.outbox import _pg
+
             pending, failed, oldest, relays = _pg.status_rows(conn, tables)
             writers = _pg.open_writers(conn, tables)
     ages = [time.time() - oldest] if oldest is not None else []
