@@ -173,7 +173,7 @@ def micro(calls: int = 500_000) -> None:
 
     from reliable_amqp import PublisherOptions
     from reliable_amqp._core.builder import build_message
-    from reliable_amqp._core.tracker import Entry
+    from reliable_amqp._core.entry import Entry, new_entry
     from reliable_amqp._otel import telemetry_for
 
     options = PublisherOptions.create(
@@ -182,7 +182,8 @@ def micro(calls: int = 500_000) -> None:
     telemetry = telemetry_for(options, lambda: None)  # type: ignore[arg-type,return-value]
     assert telemetry is not None and telemetry.tracing
     message = build_message("", "q", b"x" * 12, mandatory=False, properties={})
-    entries: list[Entry[None]] = [Entry(message, None, 0.0, 12) for _ in range(100)]
+    parts = (message.exchange, message.routing_key, message.body, message.base, False)
+    entries: list[Entry[None]] = [new_entry(*parts, message.message_id) for _ in range(100)]
     none = None
     rows = {
         "no telemetry: `if telemetry is not None`": timeit.timeit(

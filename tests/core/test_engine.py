@@ -10,9 +10,10 @@ import pytest
 from engine_support import accept
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.engine import PublishEngine, is_permanent_channel_close
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.policy import RetryPolicy
-from reliable_amqp._core.tracker import ATTEMPT_HEADER, Entry
+from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from hypothesis.stateful import (
 from engine_support import accept
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.engine import PublishEngine
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import (
     DeliveryTimeout,
     MessageNacked,
@@ -36,7 +37,7 @@ from reliable_amqp._core.errors import (
 )
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.policy import RetryPolicy
-from reliable_amqp._core.tracker import ATTEMPT_HEADER, Entry
+from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
 TIMEOUT = 10.0
 # Dyadic numbers only, so that the model's float arithmetic is exactly the engine's.

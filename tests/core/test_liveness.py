@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import AmqpConnectionError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.supervisor import Supervisor
-from reliable_amqp._core.tracker import Entry
 
 
 def _opened(heartbeat: int | None = None) -> Supervisor[Entry[int]]:

@@ -12,6 +12,7 @@ import pytest
 
 from engine_support import accept as accept_entry
 from reliable_amqp._core.builder import build_message
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     AuthenticationFailed,
@@ -34,7 +35,7 @@ from reliable_amqp._core.supervisor import (
     Reconnect,
     Supervisor,
 )
-from reliable_amqp._core.tracker import ATTEMPT_HEADER, Entry
+from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
 URLS = ("amqp://u:s3cret@a/", "amqp://b/", "amqp://c/")
 #: waits 1, 2, 4, 8, 8, ... after 1, 2, 3, 4, 5, ... failures

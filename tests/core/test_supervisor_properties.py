@@ -29,8 +29,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine_support import accept
+from engine_support import accept, entry_for
 from reliable_amqp._core.builder import build_message
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     AuthenticationFailed,
@@ -47,7 +48,7 @@ from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import EventKind, PublisherEvent
 from reliable_amqp._core.supervisor import GiveUp, Reconnect, Supervisor
-from reliable_amqp._core.tracker import Entry, unpack_key
+from reliable_amqp._core.tracker import unpack_key
 from reliable_amqp._core.window import Barrier, Window
 
 URLS = ("amqp://a/", "amqp://b/", "amqp://c/")
@@ -203,7 +204,7 @@ class Handle:
 def resolution(index: int, size: int) -> Entry[Handle]:
     message = build_message("x", "rk", b"")
     outcome = Confirmation(message.message_id, 1)
-    return Entry(message, Handle(index), 0.0, size, index=index, outcome=outcome)
+    return entry_for(message, Handle(index), size=size, index=index, outcome=outcome)
 
 
 class WindowMachine(RuleBasedStateMachine):

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from engine_support import entry_for
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.tracker import (
     ATTEMPT_HEADER,
@@ -22,7 +23,7 @@ from reliable_amqp._core.tracker import (
 
 
 def _entry(name: str) -> Entry[str]:
-    return Entry(message=build_message("ex", "rk", b"x"), handle=name, deadline=60.0, size=1)
+    return entry_for(build_message("ex", "rk", b"x"), name, deadline=60.0, size=1)
 
 
 def test_keys_pack_generation_above_forty_bits_of_seq() -> None:
@@ -99,7 +100,7 @@ def _mandatory(
     if headers is not None:
         properties["headers"] = headers
     message = build_message("ex", routing_key, body, mandatory=True, properties=properties)
-    return Entry(message=message, handle=message_id, deadline=60.0, size=len(body))
+    return entry_for(message, message_id, deadline=60.0)
 
 
 def test_a_return_without_attempt_header_names_its_message_by_what_it_carries() -> None:

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from engine_support import entry_for
 from reliable_amqp._core.message import MessageProperties, OutgoingMessage
 from reliable_amqp._core.tracker import (
     ConfirmTracker,
@@ -29,7 +30,7 @@ from reliable_amqp._core.tracker import (
 
 def _entry(n: int) -> Entry[int]:
     message = OutgoingMessage("ex", "rk", b"x" * n, MessageProperties(message_id=f"m{n}"))
-    return Entry(message=message, handle=n, deadline=100.0, size=n)
+    return entry_for(message, n, deadline=100.0, size=n)
 
 
 ACKED, NACKED, RETURNED = "acked", "nacked", "returned"

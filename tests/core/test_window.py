@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from engine_support import entry_for
 from reliable_amqp._core.builder import build_message
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import PublisherClosed, PublishTimeout
 from reliable_amqp._core.message import new_confirmation
-from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Barrier, Window
 
 
@@ -22,7 +23,7 @@ def resolved(index: int, size: int = 0, ok: bool = True) -> Entry[Handle]:
     """The resolved entry of the message issued ``index``-th, of ``size`` body bytes."""
     message = build_message("x", "rk", bytes(size))
     result = new_confirmation(message.message_id, 1) if ok else PublisherClosed(message, 0)
-    return Entry(message, Handle(index), 1.0, size, index=index, outcome=result)
+    return entry_for(message, Handle(index), 1.0, size, index=index, outcome=result)
 
 
 def fill(window: Window, sizes: list[int]) -> list[int]:

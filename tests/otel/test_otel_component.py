@@ -29,6 +29,7 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from engine_support import entry_for
 from otel_support import Otel, make_otel, points_by, stats
 from reliable_amqp import (
     Confirmation,
@@ -40,8 +41,8 @@ from reliable_amqp import (
     PublisherOptions,
 )
 from reliable_amqp._core.builder import build_message
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.message import MessageProperties
-from reliable_amqp._core.tracker import Entry
 from reliable_amqp._otel import telemetry_for
 from reliable_amqp._otel._metrics import (
     BLOCKED_TIME,
@@ -74,7 +75,7 @@ def _message(
 ) -> Entry[None]:
     """A message as a publisher holds it while in flight (its entry)."""
     message = build_message(exchange, routing_key, body, mandatory=False, properties=props)
-    return Entry(message, None, 0.0, len(body))
+    return entry_for(message, None)
 
 
 def _on(otel: Otel, **kwargs: Any) -> Telemetry:
@@ -319,7 +320,7 @@ def test_a_custom_subclass_is_always_asked() -> None:
 def test_headers_are_built_for_properties_objects(otel: Otel) -> None:
     telemetry = _on(otel)
     made = OutgoingMessage("x", "y", b"z", MessageProperties(message_id="m-1", priority=3))
-    _, sent = _start(telemetry, Entry(made, None, 0.0, 1))
+    _, sent = _start(telemetry, entry_for(made, None, size=1))
     assert sent.message.properties.priority == 3 and sent.message_id == "m-1"
     assert set(sent.message.properties.headers or {}) == {"traceparent"}
 

@@ -39,10 +39,11 @@ from reliable_amqp._compat.aiormq import (
     watch_blocked,
     write_payload,
 )
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
 from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
 from reliable_amqp._core.topology import Topology
-from reliable_amqp._core.tracker import ATTEMPT_HEADER, Entry
+from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
 E = TypeVar("E", bound="Entry[Any]")
 

@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 from reliable_amqp._compat.futures import watched_async
 from reliable_amqp._core.engine import PublishEngine
+from reliable_amqp._core.entry import Entry, new_entry
 from reliable_amqp._core.errors import PublisherClosed
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, as_message
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.supervisor import Supervisor
-from reliable_amqp._core.tracker import Entry, new_entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._logs import report_spool_failed
 from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed

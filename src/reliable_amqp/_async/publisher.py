@@ -29,6 +29,7 @@ from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._async._pump import Pump
 from reliable_amqp._async._spooled import AsyncEntry, AsyncSpooled, Handle, hand_over
 from reliable_amqp._core.builder import MessageBuilder
+from reliable_amqp._core.entry import CONFIRMED, new_entry
 from reliable_amqp._core.errors import (
     ConfigurationError,
     OperationTimeout,
@@ -39,7 +40,6 @@ from reliable_amqp._core.message import Confirmation, new_confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
-from reliable_amqp._core.tracker import CONFIRMED, new_entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
@@ -441,15 +441,15 @@ class AsyncPublisher(
         for entry in resolutions:
             future = entry.handle
             if not future.done():  # done: the caller cancelled it; the message was settled
-                result = entry.resolution
-                if result is CONFIRMED:  # (entry.outcome, inlined: the entry is let go next)
+                outcome = entry.raw_outcome
+                if outcome is CONFIRMED:  # (entry.outcome, inlined: the entry is let go next)
                     future.set_result(new_confirmation(entry.message_id, entry.attempts))
-                elif isinstance(result, Confirmation):
-                    future.set_result(result)
-                elif isinstance(result, BaseException):
-                    if spool is not None and isinstance(result, PublisherClosed):
-                        result = result.kept_in_spool(spool)  # what the feed keeps there
-                    future.set_exception(result)
+                elif isinstance(outcome, Confirmation):
+                    future.set_result(outcome)
+                elif isinstance(outcome, BaseException):
+                    if spool is not None and isinstance(outcome, PublisherClosed):
+                        outcome = outcome.kept_in_spool(spool)  # what the feed keeps there
+                    future.set_exception(outcome)
                     if self._open.reported:  # counted in that report: not one log line each
                         future.exception()
         for barrier in self._window.release(resolutions):

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+from reliable_amqp._core.entry import CONFIRMED, Entry, Stage
 from reliable_amqp._core.errors import (
     REPLY_CODE_ERRORS,
     DeliveryTimeout,
@@ -32,11 +33,7 @@ from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.stats import Counters, Stats
 from reliable_amqp._core.tracker import (
     ATTEMPT_HEADER,
-    CONFIRMED,
     ConfirmTracker,
-    Entry,
-    Outcome,
-    Stage,
     attempt_tag,
     returns_altered,
 )
@@ -45,7 +42,6 @@ E = TypeVar("E", bound="Entry[Any]")
 
 # module globals: cheaper on the hot path than enum attribute lookups
 WAITING, WIRE, BACKOFF, DONE = Stage.WAITING, Stage.WIRE, Stage.BACKOFF, Stage.DONE
-_ACKED, _NACKED = Outcome.ACKED, Outcome.NACKED
 
 # Codes with which a broker closes a channel because of one publish. A message that keeps
 # causing them must fail; anything else (320 forced, 541 internal, a lost socket) is the
@@ -105,7 +101,7 @@ class PublishEngine(Generic[E]):
 
     def accept(self, entries: Sequence[E], now: float) -> None:
         """Take messages, queued to be written in this order: fresh entries
-        (:func:`~reliable_amqp._core.tracker.new_entry`, or the sync publisher's futures), each
+        (:func:`~reliable_amqp._core.entry.fresh_entry`, or the sync publisher's futures), each
         with its ``index`` (its issue number in the window) and ``handle`` set by the adapter.
         """
         deadline = now + self.delivery_timeout
@@ -215,14 +211,14 @@ class PublishEngine(Generic[E]):
             if entry.state is not WIRE:  # expired or closed meanwhile; already resolved
                 continue
             if entry.returned is not None or entry.isolated:
-                done = self._resolve_one(entry, _ACKED, now)
+                done = self._resolve_one(entry, True, now)
                 if done is not None:
                     resolved.append(done)
                 continue
             # _finish() for a confirm, inlined: this loop runs for every confirmed message
             entry.state = DONE
             latencies.append(now - entry.accepted)
-            entry.resolution = CONFIRMED  # its Confirmation is built if asked for
+            entry.raw_outcome = CONFIRMED  # its Confirmation is built if asked for
             resolved.append(entry)
             confirmed += 1
         self._live -= confirmed
@@ -239,7 +235,7 @@ class PublishEngine(Generic[E]):
         resolved: list[E] = []
         for entry in self.tracker.settle(generation, tag, multiple):
             if entry.state is WIRE:
-                done = self._resolve_one(entry, _NACKED, now)
+                done = self._resolve_one(entry, False, now)
                 if done is not None:
                     resolved.append(done)
         return resolved
@@ -384,9 +380,10 @@ class PublishEngine(Generic[E]):
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _resolve_one(self, entry: E, outcome: Outcome, now: float) -> E | None:
-        """Settle one entry that was on the wire: resolved (returned) or None (retried)."""
-        if outcome is _ACKED:
+    def _resolve_one(self, entry: E, acked: bool, now: float) -> E | None:
+        """Settle one entry that was on the wire, acked or nacked: resolved (returned, failed)
+        or None (retried)."""
+        if acked:
             if entry.returned is None:
                 self.counters.latencies.append(now - entry.accepted)
                 return self._finish(entry, new_confirmation(entry.message_id, entry.attempts))
@@ -407,25 +404,25 @@ class PublishEngine(Generic[E]):
             return None
         return self._finish(entry, MessageNacked(entry.message, entry.attempts))
 
-    def _finish(self, entry: E, result: Confirmation | PublishError) -> E:
+    def _finish(self, entry: E, outcome: Confirmation | PublishError) -> E:
         entry.state = DONE
         self._live -= 1
         if entry.isolated:
             self._isolated -= 1
         counters = self.counters
-        if isinstance(result, Confirmation):
+        if isinstance(outcome, Confirmation):
             counters.confirmed += 1
-        elif isinstance(result, MessageNacked):
+        elif isinstance(outcome, MessageNacked):
             counters.failed_nacked += 1
-        elif isinstance(result, MessageReturned):
+        elif isinstance(outcome, MessageReturned):
             counters.returned += 1
-        elif isinstance(result, MessageRejected):
+        elif isinstance(outcome, MessageRejected):
             counters.rejected += 1
-        elif isinstance(result, DeliveryTimeout):
+        elif isinstance(outcome, DeliveryTimeout):
             counters.timed_out += 1
         else:
             counters.closed += 1
-        entry.outcome = result
+        entry.raw_outcome = outcome
         return entry
 
     def stats(self) -> Stats:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.engine import PublishEngine, is_permanent_channel_close
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     InvalidMessage,
@@ -31,7 +32,6 @@ from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import EventKind
-from reliable_amqp._core.tracker import Entry
 
 E = TypeVar("E", bound="Entry[Any]")
 

@@ -12,42 +12,19 @@ that covers tags it had nacked one by one just before.
 
 from __future__ import annotations
 
-import enum
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from functools import partial
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from sortedcontainers import SortedDict
 
-from reliable_amqp._core.errors import PublishError
+# Entry re-exported for _spool/_feed, which imports it from here (that package is split
+# elsewhere at the time of writing; the entry's home is _core/entry)
+from reliable_amqp._core.entry import Entry as Entry  # noqa: PLC0414
 from reliable_amqp._core.frames import headers_match
-from reliable_amqp._core.message import (
-    Confirmation,
-    MessageParts,
-    MessageProperties,
-    OutgoingMessage,
-    as_message,
-    new_confirmation,
-    with_headers,
-)
 
-H = TypeVar("H")
 E = TypeVar("E", bound="Entry[Any]")
 
-
-class Confirmed:
-    """The raw outcome of a confirmed entry (:data:`CONFIRMED`): its :class:`Confirmation` is
-    built from the entry when something asks for it (``Entry.outcome``, ``future.result()``).
-    A confirm then makes no object per message, and most futures are never asked."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "CONFIRMED"
-
-
-CONFIRMED = Confirmed()
 
 _SEQ_BITS = 40  # 1e12 publishes per channel before a generation would overflow into the next
 _SEQ_MASK = (1 << _SEQ_BITS) - 1
@@ -69,211 +46,6 @@ def returns_altered(headers: Mapping[str, Any]) -> bool:
     matched to it.
     """
     return "BCC" in headers
-
-
-class Stage(enum.Enum):
-    """Where an accepted message is; the engine moves it (compared with ``is``: cheap)."""
-
-    #: queued to be written (first time, after a channel loss, or after a nack's backoff)
-    WAITING = "waiting"
-    #: written; its confirm is awaited
-    WIRE = "wire"
-    #: nacked; waiting for its retry time
-    BACKOFF = "backoff"
-    #: resolved: confirmed or failed, exactly once
-    DONE = "done"
-
-
-class Outcome(enum.Enum):
-    """How the broker settled one publish attempt (an acked one that was returned has
-    :attr:`Entry.returned` set)."""
-
-    ACKED = "acked"
-    NACKED = "nacked"
-
-
-class Entry(MessageParts, Generic[H]):
-    """One accepted message in flight and its bookkeeping; ``handle`` is the adapter's (the
-    async publisher's future; the sync publisher's entries are their own futures).
-
-    Not a message to the user: it holds a message's parts (what the encoders read, as an
-    :class:`OutgoingMessage` has them) and :attr:`message` builds the plain
-    :class:`OutgoingMessage` errors carry, once, when something asks. A message in flight is one
-    object for the garbage collector: ``publish()`` builds it (:func:`new_entry`) and the
-    engine takes it (:meth:`PublishEngine.accept` sets the rest). Every field is a slot: an
-    instance dict would be a second object. Entries compare by identity.
-    """
-
-    __slots__ = (
-        "_message",
-        "accepted",
-        "attempts",
-        "base",
-        "body",
-        "deadline",
-        "exchange",
-        "handle",
-        "index",
-        "isolated",
-        "key",
-        "mandatory",
-        "message_id",
-        "nacks",
-        "resolution",
-        "returned",
-        "routing_key",
-        "size",
-        "state",
-    )
-
-    # the message's parts: exchange, routing_key, body, base (shared between messages:
-    # replaced, never changed), mandatory, message_id (MessageParts)
-    handle: H
-    deadline: float
-    size: int
-    attempts: int
-    #: packed (generation, seq) of the current attempt while on the wire, else -1
-    key: int
-    returned: tuple[int, str] | None
-    #: in flight when the broker closed the channel or connection and named no culprit: sent
-    #: alone from then on, so the next such close names it
-    isolated: bool
-    #: how many nacks this message has had (the nack retry policy counts these)
-    nacks: int
-    #: when the message was accepted (the clock the adapter passes in)
-    accepted: float
-    #: where the message is (see PublishEngine)
-    state: Stage
-    #: what the engine resolved it to: CONFIRMED (the :class:`Confirmation` is built when
-    #: :attr:`outcome` is asked), a Confirmation, the PublishError, or None (unresolved)
-    resolution: Confirmed | Confirmation | PublishError | None
-    #: its issue number in the publisher's window (flush() counts by it)
-    index: int
-    _message: OutgoingMessage | None
-
-    def __init__(  # noqa: PLR0917
-        self,
-        message: OutgoingMessage,
-        handle: H,
-        deadline: float,
-        size: int,
-        attempts: int = 0,
-        key: int = -1,
-        returned: tuple[int, str] | None = None,
-        isolated: bool = False,
-        nacks: int = 0,
-        accepted: float = 0.0,
-        state: Stage = Stage.WAITING,
-        outcome: Confirmation | PublishError | None = None,
-        index: int = 0,
-    ) -> None:
-        self.exchange = message.exchange
-        self.routing_key = message.routing_key
-        self.body = message.body
-        self.base = message.base
-        self.mandatory = message.mandatory
-        self.message_id = message.message_id
-        self._message = message
-        self.handle = handle
-        self.deadline = deadline
-        self.size = size
-        self.attempts = attempts
-        self.key = key
-        self.returned = returned
-        self.isolated = isolated
-        self.nacks = nacks
-        self.accepted = accepted
-        self.state = state
-        self.resolution = outcome
-        self.index = index
-
-    @property
-    def message(self) -> OutgoingMessage:
-        """The message as an :class:`OutgoingMessage` (what errors carry), built once."""
-        message = self._message
-        if message is None:
-            message = self._message = as_message(self)
-        return message
-
-    def add_headers(self, extra: Mapping[str, Any]) -> None:
-        """Add ``extra`` to the message's headers (they win over its own): its properties,
-        often shared with other messages, are replaced, never changed."""
-        base = self.base
-        self.base = with_headers(base, {**base.headers, **extra} if base.headers else {**extra})
-        self._message = None
-
-    @property
-    def outcome(self) -> Confirmation | PublishError | None:
-        """The outcome, once resolved: a :class:`Confirmation` or the :class:`PublishError`."""
-        resolution = self.resolution
-        if isinstance(resolution, Confirmed):
-            confirmation = new_confirmation(self.message_id, self.attempts)
-            self.resolution = confirmation
-            return confirmation
-        return resolution
-
-    @outcome.setter
-    def outcome(self, value: Confirmation | PublishError | None) -> None:
-        self.resolution = value
-
-    @property
-    def ok(self) -> bool:
-        """True when the message was confirmed."""
-        resolution = self.resolution
-        return resolution is CONFIRMED or isinstance(resolution, Confirmation)
-
-    def __repr__(self) -> str:
-        return (
-            f"<Entry {self.message_id!r} to {self.exchange!r}/{self.routing_key!r} "
-            f"{self.state.value}, {self.attempts} attempts>"
-        )
-
-
-_new = object.__new__
-
-
-_WAITING = Stage.WAITING
-
-
-def fresh_entry(  # noqa: PLR0917
-    cls: type[E],
-    exchange: str,
-    routing_key: str,
-    body: bytes,
-    base: MessageProperties,
-    mandatory: bool,
-    message_id: str,
-) -> E:
-    """:func:`new_entry` for ``cls``, ``Entry`` or a subclass (the sync publisher's future),
-    whose own fields the caller sets."""
-    # Plain attribute stores on slots: the interpreter's cheapest store
-    entry: E = _new(cls)
-    entry.exchange = exchange
-    entry.routing_key = routing_key
-    entry.body = body
-    entry.base = base
-    entry.mandatory = mandatory
-    entry.message_id = message_id
-    entry._message = None
-    entry.handle = None
-    # a fresh entry's bookkeeping (Entry.__init__'s defaults); accepting sets the rest
-    entry.size = len(body)
-    entry.index = 0
-    entry.attempts = 0
-    entry.key = -1
-    entry.returned = None
-    entry.isolated = False
-    entry.nacks = 0
-    entry.state = _WAITING
-    entry.resolution = None
-    return entry
-
-
-#: :func:`fresh_entry` for an :class:`Entry`: a message to publish, from checked parts (``base``
-#: has no message_id), built fast as the entry an engine will take
-new_entry: Callable[[str, str, bytes, MessageProperties, bool, str], Entry[Any]] = partial(
-    fresh_entry, Entry
-)
 
 
 def pack_key(generation: int, seq: int) -> int:

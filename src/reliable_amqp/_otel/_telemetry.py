@@ -34,11 +34,11 @@ from opentelemetry.trace import (
     set_span_in_context,
 )
 
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.message import (
     Confirmation,
 )
 from reliable_amqp._core.stats import PublisherEvent, Stats
-from reliable_amqp._core.tracker import Entry
 from reliable_amqp._otel._metrics import Instruments, Member, SentKey
 from reliable_amqp._otel._sampling import DropRule
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from reliable_amqp._compat.futures import LightFuture, SharedLockCondition
+from reliable_amqp._core.entry import Entry, fresh_entry
 from reliable_amqp._core.message import Confirmation, MessageProperties
-from reliable_amqp._core.tracker import Entry, fresh_entry
 from reliable_amqp._logs import report_unretrieved
 
 __all__ = [
@@ -82,7 +82,7 @@ class PublishFuture(LightFuture[Confirmation], Entry[Any]):
             raise
         if isinstance(result, Confirmation):
             return result
-        # settled with the entry's raw resolution (CONFIRMED): its Confirmation is built now
+        # settled with the entry's raw outcome (CONFIRMED): its Confirmation is built now
         outcome = self.outcome
         assert isinstance(outcome, Confirmation)
         return outcome
@@ -124,7 +124,7 @@ def future_factory(
     condition: SharedLockCondition, guard: WaitGuard | None
 ) -> Callable[[str, str, bytes, MessageProperties, bool, str], PublishFuture]:
     """How a publisher makes the future of a ``publish()``: the message and its entry too,
-    built from checked parts (what :func:`~reliable_amqp._core.tracker.new_entry` does)."""
+    built from checked parts (what :data:`~reliable_amqp._core.entry.new_entry` does)."""
 
     def new_future(  # noqa: PLR0917
         exchange: str,

@@ -168,10 +168,10 @@ class Handoff:
         if self.telemetry is not None:  # before the futures: a span ends with its message
             self.telemetry.on_resolved(resolutions)
         # a future the caller cancelled is left as it is; the message was still settled. A
-        # confirmed one keeps its raw resolution (CONFIRMED: the Confirmation is built by
+        # confirmed one keeps its raw outcome (CONFIRMED: the Confirmation is built by
         # future.result(), if anyone asks).
         # A failed one nobody retrieves is reported when it is collected (_future.failed).
-        outcomes = [e.resolution for e in resolutions]
+        outcomes = [e.raw_outcome for e in resolutions]
         settle(self.futures, resolutions, outcomes, report_if_unretrieved)
         spooled = self.spooled
         with self.lock:  # held briefly: publishing threads wait on this lock
@@ -190,9 +190,9 @@ class Handoff:
         spooled = self.spooled
         if spooled is not None:
             for entry in resolutions:
-                error = entry.resolution
+                error = entry.raw_outcome
                 if isinstance(error, PublisherClosed):
-                    entry.resolution = error.kept_in_spool(spooled.directory)
+                    entry.raw_outcome = error.kept_in_spool(spooled.directory)
         self.resolve(resolutions)
         if self.closing_unclosed:
             for future in resolutions:
