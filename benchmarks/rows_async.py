@@ -41,7 +41,7 @@ from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
 from reliable_amqp._async import AsyncPublisher, _pump
-from reliable_amqp._core import supervisor
+from reliable_amqp._core import engine
 
 Row = dict[str, Any]
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
@@ -261,12 +261,12 @@ async def async_publisher_pamqp(url: str, count: int, body: bytes) -> Row:
 
 async def async_publisher_unbatched(url: str, count: int, body: bytes) -> Row:
     """AsyncPublisher writing one message per write-queue entry and socket drain."""
-    original = supervisor.BATCH_COUNT
-    supervisor.BATCH_COUNT = 1  # read by Supervisor.write() at each batch
+    original = engine.BATCH_COUNT
+    engine.BATCH_COUNT = 1  # read by PublishEngine.write() at each batch
     try:
         row = await async_publisher(url, count, body)
     finally:
-        supervisor.BATCH_COUNT = original
+        engine.BATCH_COUNT = original
     return {**row, "name": "AsyncPublisher, one write per message"}
 
 

@@ -142,7 +142,7 @@ class PublisherSurface(Generic[D, Q, F, L]):
     def stats(self) -> Stats:
         """Counters (published, confirmed, nacked, returned, rejected, republished, timed out,
         ...), the in-flight gauge and a confirm-latency summary."""
-        return self._supervisor.engine.stats()
+        return self._supervisor.stats()
 
     @property
     def in_flight(self) -> int:

@@ -9,10 +9,11 @@ import pytest
 
 from engine_support import accept
 from reliable_amqp._core.builder import build_message
-from reliable_amqp._core.engine import PublishEngine, is_permanent_channel_close
+from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._core.supervisor import is_permanent_channel_close
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
 
@@ -100,7 +101,7 @@ def test_a_frame_error_with_one_message_on_the_wire_fails_that_message_alone() -
     for name in ("a", "b"):
         accept(engine, build_message("", "q", name.encode()), name, 0)
     assert _sent(engine, 1) == ["a"]
-    [failed] = engine.on_connection_error(501, "FRAME_ERROR - type 2, all octets", 1.0)
+    [failed] = engine.on_connection_lost((501, "FRAME_ERROR - type 2, all octets"), 1.0)
     assert failed.handle == "a" and not failed.ok
     assert type(failed.outcome).__name__ == "MessageRejected"
     assert "501" in str(failed.outcome)
@@ -113,7 +114,7 @@ def test_suspects_of_a_frame_error_go_one_at_a_time_until_the_culprit_is_named()
     for name in "abcd":
         accept(engine, build_message("", "q", name.encode()), name, 0)
     assert _sent(engine, 3) == ["a", "b", "c"]  # d is still waiting
-    assert engine.on_connection_error(501, "FRAME_ERROR", 1.0) == []  # who did it? not known
+    assert engine.on_connection_lost((501, "FRAME_ERROR"), 1.0) == []  # who did it? not known
     assert engine.isolating and engine.counters.republished == 3
     gen = engine.tracker.generation
     # a, b, c are suspects: each goes alone, the next only once the wire is empty
@@ -122,7 +123,7 @@ def test_suspects_of_a_frame_error_go_one_at_a_time_until_the_culprit_is_named()
     assert ok.handle == "a" and ok.ok
     assert _sent(engine, 5) == ["b"]
     # b is alone on the wire when the broker closes the connection again: b did it
-    [failed] = engine.on_connection_error(501, "FRAME_ERROR", 3.0)
+    [failed] = engine.on_connection_lost((501, "FRAME_ERROR"), 3.0)
     assert failed.handle == "b" and not failed.ok
     gen = engine.tracker.generation
     assert _sent(engine, 5) == ["c"]
@@ -139,7 +140,7 @@ def test_isolation_ends_when_the_suspects_expire_or_close() -> None:
     for name in "ab":
         accept(engine, build_message("", "q", name.encode()), name, 0)
     _sent(engine, 2)
-    engine.on_connection_error(502, "SYNTAX_ERROR", 1.0)
+    engine.on_connection_lost((502, "SYNTAX_ERROR"), 1.0)
     assert engine.isolating
     assert [r.handle for r in engine.close_all("closed")] == ["a", "b"]
     assert not engine.isolating

@@ -37,6 +37,7 @@ from reliable_amqp._core.errors import (
 )
 from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._core.supervisor import is_permanent_channel_close
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
 TIMEOUT = 10.0
@@ -53,6 +54,13 @@ CHANNEL_CLOSES = [
     (406, "PRECONDITION_FAILED - message size {size} is larger than configured max size 0"),
     (406, "PRECONDITION_FAILED - disk space low"),
 ]
+
+
+def _blame(code: int | None, text: str) -> tuple[int, str] | None:
+    """What the supervisor tells the engine of a channel close (Supervisor.channel_closed)."""
+    if code is not None and is_permanent_channel_close(code, text):
+        return code, text
+    return None
 
 
 def nack_delay(nacks: int) -> float:
@@ -404,7 +412,7 @@ class EngineMachine(RuleBasedStateMachine):
             m.state = "waiting"
         self.republished += len(again)
         self.queue.extendleft(reversed(again))
-        self._check(self.engine.on_channel_lost(code, text, self.now), expected)
+        self._check(self.engine.on_channel_lost(_blame(code, text), self.now), expected)
         assert self.engine.tracker.generation == self.generation
         assert len(self.engine.tracker) == 0
 
@@ -539,7 +547,7 @@ def test_channel_loss_republishes_unconfirmed_first_in_order_with_same_ids() -> 
     assert [r for r in engine.on_ack(0, 2, False, 0.0)] == [first[1]]
     later = _accept(engine, 2)
     ids = [e.message.message_id for e in first]
-    assert engine.on_channel_lost(None, "socket closed", 0.0) == []
+    assert engine.on_channel_lost(None, 0.0) == []
     again = _send_all(engine)
     assert again == [first[0], first[2], first[3], *later]
     assert [e.message.message_id for e in again[:3]] == [ids[0], ids[2], ids[3]]
@@ -557,7 +565,7 @@ def test_404_rejects_the_message_for_the_missing_exchange_and_republishes_the_re
         _accept(engine, 1, "X")[0],
     )
     _send_all(engine)
-    [rejected] = engine.on_channel_lost(404, NOT_FOUND_X, 1.0)
+    [rejected] = engine.on_channel_lost((404, NOT_FOUND_X), 1.0)
     assert rejected is bad
     assert isinstance(rejected.outcome, MessageRejected)
     assert rejected.outcome.reply_code == 404
@@ -570,7 +578,7 @@ def test_channel_close_naming_no_message_fails_the_message_alone_on_the_wire() -
     [entry] = _accept(engine, 1)
     text = "NOT_FOUND - no exchange 'elsewhere' in vhost '/'"
     _send_all(engine)
-    [rejected] = engine.on_channel_lost(404, text, 0.0)
+    [rejected] = engine.on_channel_lost((404, text), 0.0)
     assert rejected is entry and isinstance(rejected.outcome, MessageRejected)
     assert rejected.outcome.attempts == 1
 
@@ -580,7 +588,7 @@ def test_channel_close_naming_no_message_isolates_then_names_the_culprit() -> No
     entries = _accept(engine, 3)
     text = "PRECONDITION_FAILED - unacceptable_type_in_header"
     _send_all(engine)
-    assert engine.on_channel_lost(406, text, 0.0) == []  # three in flight: who did it?
+    assert engine.on_channel_lost((406, text), 0.0) == []  # three in flight: who did it?
     assert engine.isolating
     first = _next(engine)
     assert first is entries[0]
@@ -591,7 +599,7 @@ def test_channel_close_naming_no_message_isolates_then_names_the_culprit() -> No
     second = _next(engine)
     assert second is entries[1]
     engine.mark_sent(second)
-    [rejected] = engine.on_channel_lost(406, text, 2.0)  # alone: second did it
+    [rejected] = engine.on_channel_lost((406, text), 2.0)  # alone: second did it
     assert rejected is entries[1] and isinstance(rejected.outcome, MessageRejected)
     assert _send_all(engine) == [entries[2]]
 
@@ -609,7 +617,7 @@ def test_channel_closes_that_blame_no_message_reject_nothing(code: int | None, t
     engine = _engine()
     entries = _accept(engine, 2, "X")
     _send_all(engine)
-    assert engine.on_channel_lost(code, text, 0.0) == []
+    assert engine.on_channel_lost(_blame(code, text), 0.0) == []
     assert _send_all(engine) == entries
 
 
@@ -618,7 +626,7 @@ def test_406_with_a_size_rejects_the_message_of_that_size() -> None:
     entries = _accept(engine, 3)  # bodies of 1, 2 and 3 bytes
     _send_all(engine)
     text = "PRECONDITION_FAILED - message size 2 is larger than configured max size 1"
-    [rejected] = engine.on_channel_lost(406, text, 0.0)
+    [rejected] = engine.on_channel_lost((406, text), 0.0)
     assert rejected is entries[1]
 
 
@@ -675,7 +683,7 @@ def test_returned_then_acked_resolves_as_returned_and_a_stale_return_is_ignored(
     returned = accept(engine, build_message("good", "rk", b"a", mandatory=True), 0, 0.0)
     other = accept(engine, build_message("good", "rk", b"b", mandatory=True), 1, 0.0)
     tags = [engine.mark_sent(e)[ATTEMPT_HEADER] for e in _take(engine, 2)]  # type: ignore[index]
-    engine.on_channel_lost(None, "lost", 0.0)
+    engine.on_channel_lost(None, 0.0)
     _take_and_send(engine, 2)
     engine.on_return(tags[1], 312, "NO_ROUTE")  # a return for the attempt before the loss
     engine.on_return(f"{engine.tracker.generation}.1", 312, "NO_ROUTE")

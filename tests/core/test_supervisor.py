@@ -12,6 +12,7 @@ import pytest
 
 from engine_support import accept as accept_entry
 from reliable_amqp._core.builder import build_message
+from reliable_amqp._core.engine import BATCH_BYTES, BATCH_COUNT
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
@@ -28,13 +29,7 @@ from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import EventKind, PublisherEvent
-from reliable_amqp._core.supervisor import (
-    BATCH_BYTES,
-    BATCH_COUNT,
-    GiveUp,
-    Reconnect,
-    Supervisor,
-)
+from reliable_amqp._core.supervisor import GiveUp, Reconnect, Supervisor
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 
 URLS = ("amqp://u:s3cret@a/", "amqp://b/", "amqp://c/")

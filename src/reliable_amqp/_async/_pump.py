@@ -64,7 +64,6 @@ class Pump(Generic[E]):
     ) -> None:
         self.supervisor = supervisor
         self.options = supervisor.options
-        self.engine = supervisor.engine
         self.source = source
         self.topology = topology
         self.settle = settle
@@ -163,7 +162,7 @@ class Pump(Generic[E]):
                 self._silent = silent
                 drop_silent(watched)
         self.settle(self.supervisor.tick(now))
-        if self.engine.has_sendable():
+        if self.supervisor.has_sendable():
             self._wakeup.set()
         self.schedule()
 
@@ -191,7 +190,7 @@ class Pump(Generic[E]):
         """``basic.return``: the ack that follows settles the message as returned."""
         attempt = headers.get(ATTEMPT_HEADER) if isinstance(headers, dict) else None
         message_id, exchange, routing_key, body = returned
-        self.engine.on_return(
+        self.supervisor.on_return(
             attempt,
             reply_code,
             text,
@@ -206,18 +205,18 @@ class Pump(Generic[E]):
         connection = channel.connection
         number = channel.number
         generation = channel.generation
-        engine = self.engine
         supervisor = self.supervisor
+        has_sendable = supervisor.has_sendable
         wakeup = self._wakeup
         while True:
-            if not engine.has_sendable():
+            if not has_sendable():
                 wakeup.clear()
                 await wakeup.wait()
                 continue
             await wait_writable(connection)  # shared with heartbeats and other channels
             # From this check to write_payload nothing yields: every message marked sent below is
             # written to a channel that was open, so the tracker's seqs are the broker's tags.
-            if not channel.writable or generation != engine.tracker.generation:
+            if not channel.writable or generation != supervisor.generation:
                 return
             if not supervisor.writable:  # blocked: wait for unblocked (or the channel's end)
                 wakeup.clear()
@@ -316,7 +315,7 @@ class Pump(Generic[E]):
                 return AmqpConnectionError("connection lost")
             try:
                 channel = await open_confirm_channel(
-                    connection, self, self.engine.tracker.generation, self.options.connect_timeout
+                    connection, self, supervisor.generation, self.options.connect_timeout
                 )
             except asyncio.CancelledError:
                 raise

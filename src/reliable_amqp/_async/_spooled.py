@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 
 from reliable_amqp._compat.futures import watched_async
-from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.entry import Entry, new_entry
 from reliable_amqp._core.errors import PublisherClosed
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, as_message
@@ -36,17 +35,17 @@ AsyncEntry = Entry[Handle]
 
 
 def hand_over(
-    engine: PublishEngine[AsyncEntry],
+    supervisor: Supervisor[AsyncEntry],
     entry: AsyncEntry,
     index: int,
     loop: asyncio.AbstractEventLoop,
 ) -> Handle:
-    """Queue ``entry`` in ``engine`` with its issue number ``index`` in the window and a new
+    """Queue ``entry`` in the engine with its issue number ``index`` in the window and a new
     future of ``loop`` as its handle; that future (the caller's)."""
     future: Handle = loop.create_future()
     entry.handle = future
     entry.index = index
-    engine.accept((entry,), time.monotonic())
+    supervisor.accept((entry,), time.monotonic())
     return future
 
 
@@ -65,7 +64,6 @@ class AsyncSpooled:
         self.feed: SpoolFeed[Handle] = SpoolFeed.open(options, watched_async)
         self.spool = self.feed.spool
         self._supervisor = supervisor
-        self._engine = supervisor.engine
         self._window = window
         self._wake = wake
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -97,7 +95,7 @@ class AsyncSpooled:
         index = feed.append_direct(message, self._window)  # InvalidMessage: cannot be stored
         if not index:
             return None
-        future = hand_over(self._engine, message, index, loop)
+        future = hand_over(self._supervisor, message, index, loop)
         self._wake()
         return future
 
@@ -142,7 +140,7 @@ class AsyncSpooled:
         if feed.direct(seq) and not queued() and window.fits(body_size):
             index = window.take(body_size)
             feed.track(index, seq, size)
-            future = hand_over(self._engine, message, index, loop)
+            future = hand_over(self._supervisor, message, index, loop)
             self._wake()
         else:  # left on disk: read back when confirms free room, its future kept till then
             future = loop.create_future()
@@ -277,7 +275,7 @@ class AsyncSpooled:
             feed.track(read.index, entry.seq, entry.size)
             items.append(read)
         if items:
-            self._engine.accept(items, time.monotonic())
+            self._supervisor.accept(items, time.monotonic())
             self._wake()
             if window.free_slots() > 0:
                 self.schedule_refill()  # more room: the next chunk after what is queued

@@ -116,7 +116,6 @@ class AsyncPublisher(
         self._supervisor: Supervisor[AsyncEntry] = Supervisor(
             self.options, borrowed=connection is not None
         )
-        self._engine = self._supervisor.engine
         #: checks and builds each message: as an engine entry (the caller's future its handle)
         self._builder: MessageBuilder[AsyncEntry] = self._init_builder(new_entry)
         self._window = Window(self.options.max_in_flight, self.options.max_in_flight_bytes)
@@ -221,7 +220,7 @@ class AsyncPublisher(
                 left = await self.flush(wait)
         finally:
             # Even when aclose() itself is cancelled, nothing stays unresolved.
-            self._resolve(self._engine.close_all("publisher closed"))
+            self._resolve(self._supervisor.shutdown())
             pump.stop()
         await pump.join()
         if self._spooled is not None:  # what is left stays in the spool for the next publisher
@@ -291,7 +290,7 @@ class AsyncPublisher(
             index = window.take(size)
         if self._telemetry is not None:  # the span starts once nothing can refuse it
             self._telemetry.on_publish(message, index)
-        future = hand_over(self._engine, message, index, pump.loop)
+        future = hand_over(self._supervisor, message, index, pump.loop)
         pump.wake()
         return future
 
@@ -327,7 +326,7 @@ class AsyncPublisher(
                 message.handle = future
                 if telemetry is not None:  # the span starts once nothing can refuse it
                     telemetry.on_publish(message, message.index)
-            self._engine.accept(taken, time.monotonic())
+            self._supervisor.accept(taken, time.monotonic())
             done += len(taken)
             self._pump.wake()
         return futures

@@ -20,14 +20,15 @@ from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.entry import CONFIRMED, Entry, Stage
 from reliable_amqp._core.errors import (
-    REPLY_CODE_ERRORS,
     DeliveryTimeout,
+    InvalidMessage,
     MessageNacked,
     MessageRejected,
     MessageReturned,
     PublisherClosed,
     PublishError,
 )
+from reliable_amqp._core.frames import PublishEncoder, publish_frames
 from reliable_amqp._core.message import Confirmation, new_confirmation
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.stats import Counters, Stats
@@ -43,22 +44,21 @@ E = TypeVar("E", bound="Entry[Any]")
 # module globals: cheaper on the hot path than enum attribute lookups
 WAITING, WIRE, BACKOFF, DONE = Stage.WAITING, Stage.WIRE, Stage.BACKOFF, Stage.DONE
 
-# Codes with which a broker closes a channel because of one publish. A message that keeps
-# causing them must fail; anything else (320 forced, 541 internal, a lost socket) is the
-# connection's fault and the messages are republished.
+# What the reply text of a close that blames a message says about which one it was
 _EXCHANGE_IN_TEXT = re.compile(r"exchange '((?:[^']|'')*)'")
 _SIZE_IN_TEXT = re.compile(r"message size (\d+)")
 
+#: publishes written per batch: confirms are read between batches
+BATCH_COUNT = 2000
+#: body bytes per batch: a large body goes out in a write of its own
+BATCH_BYTES = 1 << 20
 
-def is_permanent_channel_close(reply_code: int | None, reply_text: str) -> bool:
-    """Whether a channel close with this code blames a message (not the connection)."""
-    if reply_code is None:
-        return False
-    if reply_code == 406 and "disk" in reply_text.lower():
-        # LavinMQ closes channels with 406 when its disk is low: a resource problem, retriable.
-        return False
-    cls = REPLY_CODE_ERRORS.get(reply_code)
-    return cls is not None and not cls.retriable and reply_code != 320
+#: what encoding a message's frames can raise (a gap in publish()'s checks)
+ENCODE_ERRORS = (InvalidMessage, TypeError, ValueError, OverflowError)
+
+
+def _unencodable(entry: Entry[Any], exc: Exception) -> MessageRejected:
+    return MessageRejected(entry.message, entry.attempts, 0, f"could not be encoded: {exc}")
 
 
 class PublishEngine(Generic[E]):
@@ -92,6 +92,7 @@ class PublishEngine(Generic[E]):
         #: told of each message that goes out again, with "retry" (nacked, after its backoff)
         #: or "republish" (its channel or connection was lost): telemetry's span events
         self.on_resend: Callable[[E, str], None] | None = None
+        self._encoder: PublishEncoder | None = None  # for the channel and frame_max in use
 
     # --- accepting and sending --------------------------------------------------------------
 
@@ -122,6 +123,11 @@ class PublishEngine(Generic[E]):
         """True while suspects of a connection-level frame error are sent one at a time (the
         adapter writes again after each confirm)."""
         return self._isolated > 0
+
+    @property
+    def generation(self) -> int:
+        """The channel generation the next publishes go out on (confirms of another are stale)."""
+        return self.tracker.generation
 
     def take(self, max_count: int, max_bytes: int) -> tuple[list[E], bool]:
         """The next messages to write, in order, now on their way (``WIRE``).
@@ -197,6 +203,58 @@ class PublishEngine(Generic[E]):
             headers[self.dedup_header] = entry.message_id
         return headers
 
+    def write(
+        self, channel: int, frame_max: int, out: list[bytes | memoryview]
+    ) -> tuple[int, list[E]]:
+        """Append the frames of the next batch to ``out``: (messages written, resolved
+        entries), by the rules of :meth:`take`, :meth:`sent`, :meth:`mark_sent` and
+        :meth:`take_back`.
+
+        At most :data:`BATCH_COUNT` messages or :data:`BATCH_BYTES` body bytes; bodies are split
+        at ``frame_max``. A message whose frames cannot be encoded (a gap in ``publish()``'s
+        checks) is taken back and fails alone with :class:`MessageRejected`; the batch goes on.
+        """
+        count = size = 0
+        failed: list[E] = []
+        encoder = self._encoder
+        if encoder is None or encoder.channel != channel or encoder.frame_max != frame_max:
+            encoder = self._encoder = PublishEncoder(channel, frame_max)
+        encode = encoder.encode
+        while count < BATCH_COUNT and size < BATCH_BYTES:
+            entries, as_made = self.take(BATCH_COUNT - count, BATCH_BYTES - size)
+            if not entries:
+                break
+            count += len(entries)
+            if as_made:
+                # frames that do not depend on the delivery tag: nothing to take back if
+                # encoding fails, and the run's publishes are recorded together after
+                written: list[E] = []
+                keep = written.append
+                try:
+                    for entry in entries:
+                        try:
+                            encode(entry, out)
+                        except ENCODE_ERRORS as exc:
+                            failed.append(self.fail(entry, _unencodable(entry, exc)))
+                            continue
+                        keep(entry)
+                        size += entry.size
+                finally:  # what went into out is recorded, whatever happens
+                    self.sent(written)
+            else:
+                [entry] = entries
+                headers = self.mark_sent(entry)
+                mark = len(out)
+                try:
+                    publish_frames(channel, entry, headers, frame_max, out)
+                except ENCODE_ERRORS as exc:
+                    del out[mark:]
+                    self.take_back(entry)
+                    failed.append(self.fail(entry, _unencodable(entry, exc)))
+                    continue
+                size += entry.size
+        return count - len(failed), failed
+
     # --- frames from the broker ---------------------------------------------------------------
 
     def on_ack(self, generation: int, tag: int, multiple: bool, now: float) -> list[E]:
@@ -256,33 +314,40 @@ class PublishEngine(Generic[E]):
             attempt, reply_code, reply_text, returned=returned, generation=generation
         )
 
-    def on_channel_lost(self, reply_code: int | None, reply_text: str, now: float) -> list[E]:
-        """The channel (or its connection) is gone; its unconfirmed messages go out again.
+    def on_channel_lost(self, blame: tuple[int, str] | None, now: float) -> list[E]:
+        """The channel is gone, its connection still open; its unconfirmed messages go out
+        again on the next one, first and in their original order.
 
-        With a code that blames a message (404 missing exchange, 406 oversize, ...), the message
-        named by the reply text fails with :class:`MessageRejected`; when the text names none,
-        the culprit is found as for a frame error (:meth:`on_connection_error`): alone on the
-        wire it fails, else every message that was in flight goes out alone from then on. The
-        rest are queued first, in their original order.
+        ``blame`` is the (reply code, reply text) of a close that a message caused (404 missing
+        exchange, 406 oversize, ...; :meth:`Supervisor.channel_closed` decides), None when the
+        close blames none. The message its text names fails with :class:`MessageRejected`; when
+        the text names none, the culprit is found as for a connection's
+        (:meth:`on_connection_lost`).
         """
         unconfirmed = self.tracker.new_generation()
-        if reply_code is None or not is_permanent_channel_close(reply_code, reply_text):
+        if blame is None:
             return self._requeue(unconfirmed, None, 0, "")
+        reply_code, reply_text = blame
         culprit = _find_culprit(unconfirmed, reply_code, reply_text)
         if culprit is None:
             return self._isolate(unconfirmed, reply_code, reply_text)
         return self._requeue(unconfirmed, culprit, reply_code, reply_text)
 
-    def on_connection_error(self, reply_code: int, reply_text: str, now: float) -> list[E]:
-        """The broker closed the connection because of something a publish carried (501 frame
-        error, 502 syntax error, 505 unexpected frame, 541 internal error).
+    def on_connection_lost(self, blame: tuple[int, str] | None, now: float) -> list[E]:
+        """The connection is gone, and its channel with it; its unconfirmed messages go out
+        again on the next connection, first and in their original order.
 
-        Such a close has a culprit like a channel close, but the broker does not name it. A
-        message alone on the wire is it, and fails with :class:`MessageRejected`; when several
-        were in flight, each is marked and sent alone from now on, so the next such close (if
-        one comes) names its culprit. The others go out again, in order.
+        ``blame`` is the broker's ``connection.close`` (code, text) when something a publish
+        carried caused it (501 frame error, 502 syntax error, 505 unexpected frame, 541 internal
+        error; :meth:`Supervisor.connection_lost` decides), else None. Such a close has a
+        culprit, but the broker does not name it: a message alone on the wire is it, and fails
+        with :class:`MessageRejected`; when several were in flight, each is marked and sent
+        alone from now on, so the next such close (if one comes) names its culprit.
         """
-        return self._isolate(self.tracker.new_generation(), reply_code, reply_text)
+        unconfirmed = self.tracker.new_generation()
+        if blame is None:
+            return self._requeue(unconfirmed, None, 0, "")
+        return self._isolate(unconfirmed, *blame)
 
     def _isolate(self, unconfirmed: list[E], reply_code: int, reply_text: str) -> list[E]:
         wire = [e for e in unconfirmed if e.state is WIRE]

@@ -14,24 +14,23 @@ Not thread-safe: called from the I/O thread or the event loop only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from reliable_amqp._core.engine import PublishEngine, is_permanent_channel_close
+from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import (
+    REPLY_CODE_ERRORS,
     AmqpConnectionError,
-    InvalidMessage,
-    MessageRejected,
     PublishError,
     RecoveryFailed,
     ReliableAmqpError,
 )
-from reliable_amqp._core.frames import PublishEncoder, publish_frames
 from reliable_amqp._core.lifecycle import Lifecycle
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
-from reliable_amqp._core.stats import EventKind
+from reliable_amqp._core.stats import EventKind, Stats
 
 E = TypeVar("E", bound="Entry[Any]")
 
@@ -39,10 +38,6 @@ log = logging.getLogger("reliable_amqp")
 
 #: seconds to wait for the broker's close-ok (a stalled broker never sends one)
 CLOSE_GRACE = 2.0
-#: publishes written per batch: confirms are read between batches
-BATCH_COUNT = 2000
-#: body bytes per batch: a large body goes out in a write of its own
-BATCH_BYTES = 1 << 20
 #: AMQP's frame-min-size: no broker may negotiate a smaller frame_max
 FRAME_MIN_SIZE = 4096
 #: connection closes that blame something the client wrote (frame error, syntax error,
@@ -51,12 +46,18 @@ FRAME_MIN_SIZE = 4096
 CONNECTION_CULPRIT_CODES = frozenset({501, 502, 505, 541})
 
 
-#: what encoding a message's frames can raise (a gap in publish()'s checks)
-ENCODE_ERRORS = (InvalidMessage, TypeError, ValueError, OverflowError)
-
-
-def _unencodable(entry: Entry[Any], exc: Exception) -> MessageRejected:
-    return MessageRejected(entry.message, entry.attempts, 0, f"could not be encoded: {exc}")
+def is_permanent_channel_close(reply_code: int | None, reply_text: str) -> bool:
+    """Whether a channel close with this code blames a message (not the connection): a
+    message that keeps causing it must fail. Anything else (320 forced, 541 internal, a
+    resource problem, a lost socket) is the connection's fault and the messages are
+    republished."""
+    if reply_code is None:
+        return False
+    if reply_code == 406 and "disk" in reply_text.lower():
+        # LavinMQ closes channels with 406 when its disk is low: a resource problem, retriable.
+        return False
+    cls = REPLY_CODE_ERRORS.get(reply_code)
+    return cls is not None and not cls.retriable and reply_code != 320
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,15 @@ class Supervisor(Generic[E]):
         )
         self.state = StateMachine()
         self.events = Lifecycle(options.on_event, self.engine.counters)
+        engine = self.engine
+        # The engine's calls an adapter makes, as they are (no call of the supervisor's own
+        # between: these run per publish or per batch). The adapters call nothing else of it.
+        #: take entries (:meth:`PublishEngine.accept`)
+        self.accept = engine.accept
+        #: whether anything waits to be written (:meth:`PublishEngine.has_sendable`)
+        self.has_sendable = engine.has_sendable
+        #: a ``basic.return`` (:meth:`PublishEngine.on_return`)
+        self.on_return = engine.on_return
         #: True when the connection is lent by the caller and reconnects by itself
         self.borrowed = borrowed
         #: why the publisher gave up for good (wrong credentials, connect policy spent)
@@ -105,7 +115,6 @@ class Supervisor(Generic[E]):
         #: the frame_max the broker negotiated on the current (or last) connection; 0: unknown
         self.frame_max = 0
         self._heartbeat = 0  # negotiated on the current connection (0: no liveness checks)
-        self._encoder: PublishEncoder | None = None  # for the channel and frame_max in use
 
     # --- connecting ---------------------------------------------------------------------------
 
@@ -151,6 +160,20 @@ class Supervisor(Generic[E]):
         """True while suspects of a frame error go out one at a time: write after each confirm."""
         return self.engine.isolating
 
+    @property
+    def generation(self) -> int:
+        """The channel generation: the adapter tags a channel it opens with it, and hands it
+        back with each confirm and return from that channel (stale ones are ignored)."""
+        return self.engine.tracker.generation
+
+    def stats(self) -> Stats:
+        """A snapshot of the counters (safe to call from another thread)."""
+        return self.engine.stats()
+
+    def listen_resends(self, listener: Callable[[E, str], None] | None) -> None:
+        """Tell ``listener`` of each message that goes out again (telemetry's span events)."""
+        self.engine.on_resend = listener
+
     def channel_opened(self) -> bool:
         """The confirm-mode channel is open; False when the publisher is closing (the adapter
         then leaves it unused), True when messages may be written (unless blocked)."""
@@ -175,17 +198,17 @@ class Supervisor(Generic[E]):
 
         ``reply`` is the broker's ``connection.close`` (code, text) when it sent one. Whatever
         was on the wire is queued to go out again, in order, except the culprit of a close for
-        a frame or syntax error (see :meth:`PublishEngine.on_connection_error`). Returns the
+        a frame or syntax error (see :meth:`PublishEngine.on_connection_lost`). Returns the
         resolutions and what to do next: reconnect (to which URL, after how long), give up, or
         nothing (the publisher is closing).
         """
+        blame = None
         if reply is not None and reply[0] in CONNECTION_CULPRIT_CODES:
             # a message's doing (501, 502, 505): it fails with MessageRejected, and the retry's
             # WARNING below says the connection was lost and why; not a third time here
             log.debug("reliable-amqp: the broker closed the connection: %s %s", *reply)
-            resolutions = self.engine.on_connection_error(reply[0], reply[1], now)
-        else:
-            resolutions = self.engine.on_channel_lost(None, "connection lost", now)
+            blame = reply
+        resolutions = self.engine.on_connection_lost(blame, now)
         if self.stopping:
             return resolutions, None
         if loss is None:
@@ -243,13 +266,16 @@ class Supervisor(Generic[E]):
         0 after a permanent close (the culprit is out of the way), a backoff after a resource
         problem (LavinMQ's low disk, 506) so the broker is not hammered.
         """
-        resolutions = self.engine.on_channel_lost(reply_code, reply_text, now)
         # A permanent close (404, 406, ...) is a message's doing: that message fails with
         # MessageRejected (now, or once isolating the suspects one at a time found it), which
         # says all of this to the caller who holds it, so the library does not say it twice (a
         # failure nobody retrieves is reported as such). Any other close (a resource problem)
         # is the library's to report.
-        permanent = is_permanent_channel_close(reply_code, reply_text)
+        blame = None
+        if reply_code is not None and is_permanent_channel_close(reply_code, reply_text):
+            blame = (reply_code, reply_text)
+        permanent = blame is not None
+        resolutions = self.engine.on_channel_lost(blame, now)
         log.log(
             logging.DEBUG if permanent else logging.WARNING,
             "reliable-amqp: channel closed: %s %s",
@@ -302,54 +328,9 @@ class Supervisor(Generic[E]):
         return self.state.writable and not self.stopping
 
     def write(self, channel: int, out: list[bytes | memoryview]) -> tuple[int, list[E]]:
-        """Append the frames of the next batch to ``out``: (messages written, resolutions).
-
-        Bodies are split at the ``frame_max`` the connection negotiated. A message whose
-        frames cannot be encoded (a gap in ``publish()``'s checks) is taken back and fails alone
-        with :class:`MessageRejected`; the batch goes on.
-        """
-        engine = self.engine
-        frame_max = self.frame_max
-        count = size = 0
-        failed: list[E] = []
-        encoder = self._encoder
-        if encoder is None or encoder.channel != channel or encoder.frame_max != frame_max:
-            encoder = self._encoder = PublishEncoder(channel, frame_max)
-        encode = encoder.encode
-        while count < BATCH_COUNT and size < BATCH_BYTES:
-            entries, as_made = engine.take(BATCH_COUNT - count, BATCH_BYTES - size)
-            if not entries:
-                break
-            count += len(entries)
-            if as_made:
-                # frames that do not depend on the delivery tag: nothing to take back if
-                # encoding fails, and the run's publishes are recorded together after
-                written: list[E] = []
-                keep = written.append
-                try:
-                    for entry in entries:
-                        try:
-                            encode(entry, out)
-                        except ENCODE_ERRORS as exc:
-                            failed.append(engine.fail(entry, _unencodable(entry, exc)))
-                            continue
-                        keep(entry)
-                        size += entry.size
-                finally:  # what went into out is recorded, whatever happens
-                    engine.sent(written)
-            else:
-                [entry] = entries
-                headers = engine.mark_sent(entry)
-                mark = len(out)
-                try:
-                    publish_frames(channel, entry, headers, frame_max, out)
-                except ENCODE_ERRORS as exc:
-                    del out[mark:]
-                    engine.take_back(entry)
-                    failed.append(engine.fail(entry, _unencodable(entry, exc)))
-                    continue
-                size += entry.size
-        return count - len(failed), failed
+        """Append the frames of the next batch to ``out`` (:meth:`PublishEngine.write`, at the
+        ``frame_max`` this connection negotiated): (messages written, resolved entries)."""
+        return self.engine.write(channel, self.frame_max, out)
 
     # --- time -----------------------------------------------------------------------------------
 

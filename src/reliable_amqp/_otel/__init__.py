@@ -106,7 +106,7 @@ class TelemetrySlot:
                 telemetry = telemetry_for(options, stats)
                 if telemetry is not None:
                     if telemetry.tracing:
-                        supervisor.engine.on_resend = telemetry.on_resend
+                        supervisor.listen_resends(telemetry.on_resend)
                     if telemetry.metrics:
                         supervisor.events.listener = telemetry.on_publisher_event
                 self.telemetry = telemetry

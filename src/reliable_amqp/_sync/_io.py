@@ -47,7 +47,6 @@ class IOThread:
         self._params = params
         self._handoff = handoff
         self._supervisor = supervisor
-        self._engine = supervisor.engine
         self._topology = topology
         self.stopping = threading.Event()
         self.opened = threading.Event()
@@ -186,13 +185,13 @@ class IOThread:
         handoff = self._handoff
         items = handoff.take_outbox()
         if items is not None:
-            self._engine.accept(items, now)
+            self._supervisor.accept(items, now)
         read = 0
         if handoff.spooled is not None:  # then what waited on disk, in order, as room allows
             backlog = handoff.spooled.refill()
             read = len(backlog)
             if backlog:
-                self._engine.accept(backlog, now)
+                self._supervisor.accept(backlog, now)
             elif items is None:
                 return 0
         elif items is None:
@@ -227,7 +226,7 @@ class IOThread:
                 return
         self._accept_outbox(now)
         self._handoff.resolve(self._supervisor.tick(now))
-        if self._engine.has_sendable():
+        if self._supervisor.has_sendable():
             self._drain()
         self._schedule()
 
@@ -269,7 +268,7 @@ class IOThread:
         current = self._connection
         if current is None or current is not connection or not current.is_open:
             return  # a stale reopen: that connection is gone
-        generation = self._engine.tracker.generation
+        generation = self._supervisor.generation
         current.channel(on_open_callback=functools.partial(self._on_channel_open, generation))
 
     def _on_channel_open(self, generation: int, channel: Channel) -> None:
@@ -281,7 +280,7 @@ class IOThread:
         )
 
     def _on_confirm_mode(self, generation: int, channel: Channel) -> None:
-        if generation != self._engine.tracker.generation or self.stopping.is_set():
+        if generation != self._supervisor.generation or self.stopping.is_set():
             return
         if not self._supervisor.channel_opened():
             return  # closing: the connection's close ends this channel too
@@ -290,7 +289,7 @@ class IOThread:
         self._drain()
 
     def _on_channel_closed(self, generation: int, channel: Channel, reason: Exception) -> None:
-        stale = generation != self._engine.tracker.generation
+        stale = generation != self._supervisor.generation
         if stale or (self._channel is not None and self._channel is not channel):
             return
         self._channel = None
@@ -332,7 +331,7 @@ class IOThread:
         )
         if not ack:
             self._schedule()  # a nack retry may come due before anything else
-        if isolating and self._engine.has_sendable():
+        if isolating and self._supervisor.has_sendable():
             # Suspects of a frame error go one at a time: the next one now (or, the last one
             # settled, everything that waited behind them).
             self._drain()
@@ -346,7 +345,7 @@ class IOThread:
         body: bytes,
     ) -> None:
         attempt = (properties.headers or {}).get(ATTEMPT_HEADER)
-        self._engine.on_return(
+        self._supervisor.on_return(
             attempt,
             method.reply_code,
             method.reply_text,
@@ -383,7 +382,7 @@ class IOThread:
         finally:
             connection.emit_gathered()
         self._handoff.resolve(failed)
-        if (count and self._engine.has_sendable()) or (
+        if (count and self._supervisor.has_sendable()) or (
             read and self._handoff.window.free_slots() > 0
         ):
             # let confirms in between batches; a backlog is read back a chunk at a time until

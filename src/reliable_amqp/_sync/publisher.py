@@ -156,9 +156,9 @@ class _Parts:
             return max(left, handoff.window.count)  # still stopping: the engine is its own
         # The I/O thread settled everything it held; a publish that raced close() may remain.
         # The thread is gone, so the engine is this thread's to finish.
-        engine = self.supervisor.engine
-        engine.accept(handoff.take_outbox() or (), time.monotonic())
-        handoff.resolve_closing(engine.close_all("publisher closed"))
+        supervisor = self.supervisor
+        supervisor.accept(handoff.take_outbox() or (), time.monotonic())
+        handoff.resolve_closing(supervisor.shutdown())
         if self.spooled is not None:  # what is left stays in the spool for the next publisher
             self.spooled.close(wait)
         if self.telemetry is not None:
