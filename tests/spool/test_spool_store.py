@@ -131,7 +131,7 @@ def test_runs_cut_from_rows_leave_exactly_the_rest(seed: int) -> None:
 
 def test_messages_confirmed_before_the_writer_ran_are_never_written(open_spool: OpenSpool) -> None:
     spool = open_spool()
-    with spool._lock:  # hold the writer off: append and remove land in the same batch
+    with spool._shared.lock:  # hold the writer off: append and remove land in the same batch
         pass
     seqs = []
     sent = messages(200)

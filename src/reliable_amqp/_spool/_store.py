@@ -5,11 +5,15 @@ segment files in seq order; what the broker confirmed is written to a small ledg
 seqs; a segment whose every record was confirmed is deleted whole, so the directory shrinks as a
 backlog drains. Reading back is sequential.
 
-Threads: :meth:`Spool.append`, :meth:`~Spool.remove` and :meth:`~Spool.fail` only queue work
-under a lock (``append`` encodes the message first, on the caller's thread, so a message the
-spool cannot store is refused at ``publish()``); one writer thread takes everything queued at
-once and writes it in one ``write()`` per file. While it writes, new work piles up behind it and
-goes into the next batch: writes are batched by load, with no timer and no per-message fsync. A
+Threads: two sides, one object between them (:class:`~reliable_amqp._spool._shared.Shared`,
+which says who writes each of its fields, under which lock). The caller's side is
+:class:`Spool`: :meth:`~Spool.append`, :meth:`~Spool.remove` and :meth:`~Spool.fail` only
+queue work (``append`` encodes the message first, on the caller's thread, so a message the
+spool cannot store is refused at ``publish()``), back-pressure waits for room or for the disk,
+:meth:`~Spool.persist` waits for durability. The writer thread's side (the
+second half of :class:`Spool`, for now) takes everything queued at once and
+writes it in one ``write()`` per file. While it writes, new work piles up behind it and goes
+into the next batch: writes are batched by load, with no timer and no per-message fsync. A
 message appended and confirmed before the writer got to it is never written at all.
 
 Durability (``fsync``): a written batch is in the operating system's hands once ``write()``
@@ -30,7 +34,6 @@ import os
 import threading
 import time
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -47,6 +50,7 @@ from reliable_amqp._spool import _codec, _files, _legacy, _scan
 from reliable_amqp._spool._files import Segment
 from reliable_amqp._spool._lock import DirectoryLock
 from reliable_amqp._spool._read import SpoolEntry, undecodable
+from reliable_amqp._spool._shared import QUEUE_MAX_BYTES, Fail, Shared
 
 log = logging.getLogger("reliable_amqp.spool")
 _encode = _codec.encode
@@ -70,15 +74,15 @@ FSYNC_POLICIES = SPOOL_FSYNC_POLICIES
 DEFAULT_FSYNC = "persist"
 DEFAULT_MAX_BYTES = 1024**3
 #: how long the writer waits before it tries a failed write (a full disk) again, at most
-_RETRY_MAX = 2.0
-#: bytes queued for the writer at most: beyond, append() waits for the disk (a producer faster
-#: than the disk would otherwise hold the difference in memory)
-QUEUE_MAX_BYTES = 8 * 1024 * 1024
+RETRY_MAX = 2.0
 #: how long the writer lets appends pile up into one batch (a process killed loses at most
 #: this much of what was not persisted: it is in no file yet)
 LINGER = 0.005
 #: the ledger is rewritten (what it says, compacted) once it is this large
 LEDGER_MAX_BYTES = 256 * 1024
+
+#: the seq a record holds (its header's second field)
+_seq_of = _files.RECORD.unpack_from
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,12 +93,6 @@ class SpoolCounts:
     pending_bytes: int
     failed: int
     failed_bytes: int
-
-
-#: the seq a record holds (its header's second field)
-_seq_of = _files.RECORD.unpack_from
-#: a queued failure: (seq, message, reason)
-_Fail = tuple[int, MessageParts, str]
 
 
 class Spool:
@@ -123,8 +121,6 @@ class Spool:
         self.path = os.path.join(self.directory, _files.LEDGER_NAME)
         self.max_bytes = max_bytes
         self.fsync = fsync
-        #: called on the writer thread after every batch (settable after opening)
-        self.on_commit = on_commit
         try:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
         except OSError as exc:
@@ -136,106 +132,65 @@ class Spool:
             if not _scan.exists(self.directory):
                 _new_spool(self.directory)
             state = _scan.scan(self.directory, repair=True)
+            # what was pending at opening counts as appended and taken by the writer
+            self._shared = Shared(
+                next_seq=state.top + 1,
+                in_bytes=state.pending_bytes,
+                on_commit=on_commit,
+                out_bytes=state.pending_bytes,
+                freed_count=state.top - state.pending,
+                committed_seq=state.top,
+                durable_seq=state.top,
+                failed=state.failed,
+                failed_bytes=state.failed_bytes,
+                segments=state.segments,
+                removed=state.removed,
+            )
             self._open_files(state)
         except BaseException:
             self._lock_file.release()
             raise
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)  # the writer waits on it
-        self._changed = threading.Condition(self._lock)  # callers wait on it (room, persist)
-        # Appends take no lock (the publishers call append() from one thread at a time: the
-        # sync one under its handoff lock, the async one on its loop): a deque and counters,
-        # each written by one side only. The caller's: _queue appends, _next_seq, _in_bytes.
-        # The writer's: _out_bytes (taken from the queue), _freed_count and _freed_bytes
-        # (removed or failed). What the spool holds is computed from both.
-        #: whole records, in seq order from _taken_seq + 1: bytes only (no tuple a message),
-        #: which the garbage collector does not track
-        self._queue: deque[bytes] = deque()
-        #: (runs of seqs, how many seqs, their bytes) confirmed or failed with their caller
-        self._removals: deque[tuple[list[tuple[int, int]], int, int]] = deque()
-        self._fails: list[_Fail] = []  # under _lock
-        self._next_seq = state.top + 1
-        self._first_new_seq = state.top + 1
-        self._in_bytes = 0
-        self._out_bytes = 0
-        self._freed_count = 0
-        self._freed_bytes = 0
-        self._opened_count = state.pending
-        self._opened_bytes = state.pending_bytes
-        self._failed = state.failed
-        self._failed_bytes = state.failed_bytes
-        self._committed_seq = state.top  # every append up to it is written (or was removed)
-        self._synced_seq = state.top  # ... and fsynced
-        self._persist_target = 0
-        self._error: BaseException | None = None
-        self._closing = False
-        self._abandon = False  # close() timed out: the writer stops trying
-        self._closed = False
-        self._writer_idle = False
-        self._lingering = False  # the writer waits LINGER for a batch to pile up
-        #: where the last read() stopped: (seq, segment first seq, byte offset)
+        #: where the last read() stopped: (seq, segment first seq, byte offset); read() is
+        #: the caller's, it takes the lock only against a read() from another thread
         self._cursor = (-1, 0, 0)
-        self._writer = threading.Thread(
+        self._thread = threading.Thread(
             target=self._run, name=f"reliable-amqp-spool {self.directory}", daemon=True
         )
-        self._writer.start()
-
-    def _open_files(self, state: _scan.State) -> None:
-        """The writer's files: the last segment (appended to), the ledger, the failed log."""
-        #: the segments that hold records, in order (the writer changes the list under _lock)
-        self._segments: list[Segment] = state.segments
-        #: the seqs that left the pending set (changed by the writer under _lock)
-        self._removed = state.removed
-        self._active_fd: int | None = None
-        #: the active segment (the only one written to: the one before was made durable when
-        #: it started) was written since the last fsync
-        self._active_dirty = False
-        self._dir_dirty = False
-        ledger = os.path.join(self.directory, _files.LEDGER_NAME)
-        self._ledger_fd = os.open(ledger, os.O_WRONLY | os.O_CLOEXEC)
-        self._ledger_size = state.ledger_bytes
-        if self._ledger_size < len(_files.LEDGER_MAGIC):
-            self._rewrite_ledger()
-        self._failed_fd: int | None = None
-        self._failed_size = state.failed_log_bytes
-        # writer-private work that a failed write left to do again
-        self._todo_rows: list[bytes] = []
-        self._todo_fails: list[tuple[int, bytes]] = []
-        self._todo_ranges: list[tuple[int, int]] = []
-        #: ledger marks of segments made durable (fsynced), to write
-        self._todo_marks: list[bytes] = []
-        #: the last seq the writer took from the callers
-        self._taken_seq = state.top
+        self._thread.start()
 
     def __repr__(self) -> str:
         return f"Spool({self.directory!r}, pending={self.pending}, bytes={self.pending_bytes})"
 
-    # --- the caller's side ----------------------------------------------------------------------
+    @property
+    def on_commit(self) -> Callable[[], None] | None:
+        """Called on the writer thread after every batch (settable after opening)."""
+        return self._shared.on_commit
+
+    @on_commit.setter
+    def on_commit(self, on_commit: Callable[[], None] | None) -> None:
+        self._shared.on_commit = on_commit
 
     @property
     def pending(self) -> int:
         """Messages in the spool (appended and not yet removed or failed)."""
-        return self._opened_count + self._next_seq - self._first_new_seq - self._freed_count
+        return self._shared.pending
 
     @property
     def pending_bytes(self) -> int:
         """Bytes counted against ``max_bytes``: stored record plus body of each pending message."""
-        return self._opened_bytes + self._in_bytes - self._freed_bytes
-
-    @property
-    def _queued_bytes(self) -> int:
-        """Bytes appended and not yet taken by the writer."""
-        return self._in_bytes - self._out_bytes
+        return self._shared.pending_bytes
 
     @property
     def last_seq(self) -> int:
         """The seq of the last message appended (0 when none ever was)."""
-        return self._next_seq - 1
+        return self._shared.next_seq - 1
 
     @property
     def committed_seq(self) -> int:
         """Every message appended up to this seq is written (readable by :meth:`read`)."""
-        return self._committed_seq
+        return self._shared.committed_seq
+
+    # --- append ---------------------------------------------------------------------------------
 
     @staticmethod
     def encode(message: MessageParts) -> tuple[bytes, int]:
@@ -267,68 +222,76 @@ class Spool:
             seq = self.try_append(meta, message.body, size)
             if seq:
                 return seq
-            with self._lock:
-                self._before_append(message, size, timeout)  # raises, or waits for room
+            with self._shared.lock:
+                self._wait_to_append(message, size, timeout)  # raises, or waits
 
     def try_append(self, meta: bytes, body: bytes, size: int) -> int:
         """:meth:`append` of a message whose stored record is ``meta`` (``size``: as
         :meth:`encode` counts it), when it can go ahead at once: its seq. 0 when it cannot (no
         room, the writer behind, or failed, or the spool closing): :meth:`append` then waits,
         or raises saying why. One call where a publisher's usual case is quickest."""
-        held = self._opened_bytes + self._in_bytes - self._freed_bytes
+        shared = self._shared
+        in_bytes = shared.in_bytes
+        held = in_bytes - shared.freed_bytes
         if (
-            self._error is not None
-            or self._closing
-            or self._in_bytes - self._out_bytes > QUEUE_MAX_BYTES
+            shared.error is not None
+            or shared.closing
+            or in_bytes - shared.out_bytes > QUEUE_MAX_BYTES
             or (held and held + size > self.max_bytes)
         ):
             return 0
-        seq = self._next_seq
-        self._next_seq = seq + 1
-        self._in_bytes += size
+        seq = shared.next_seq
+        shared.next_seq = seq + 1
+        shared.in_bytes = in_bytes + size
         # the whole record, here: the writer only joins records (_files.record, inline)
         meta_size = len(meta)
         data = meta + body  # one crc over both: the crc of meta then body (_files.record_crc)
         crc = _crc32(data) ^ (seq ^ seq >> 32) & 0xFFFFFFFF
-        self._queue.append(_pack_record(crc, seq, meta_size, size - meta_size) + data)
-        if self._writer_idle:
-            with self._lock:
-                self._nudge()
+        shared.queue.append(_pack_record(crc, seq, meta_size, size - meta_size) + data)
+        if shared.writer_idle:
+            with shared.lock:
+                shared.nudge()
         return seq
 
     def check_writable(self, message: MessageParts) -> None:
         """Raise what refuses ``message`` for good, if anything: :class:`SpoolFull` (or
         :class:`SpoolWriteError`) while the writer cannot write, :class:`SpoolError` once the
         spool is closing. (What :meth:`try_append` refused otherwise is worth waiting for.)"""
-        if self._error is not None:
-            with self._lock:
-                if self._error is not None:
-                    raise self._write_error(message)
-        if self._closing:
+        shared = self._shared
+        if shared.error is not None or shared.closing:
+            with shared.lock:
+                self._check_open(message)
+
+    def _check_open(self, message: MessageParts) -> None:
+        """Under the lock: raise what refuses ``message`` for good, if anything."""
+        error = self._shared.error
+        if error is not None:
+            cls = SpoolFull if _files.is_disk_full(error) else SpoolWriteError
+            reason = "is on a full disk" if cls is SpoolFull else "cannot be written"
+            exc = cls(as_message(message), self.directory, f"{reason}: {_files.describe(error)}")
+            exc.__cause__ = error
+            raise exc
+        if self._shared.closing:
             raise SpoolError(f"the spool {self.directory} is closed")
 
-    def _before_append(self, message: MessageParts, size: int, timeout: float | None) -> None:
-        """Under the lock, when append() cannot go ahead at once: raise, or wait."""
-        if self._error is not None:
-            raise self._write_error(message)
-        if self._closing:
-            raise SpoolError(f"the spool {self.directory} is closed")
-        if not self.has_room(size):
-            self._wait_for_room(size, timeout, message)
-        if self._queued_bytes > QUEUE_MAX_BYTES:
-            self._wait_for_writer(message)
+    # --- back-pressure --------------------------------------------------------------------------
 
-    def _wait_for_room(self, size: int, timeout: float | None, message: MessageParts) -> None:
+    def _wait_to_append(self, message: MessageParts, size: int, timeout: float | None) -> None:
+        """Under the lock, when append() cannot go ahead at once: raise, or wait for room (at
+        most ``timeout``), then for the writer."""
+        shared = self._shared
+        self._check_open(message)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.has_room(size):
-            if self._error is not None:
-                raise self._write_error(message)
-            if self._closing:
-                raise SpoolError(f"the spool {self.directory} is closed")
+            self._check_open(message)
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise self.timeout_error(size, timeout or 0.0)
-            self._changed.wait(left)
+            shared.changed.wait(left)
+        while shared.queued_bytes > QUEUE_MAX_BYTES:  # the writer is behind: wait for the disk
+            self._check_open(message)
+            shared.nudge()
+            shared.changed.wait(1.0)
 
     def timeout_error(self, size: int, waited: float) -> PublishTimeout:
         """The :class:`PublishTimeout` of a publish() of ``size`` bytes (as :meth:`encode`
@@ -345,78 +308,44 @@ class Spool:
             f"message of {size:,} bytes; the broker is not confirming (down or blocked?)"
         )
 
-    def _wait_for_writer(self, message: MessageParts) -> None:
-        """The writer is behind by more than QUEUE_MAX_BYTES: wait for it (the disk)."""
-        while self._queued_bytes > QUEUE_MAX_BYTES:
-            if self._error is not None:
-                raise self._write_error(message)
-            if self._closing:
-                raise SpoolError(f"the spool {self.directory} is closed")
-            self._nudge()
-            self._changed.wait(1.0)
-
     @property
     def writer_behind(self) -> bool:
         """Whether :meth:`append` would wait for the writer (more than QUEUE_MAX_BYTES queued)."""
-        return self._queued_bytes > QUEUE_MAX_BYTES
+        return self._shared.queued_bytes > QUEUE_MAX_BYTES
 
     def wait_for_writer(self, timeout: float | None = None) -> None:
         """Wait until the writer is no longer behind (or it failed, or ``timeout`` passed)."""
+        shared = self._shared
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._queued_bytes > QUEUE_MAX_BYTES and self._error is None:
-                if self._closing:
+        with shared.lock:
+            while shared.queued_bytes > QUEUE_MAX_BYTES and shared.error is None:
+                if shared.closing:
                     return
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return
-                self._changed.wait(left)
+                shared.changed.wait(left)
 
     def has_room(self, size: int) -> bool:
         """Whether a message of ``size`` bytes (see :meth:`encode`) fits without waiting."""
-        current = self.pending_bytes
+        current = self._shared.pending_bytes
         return not current or current + size <= self.max_bytes
 
     def wait_for_room(self, size: int, timeout: float | None) -> bool:
         """Wait until a message of ``size`` bytes fits; False when ``timeout`` passed first."""
+        shared = self._shared
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while not self.has_room(size) and not self._closing:
-                if self._error is not None:
+        with shared.lock:
+            while not self.has_room(size) and not shared.closing:
+                if shared.error is not None:
                     return True  # append() raises the error itself
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._changed.wait(left)
+                shared.changed.wait(left)
         return True
 
-    def _write_error(self, message: MessageParts) -> SpoolWriteError:
-        error = self._error
-        assert error is not None
-        cls = SpoolFull if _files.is_disk_full(error) else SpoolWriteError
-        reason = "is on a full disk" if cls is SpoolFull else "cannot be written"
-        exc = cls(as_message(message), self.directory, f"{reason}: {_files.describe(error)}")
-        exc.__cause__ = error
-        return exc
-
-    def _has_work(self) -> bool:
-        return bool(
-            self._queue
-            or self._removals
-            or self._fails
-            or self._todo_rows
-            or self._todo_fails
-            or self._todo_ranges
-            or self._todo_marks
-            or self._persist_target > self._done_seq()
-            or self._closing
-        )
-
-    def _nudge(self) -> None:
-        """Under the lock: have the writer go now (it is idle, or letting a batch pile up)."""
-        if self._writer_idle or self._lingering:
-            self._writer_idle = self._lingering = False
-            self._work.notify()
+    # --- removing, failing, persisting ------------------------------------------------------------
 
     def remove(self, seqs: Iterable[int], size: int) -> None:
         """Drop confirmed messages, ``size`` bytes in all (their sizes as :meth:`encode` gave
@@ -427,17 +356,19 @@ class Spool:
     def remove_runs(self, runs: list[tuple[int, int]], count: int, size: int) -> None:
         """:meth:`remove` of ``count`` messages given as (first, last) runs of seqs (disjoint),
         what a publisher has at hand: the writer's work is then per run, not per message."""
-        self._removals.append((runs, count, size))
-        if self._writer_idle:
-            with self._lock:
-                self._nudge()
+        shared = self._shared
+        shared.removals.append((runs, count, size))
+        if shared.writer_idle:
+            with shared.lock:
+                shared.nudge()
 
     def fail(self, seq: int, message: MessageParts, reason: str) -> None:
         """Move a message that failed for good (``seq``, read back as ``message``) to the failed
         log, with why."""
-        with self._lock:
-            self._fails.append((seq, message, reason))
-            self._nudge()
+        shared = self._shared
+        with shared.lock:
+            shared.fails.append((seq, message, reason))
+            shared.nudge()
 
     def persist(self, timeout: float | None = None) -> int:
         """Wait until every message appended so far is durable: written, and fsynced unless
@@ -446,28 +377,28 @@ class Spool:
         Raises :class:`SpoolError` when the writer cannot write (the disk is full, say); the
         messages stay queued and are written once it can.
         """
+        shared = self._shared
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            target = self._next_seq - 1
-            if target > self._done_seq():
-                self._persist_target = max(self._persist_target, target)
-                self._nudge()
-            while (done := self._done_seq()) < target:
-                if self._error is not None:
+        with shared.lock:
+            target = shared.next_seq - 1
+            if target > shared.durable_seq:
+                shared.persist_target = max(shared.persist_target, target)
+                shared.nudge()
+            while (done := shared.durable_seq) < target:
+                if shared.error is not None:
                     raise SpoolError(
                         f"the spool {self.directory} cannot be written, {target - done:,} "
-                        f"messages are not durable: {_files.describe(self._error)}"
-                    ) from self._error
-                if self._closed:
+                        f"messages are not durable: {_files.describe(shared.error)}"
+                    ) from shared.error
+                if shared.closed:
                     break
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._changed.wait(left)
-            return max(0, target - self._done_seq())
+                shared.changed.wait(left)
+            return max(0, target - shared.durable_seq)
 
-    def _done_seq(self) -> int:
-        return self._committed_seq if self.fsync == "never" else self._synced_seq
+    # --- reading back, counting, closing --------------------------------------------------------
 
     def read(
         self, after: int = 0, limit: int = 1000, build: _codec.Build = new_outgoing
@@ -476,9 +407,10 @@ class Spool:
 
         Raises :class:`SpoolError` naming the file and the entry when one cannot be read back.
         """
-        with self._lock:
-            spans = [(s.first, s.path, s.size) for s in self._segments]
-            removed = self._removed.copy()
+        shared = self._shared
+        with shared.lock:
+            spans = [(s.first, s.path, s.size) for s in shared.segments]
+            removed = shared.removed.copy()
             cursor = self._cursor
         if not spans:
             return []
@@ -520,13 +452,14 @@ class Spool:
                 break
             offset = head
             floor = first  # the next segment's seqs are above this one's
-        with self._lock:
+        with shared.lock:
             self._cursor = last
         return entries
 
     def counts(self) -> SpoolCounts:
         """What the spool holds now."""
-        return SpoolCounts(self.pending, self.pending_bytes, self._failed, self._failed_bytes)
+        shared = self._shared
+        return SpoolCounts(self.pending, self.pending_bytes, shared.failed, shared.failed_bytes)
 
     def close(self, timeout: float | None = None) -> None:
         """Write everything queued, make it durable (unless ``fsync="never"``), release the lock.
@@ -535,64 +468,95 @@ class Spool:
         say): what was written stays; the lock is released unless the writer is stuck in a
         system call (then it goes with the process).
         """
-        with self._lock:
-            if self._closed:
+        shared = self._shared
+        with shared.lock:
+            if shared.closed:
                 return
-            self._closing = True
-            self._nudge()
-            self._changed.notify_all()
-        self._writer.join(timeout)
-        if self._writer.is_alive():
-            with self._lock:
-                self._abandon = True
-                queued = len(self._queue) + len(self._todo_rows)
-                error = self._error
-            self._writer.join(_RETRY_MAX + 1.0)
-        if self._writer.is_alive():
+            shared.closing = True
+            shared.nudge()
+            shared.changed.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with shared.lock:
+                shared.abandon = True
+                queued = self._unwritten()
+                error = shared.error
+            self._thread.join(RETRY_MAX + 1.0)
+        if self._thread.is_alive():
             raise SpoolError(
                 f"the spool {self.directory} could not be closed in time: {queued:,} messages "
                 "not written yet" + (f" ({_files.describe(error)})" if error else "")
             )
         self._lock_file.release()
-        if self._error is not None:
+        if shared.error is not None:
             raise SpoolError(
-                f"the spool {self.directory} closed with "
-                f"{len(self._queue) + len(self._todo_rows):,} messages not written: "
-                f"{_files.describe(self._error)}"
-            ) from self._error
+                f"the spool {self.directory} closed with {self._unwritten():,} messages "
+                f"not written: {_files.describe(shared.error)}"
+            ) from shared.error
 
     # --- the writer thread ----------------------------------------------------------------------
 
+    def _open_files(self, state: _scan.State) -> None:
+        """The writer's files: the last segment (appended to), the ledger, the failed log."""
+        directory = self.directory
+        self._active_fd: int | None = None
+        #: the active segment (the only one written to: the one before was made durable when
+        #: it started) was written since the last fsync
+        self._active_dirty = False
+        self._dir_dirty = False
+        ledger = os.path.join(directory, _files.LEDGER_NAME)
+        self._ledger_fd = os.open(ledger, os.O_WRONLY | os.O_CLOEXEC)
+        self._ledger_size = state.ledger_bytes
+        if self._ledger_size < len(_files.LEDGER_MAGIC):
+            self._rewrite_ledger()
+        self._failed_fd: int | None = None
+        self._failed_size = state.failed_log_bytes
+        # work taken from the callers that a failed write left to do again
+        self._todo_rows: list[bytes] = []
+        self._todo_fails: list[tuple[int, bytes]] = []
+        self._todo_ranges: list[tuple[int, int]] = []
+        #: ledger marks of segments made durable (fsynced), to write
+        self._todo_marks: list[bytes] = []
+        #: the last seq the writer took from the callers
+        self._taken_seq = state.top
+
+    def _unwritten(self) -> int:
+        """Messages appended and not written yet (exact once the thread has ended)."""
+        return len(self._shared.queue) + len(self._todo_rows)
+
     def _run(self) -> None:
+        """The thread: wait for work, take it, write it; until closed (or abandoned)."""
+        shared = self._shared
+        lock = shared.lock
         delay = 0.05
         try:
             while True:
-                with self._lock:
+                with lock:
                     while not self._has_work():
-                        self._writer_idle = True
+                        shared.writer_idle = True
                         # appends and removals take no lock: one made before the flag was
                         # set did not nudge, and is seen here
                         if self._has_work():
                             break
-                        self._work.wait()
-                    self._writer_idle = False
+                        shared.work.wait()
+                    shared.writer_idle = False
                     if not (
-                        self._persist_target > self._done_seq()
-                        or self._closing
-                        or self._fails
-                        or self._queued_bytes > QUEUE_MAX_BYTES // 2
+                        shared.persist_target > shared.durable_seq
+                        or shared.closing
+                        or shared.fails
+                        or shared.queued_bytes > QUEUE_MAX_BYTES // 2
                     ):
                         # let a batch pile up (one write for many messages, not one each);
                         # persist(), close() and a writer falling behind cut it short
-                        self._lingering = True
-                        self._work.wait(LINGER)
-                        self._lingering = False
-                    fails, self._fails = self._fails, []
-                    persist = self._persist_target > self._synced_seq
-                    closing = self._closing
-                queue = self._queue
+                        shared.lingering = True
+                        shared.work.wait(LINGER)
+                        shared.lingering = False
+                    fails, shared.fails = shared.fails, []
+                    persist = shared.persist_target > shared.durable_seq
+                    closing = shared.closing
+                queue = shared.queue
                 appends = [queue.popleft() for _ in range(len(queue))]
-                removals = self._removals
+                removals = shared.removals
                 removes: list[tuple[int, int]] = []
                 freed = count = 0
                 for _ in range(len(removals)):
@@ -600,9 +564,9 @@ class Spool:
                     removes += runs
                     count += n
                     freed += size
-                self._out_bytes += sum(map(len, appends)) - _files.RECORD.size * len(appends)
-                self._freed_bytes += freed
-                self._freed_count += count
+                shared.out_bytes += sum(map(len, appends)) - _files.RECORD.size * len(appends)
+                shared.freed_bytes += freed
+                shared.freed_count += count
                 self._take(appends, removes, fails)
                 durable = self.fsync == "commit" or (
                     self.fsync == "persist" and (persist or closing)
@@ -610,30 +574,30 @@ class Spool:
                 try:
                     self._write(durable)
                 except OSError as exc:
-                    with self._lock:
-                        if self._error is None:
+                    with lock:
+                        if shared.error is None:
                             log.error(
                                 "spool %s: cannot write: %s", self.directory, _files.describe(exc)
                             )
-                        self._error = exc
-                        self._changed.notify_all()
-                        if self._abandon:
+                        shared.error = exc
+                        shared.changed.notify_all()
+                        if shared.abandon:
                             return
                     time.sleep(delay)
-                    delay = min(delay * 2, _RETRY_MAX)
+                    delay = min(delay * 2, RETRY_MAX)
                     continue
                 delay = 0.05
-                with self._lock:
-                    if self._error is not None:
+                with lock:
+                    if shared.error is not None:
                         log.warning("spool %s: writing again", self.directory)
-                    self._error = None
+                    shared.error = None
                     # every append taken is written now (or was confirmed before it had to be)
-                    self._committed_seq = max(self._committed_seq, self._taken_seq)
-                    if durable:
-                        self._synced_seq = self._committed_seq
-                    self._changed.notify_all()
-                    done = closing and not (self._queue or self._removals or self._fails)
-                on_commit = self.on_commit
+                    shared.committed_seq = max(shared.committed_seq, self._taken_seq)
+                    if durable or self.fsync == "never":
+                        shared.durable_seq = shared.committed_seq
+                    shared.changed.notify_all()
+                    done = closing and not (shared.queue or shared.removals or shared.fails)
+                on_commit = shared.on_commit
                 if on_commit is not None:
                     try:
                         on_commit()
@@ -643,37 +607,52 @@ class Spool:
                     self._shutdown()
                     return
         finally:
-            with self._lock:
-                self._closed = True
-                self._changed.notify_all()
+            with lock:
+                shared.closed = True
+                shared.changed.notify_all()
+
+    def _has_work(self) -> bool:
+        shared = self._shared
+        return bool(
+            shared.queue
+            or shared.removals
+            or shared.fails
+            or self._todo_rows
+            or self._todo_fails
+            or self._todo_ranges
+            or self._todo_marks
+            or shared.persist_target > shared.durable_seq
+            or shared.closing
+        )
 
     def _take(
-        self, appends: list[bytes], removes: list[tuple[int, int]], fails: list[_Fail]
+        self, appends: list[bytes], removes: list[tuple[int, int]], fails: list[Fail]
     ) -> None:
         """Work taken from the callers becomes the writer's to do (kept across failed writes).
         ``removes``: runs of seqs confirmed; the appends among them are never written."""
+        shared = self._shared
         first = self._taken_seq + 1
         self._taken_seq += len(appends)
         gone = _files.merge_runs(removes)
         self._todo_rows += _files.cut_runs(appends, first, gone) if gone else appends
         now = time.time()
         for seq, message, reason in fails:
-            meta = _encode(message)
+            meta = _codec.encode(message)
             self._todo_fails.append(
                 (seq, _files.failed_record(seq, now, reason, meta, message.body))
             )
-            with self._lock:
+            with shared.lock:
                 size = len(meta) + len(message.body)
-                self._freed_count += 1
-                self._freed_bytes += size
-                self._failed += 1
-                self._failed_bytes += size
+                shared.freed_count += 1
+                shared.freed_bytes += size
+                shared.failed += 1
+                shared.failed_bytes += size
         if fails:
             gone = _files.merge_runs(gone + [(seq, seq) for seq, _m, _r in fails])
         if gone:
-            with self._lock:
+            with shared.lock:
                 for low, high in gone:
-                    self._removed.add(low, high)
+                    shared.removed.add(low, high)
             self._todo_ranges += gone
 
     def _write(self, durable: bool) -> None:
@@ -708,14 +687,15 @@ class Spool:
     def _write_rows(self, rows: list[bytes]) -> None:
         """Append records to the active segment in one write; start a new segment after it
         when it holds SEGMENT_BYTES (a segment is never split inside a batch)."""
-        segment = self._segments[-1] if self._segments and self._active_fd is not None else None
+        segments = self._shared.segments
+        segment = segments[-1] if segments and self._active_fd is not None else None
         if segment is None or segment.size >= _files.SEGMENT_BYTES:
             segment = self._new_segment(_seq_of(rows[0])[1])
         data = b"".join(rows)
         fd = self._active_fd
         assert fd is not None
         _append(fd, data, segment.size)
-        with self._lock:
+        with self._shared.lock:
             segment.size += len(data)
             segment.last = _seq_of(rows[-1])[1]
         self._active_dirty = True
@@ -724,7 +704,7 @@ class Spool:
         if self._active_fd is not None:
             # whole and durable before the next one starts, whatever the fsync policy (one
             # fsync a SEGMENT_BYTES): only the last segment can hold a tail a power loss cut
-            done = self._segments[-1]
+            done = self._shared.segments[-1]
             os.fsync(self._active_fd)
             done.synced = done.size
             self._todo_marks.append(_files.ledger_record(_files.SYNCED, done.first, done.size))
@@ -744,8 +724,8 @@ class Spool:
         self._dir_dirty = True
         head = _files.SEGMENT_HEAD.size
         segment = Segment(path, first, first - 1, head, 0)
-        with self._lock:
-            self._segments.append(segment)
+        with self._shared.lock:
+            self._shared.segments.append(segment)
         return segment
 
     def _failed_file(self) -> int:
@@ -765,7 +745,7 @@ class Spool:
         marks = []
         if self._active_dirty and self._active_fd is not None:
             os.fsync(self._active_fd)
-            active = self._segments[-1]
+            active = self._shared.segments[-1]
             active.synced = active.size
             marks.append(_files.ledger_record(_files.SYNCED, active.first, active.size))
         self._active_dirty = False
@@ -781,17 +761,19 @@ class Spool:
     def _drop_segments(self) -> None:
         """Delete the segments whose every record left the pending set (the active one too:
         the next append starts a new one)."""
-        removed = self._removed
+        shared = self._shared
+        removed = shared.removed
+        segments = shared.segments
         gone = []
-        for segment in self._segments:
+        for segment in segments:
             if not removed.covers(segment.first, segment.last):
                 break  # confirms come in order, near enough: the rest are newer
             gone.append(segment)
         if not gone:
             return
-        with self._lock:
-            del self._segments[: len(gone)]
-        if not self._segments and self._active_fd is not None:  # the active one went too
+        with shared.lock:
+            del segments[: len(gone)]
+        if not segments and self._active_fd is not None:  # the active one went too
             os.close(self._active_fd)
             self._active_fd = None
             self._active_dirty = False
@@ -801,12 +783,12 @@ class Spool:
 
     def _rewrite_ledger(self) -> None:
         """Write what the ledger says, compacted, to a new file and rename it over the old."""
-        removed = self._removed
+        removed = self._shared.removed
         # the floor's range, (1, floor - 1), keeps the numbering going with no segment left
         records = [_files.LEDGER_MAGIC]
         for low, high in removed.ranges():
             records.append(_files.ledger_record(_files.REMOVED, low, high))
-        for segment in self._segments:
+        for segment in self._shared.segments:
             if segment.synced:
                 records.append(_files.ledger_record(_files.SYNCED, segment.first, segment.synced))
         data = b"".join(records)
@@ -820,7 +802,7 @@ class Spool:
     def _shutdown(self) -> None:
         """Compact the ledger of an emptied spool and close the files."""
         try:
-            if self.pending == 0 and self._ledger_size > len(_files.LEDGER_MAGIC) + 64:
+            if self._shared.pending == 0 and self._ledger_size > len(_files.LEDGER_MAGIC) + 64:
                 self._rewrite_ledger()
         except OSError as exc:
             log.warning("spool %s: cannot compact at close: %s", self.directory, exc)
