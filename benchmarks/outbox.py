@@ -4,6 +4,7 @@ of an idle relay, what add() costs a writer, NOTIFY and the writers' commits, tw
     bash scripts/dev.sh run python benchmarks/outbox.py                     # 1,000,000-row backlog
     bash scripts/dev.sh run python benchmarks/outbox.py --backlog 200000    # quicker
     bash scripts/dev.sh run python benchmarks/outbox.py --only latency,writer --json
+    bash scripts/dev.sh run python benchmarks/outbox.py --only mariadb,stacks
     bash scripts/dev.sh run python benchmarks/outbox.py --quick             # seconds, tiny sizes
 
 Everything runs against the real PostgreSQL ($OUTBOX_PG, default postgresql://postgres@127.0.0.1:
@@ -38,13 +39,25 @@ it (the broker keeps the backlog on its disk), deleted after. Bodies are ``--siz
   idle relay's is), two rounds interleaved: whether NOTIFY's lock at commit serialises the
   writers, seen in their commit rate and, directly, in how often their sessions wait for that
   lock (pg_stat_activity sampled every 10 ms).
-- **sqlite**: a ``--sqlite-backlog`` drained from a SQLite file, against the drain's
-  publish_many rate.
+- **sqlite**, **mariadb**: a ``--sqlite-backlog`` drained from a SQLite file, and a
+  ``--mariadb-backlog`` from MariaDB ($OUTBOX_MYSQL, default mysql://root@127.0.0.1:3306; a
+  database of its own, dropped after) through PyMySQL, each written through
+  ``Outbox.add_many`` and drained as the drain section's row is (the same code), against
+  ``publish_many`` of the same number of messages in the same run (measured once for each
+  number and shared by the rows of that size). MariaDB's CPU is the whole ``mariadbd``
+  process's (its performance_schema is off: no CPU per session), other sessions' work included.
+- **stacks**: the writer on each application stack (psycopg, SQLAlchemy ``Session`` over
+  psycopg, ``AsyncSession`` over asyncpg, a bare asyncpg connection, Django's
+  ``transaction.atomic()``, all on PostgreSQL; PyMySQL on MariaDB; sqlite3): ``--writer-txns``
+  transactions of one ``add()`` each against as many of a plain INSERT of the same row (the same
+  columns and values, a fresh message id and time) through the same connection in the same
+  transaction shape, in rounds interleaved; the extra client CPU a row (``time.process_time``).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import math
@@ -63,6 +76,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import pika
 import psycopg
@@ -73,12 +87,14 @@ from broker_idle import broker_pids, wait_idle
 from raw_ceiling import raw_confirmed_seconds
 
 from reliable_amqp import Publisher
-from reliable_amqp.outbox import Outbox, OutboxRelay, status
-from reliable_amqp.outbox._schema import WRITE_COLUMNS
+from reliable_amqp.outbox import AsyncOutbox, Outbox, OutboxRelay, status
+from reliable_amqp.outbox._rows import row_values
+from reliable_amqp.outbox._schema import WRITE_COLUMNS, mysql_columns, mysql_quote
 
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 PG = os.environ.get("OUTBOX_PG", "postgresql://postgres@127.0.0.1:5432")
-SECTIONS = ("drain", "rss", "relays", "latency", "writer", "commits", "sqlite")
+MYSQL = os.environ.get("OUTBOX_MYSQL", "mysql://root@127.0.0.1:3306")
+SECTIONS = ("drain", "rss", "relays", "latency", "writer", "commits", "sqlite", "mariadb", "stacks")
 ROUTING_KEY = "bench"
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -134,21 +150,26 @@ BROKER = {"url": URL}
 _BROKER_PID: list[int | None] = []
 
 
+def port_owner(port: int, pids: Sequence[int] | None = None) -> int | None:
+    """The process of ``pids`` (default: every process) listening on TCP ``port``, None when
+    none is (the server is not on this machine, or not visible from here)."""
+    inodes = listener_inodes(port)
+    if pids is None:
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            if any(f"socket:[{inode}]" in links for inode in inodes):
+                return pid
+    return None
+
+
 def broker_pid() -> int | None:
     """The local broker's ``beam.smp``: the one listening on the broker URL's port (another
     node may run beside it), None when it is not on this machine."""
     if not _BROKER_PID:
         pids = broker_pids()
-        inodes = listener_inodes(pika.URLParameters(BROKER["url"]).port)
-        found = None
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                links = {
-                    os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")
-                }
-                if any(f"socket:[{inode}]" in links for inode in inodes):
-                    found = pid
-                    break
+        found = port_owner(pika.URLParameters(BROKER["url"]).port, pids)
         _BROKER_PID.append(found if found is not None or len(pids) != 1 else pids[0])
     return _BROKER_PID[0]
 
@@ -248,26 +269,83 @@ class Database:
             admin.execute(f"DROP DATABASE IF EXISTS {self.name} WITH (FORCE)")
 
 
+class MariaDB:
+    """A MariaDB database of the run's own (PyMySQL), dropped at close()."""
+
+    def __init__(self, base: str) -> None:
+        url = urlsplit(base)
+        self.options: dict[str, Any] = {
+            "host": url.hostname or "127.0.0.1", "port": url.port or 3306,
+            "user": url.username or "root", "password": url.password or "",
+        }  # fmt: skip
+        self.name = f"ra_bench_outbox_{uuid.uuid4().hex[:10]}"
+        with self._admin() as admin, admin.cursor() as cursor:
+            cursor.execute(f"CREATE DATABASE {self.name} CHARACTER SET utf8mb4")
+        self.dsn = f"{base}/{self.name}"
+
+    def _admin(self) -> Any:
+        import pymysql
+
+        return pymysql.connect(**self.options, autocommit=True)
+
+    def connect(self) -> Any:
+        """A PyMySQL connection to the database (autocommit off, PyMySQL's default)."""
+        import pymysql
+
+        return pymysql.connect(**self.options, database=self.name)
+
+    def version(self) -> str:
+        with self._admin() as admin, admin.cursor() as cursor:
+            cursor.execute("SELECT version()")
+            return str(cursor.fetchone()[0]).split("-")[0]
+
+    def close(self) -> None:
+        with self._admin() as admin, admin.cursor() as cursor:
+            cursor.execute(f"DROP DATABASE IF EXISTS {self.name}")
+
+
 COLUMNS = ", ".join(WRITE_COLUMNS)
+#: a row's placeholders in psycopg's, Django's and PyMySQL's style
+PERCENT_MARKS = ["%s"] * len(WRITE_COLUMNS)
+
+
+def insert_sql(table: str, marks: Sequence[str], columns: str = COLUMNS) -> str:
+    """A plain INSERT of one outbox row, its values in ``marks`` (the driver's placeholders)."""
+    return f"INSERT INTO {table} ({columns}) VALUES ({', '.join(marks)})"
+
+
+def plain_values(exchange: str, payload: bytes) -> Callable[[], list[Any]]:
+    """The values of the row ``add()`` writes for ``payload`` (:data:`WRITE_COLUMNS`), with a
+    fresh message id and time at each call: what a plain INSERT of the same row writes."""
+    template = list(row_values(exchange, ROUTING_KEY, payload, properties={}))
+
+    def values() -> list[Any]:
+        template[0] = uuid.uuid4().hex
+        template[-1] = time.time()
+        return template
+
+    return values
+
+
+def write_backlog(conn: Any, outbox: Outbox, exchange: str, count: int, size: int) -> Row:
+    """``count`` rows through Outbox.add_many on ``conn`` (psycopg, sqlite3, PyMySQL), 10,000 a
+    transaction; the rate it wrote at and its client CPU a row."""
+    started, cpu = time.perf_counter(), time.process_time()
+    for start in range(0, count, 10_000):
+        outbox.add_many(conn, [
+            {"exchange": exchange, "routing_key": ROUTING_KEY, "body": body(i, size)}
+            for i in range(start, min(count, start + 10_000))
+        ])  # fmt: skip
+        conn.commit()
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    return {"msgs": count, "rate": count / seconds, "cpu_us": cpu / count * 1e6}
 
 
 def fill_template(db: Database, exchange: str, count: int, size: int) -> Row:
     """``count`` rows through Outbox.add_many, 10,000 a transaction; the rate it wrote at."""
     table = db.table()
-    outbox = Outbox(table)
     with db.connect() as conn:
-        started, cpu = time.perf_counter(), time.process_time()
-        for start in range(0, count, 10_000):
-            outbox.add_many(
-                conn,
-                [
-                    {"exchange": exchange, "routing_key": ROUTING_KEY, "body": body(i, size)}
-                    for i in range(start, min(count, start + 10_000))
-                ],
-            )
-            conn.commit()
-        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-    return {"table": table, "rate": count / seconds, "cpu_us": cpu / count * 1e6}
+        return {"table": table, **write_backlog(conn, Outbox(table), exchange, count, size)}
 
 
 def copy_backlog(db: Database, template: str, count: int) -> str:
@@ -490,7 +568,8 @@ class Watched:
     depth: int = 0
     #: peak VmRSS of each watched process, kB
     peak_kb: dict[int, int] = field(default_factory=dict)
-    #: CPU seconds of the PostgreSQL backends of the watched relays (None: none found)
+    #: CPU seconds of the database server: the PostgreSQL backends of the watched relays, or
+    #: the whole server process watched (MariaDB's); None: none found
     backend_cpu: float | None = None
     broker_cpu: float | None = None
     #: the machine's busy share of all its cores (0..1)
@@ -509,7 +588,8 @@ class Watched:
 class Watch:
     """From :meth:`start` (the "go"), in a thread: the queue's depth every 20 ms until it holds
     ``target`` messages, the watched processes' RSS, and the CPU of the PostgreSQL backends whose
-    application_name starts with one of ``relay_names`` (the relays' sessions)."""
+    application_name starts with one of ``relay_names`` (the relays' sessions) or else of the
+    database server process ``server_pid``."""
 
     def __init__(
         self,
@@ -519,11 +599,13 @@ class Watch:
         pids: Sequence[int],
         *,
         relay_names: Sequence[str] = (),
+        server_pid: int | None = None,
         timeout: float = 600,
     ) -> None:
         self.url, self.queue, self.target, self.timeout = url, queue, target, timeout
         self.pids = list(pids)
         self.relay_names = list(relay_names)
+        self.server_pid = server_pid
         self.result = Watched()
         self.full = threading.Event()
         self._stop = threading.Event()
@@ -533,6 +615,7 @@ class Watch:
     def start(self) -> None:
         self._started = time.perf_counter()
         self._broker = broker_cpu()
+        self._server = None if self.server_pid is None else proc_cpu(self.server_pid)
         self._machine = machine_ticks()
         self._thread.start()
 
@@ -556,6 +639,9 @@ class Watch:
             self.result.machine_busy = (busy - self._machine[0]) / (total - self._machine[1])
         if self._backends:
             self.result.backend_cpu = sum(self._backends.values())
+        server = None if self.server_pid is None else proc_cpu(self.server_pid)
+        if server is not None and self._server is not None:
+            self.result.backend_cpu = server - self._server
         return self.result
 
     def _run(self) -> None:
@@ -614,6 +700,7 @@ def measured(
     children: list[Child],
     *,
     relay_names: Sequence[str] = (),
+    server_pid: int | None = None,
     stop_when_full: bool = False,
 ) -> tuple[Watched, list[dict[str, Any]]]:
     """Start ``children`` together and watch until the queue holds ``count`` messages; then
@@ -621,7 +708,8 @@ def measured(
     try:
         for child in children:
             child.wait_ready()
-        watch = Watch(url, queue, count, [c.pid for c in children], relay_names=relay_names)
+        watch = Watch(url, queue, count, [c.pid for c in children], relay_names=relay_names,
+                      server_pid=server_pid)  # fmt: skip
         watch.start()
         for child in children:
             child.go()
@@ -659,6 +747,23 @@ class Context:
     took: dict[str, int] = field(default_factory=dict)
     #: the LISTEN session of the writer sections (see :func:`listening`)
     listener: Child | None = None
+    #: the run's MariaDB database (see :meth:`mariadb`)
+    maria: MariaDB | None = None
+    #: publish_many's row for each number of messages measured (see :meth:`publish_many`)
+    publish_many_rows: dict[int, Row] = field(default_factory=dict)
+
+    def mariadb(self) -> MariaDB:
+        """The run's MariaDB database, made at first use (main() drops it)."""
+        if self.maria is None:
+            self.maria = MariaDB(MYSQL)
+        return self.maria
+
+    def publish_many(self, count: int) -> Row:
+        """``Publisher.publish_many`` of ``count`` messages, measured once in the run for each
+        count: the row every drain of that many messages is set against."""
+        if count not in self.publish_many_rows:
+            self.publish_many_rows[count] = publish_many_row(self, count)
+        return self.publish_many_rows[count]
 
     def backlog(self, count: int) -> str:
         """A fresh outbox table holding ``count`` rows (the template written once, as needed)."""
@@ -673,15 +778,19 @@ class Context:
 
 def drain_row(ctx: Context, name: str, count: int, *, relays: int = 1, db: str | None = None,
               table: str | None = None) -> Row:  # fmt: skip
-    """``relays`` relay processes drain ``table`` (``count`` rows) into a fresh queue."""
+    """``relays`` relay processes drain ``table`` (``count`` rows) of ``db`` (default: the
+    run's PostgreSQL database, the rows copied from the template) into a fresh queue."""
     dsn = db or ctx.db.dsn
     table = table or ctx.backlog(count)
     specs = [relay_spec(dsn, ctx.args.url, table, until_empty=relays == 1) for _ in range(relays)]
+    # the database's CPU: the relays' PostgreSQL backends, or MariaDB's whole server process
+    names = [s["name"] for s in specs] if dsn.startswith("postgresql") else []
+    server = port_owner(urlsplit(dsn).port or 3306) if dsn.startswith("mysql") else None
     wait_idle()
     with ctx.broker.queue() as queue:
         children = [Child(spec) for spec in specs]
         watched, results = measured(
-            ctx.args.url, queue, count, children, relay_names=[s["name"] for s in specs],
+            ctx.args.url, queue, count, children, relay_names=names, server_pid=server,
             stop_when_full=relays > 1,
         )  # fmt: skip
         depth = watched.depth
@@ -760,7 +869,7 @@ def ceiling_row(ctx: Context, count: int) -> Row:
 
 def section_drain(ctx: Context) -> None:
     n = ctx.args.backlog
-    plain = publish_many_row(ctx, n)
+    plain = ctx.publish_many(n)
     relay = drain_row(ctx, f"OutboxRelay, 1 process, PostgreSQL backlog of {n:,}", n)
     relay["vs_publish_many"] = relay["rate"] / plain["rate"]
     ceiling = ceiling_row(ctx, min(n, ctx.args.ceiling_count))
@@ -990,24 +1099,17 @@ def writer(ctx: Context, name: str) -> Iterator[Writer]:
     table = ctx.db.table()
     exchange, payload = ctx.broker.exchange, body(0, ctx.args.size)
     outbox = Outbox(table, notify=name.endswith("NOTIFY on"))
+    values, insert = plain_values(exchange, payload), insert_sql(table, PERCENT_MARKS)
     with ctx.db.connect() as conn, listening(ctx, table):
-        # the plain INSERT writes the row add() wrote, with its own id and time
-        outbox.add(conn, exchange, ROUTING_KEY, payload)
-        conn.commit()
-        template = list(conn.execute(f"SELECT {COLUMNS} FROM {table}").fetchone() or ())
-        marks = ", ".join(["%s"] * len(WRITE_COLUMNS))
-        insert = f"INSERT INTO {table} ({COLUMNS}) VALUES ({marks})"
 
         def plain() -> None:
-            template[0] = uuid.uuid4().hex
-            template[-1] = time.time()
-            conn.execute(insert, template, prepare=True)
+            conn.execute(insert, values(), prepare=True)
 
         def add() -> None:
             outbox.add(conn, exchange, ROUTING_KEY, payload)
 
         result = Writer(plain if name == "plain INSERT" else add, conn.commit)
-        for _ in range(50):  # warm: prepared statements, caches
+        for _ in range(min(50, ctx.args.writer_txns)):  # warm: prepared statements, caches
             result.write()
             result.commit()
         yield result
@@ -1132,34 +1234,294 @@ def commits_run(ctx: Context, children: list[Child], notify: bool, prefix: str) 
 
 
 def section_sqlite(ctx: Context) -> None:
-    n = ctx.args.sqlite_backlog
     with tempfile.TemporaryDirectory(prefix="ra-bench-outbox-") as directory:
         path = os.path.join(directory, "outbox.db")
-        outbox = Outbox("amqp_outbox")
-        conn = sqlite3.connect(path)
+        drain_from(ctx, "sqlite", "SQLite", ctx.args.sqlite_backlog, f"sqlite:///{path}",
+                   lambda: sqlite3.connect(path))  # fmt: skip
+
+
+def section_mariadb(ctx: Context) -> None:
+    maria = ctx.mariadb()
+    drain_from(ctx, "mariadb", "MariaDB", ctx.args.mariadb_backlog, maria.dsn, maria.connect)
+
+
+def drain_from(  # noqa: PLR0917  (the database's every particular)
+    ctx: Context, key: str, engine: str, count: int, dsn: str, connect: Callable[[], Any]
+) -> None:
+    """The drain's row on another database (``dsn``, its writer's connection from ``connect``):
+    ``count`` rows written through Outbox.add_many into its ``amqp_outbox``, then drained as the
+    drain section's row is, against publish_many of as many messages in this run."""
+    outbox, conn = Outbox("amqp_outbox"), connect()
+    try:
         outbox.install(conn)
         conn.commit()
-        started, cpu = time.perf_counter(), time.process_time()
-        for start in range(0, n, 10_000):
-            outbox.add_many(conn, [
-                {"exchange": ctx.broker.exchange, "routing_key": ROUTING_KEY,
-                 "body": body(i, ctx.args.size)}
-                for i in range(start, min(n, start + 10_000))
-            ])  # fmt: skip
-            conn.commit()
-        fill_seconds, fill_cpu = time.perf_counter() - started, time.process_time() - cpu
+        fill = write_backlog(conn, outbox, ctx.broker.exchange, count, ctx.args.size)
+    finally:
         conn.close()
-        row = drain_row(ctx, f"OutboxRelay, SQLite backlog of {n:,}", n,
-                        db=f"sqlite:///{path}", table="amqp_outbox")  # fmt: skip
-    plain = next(
-        (r for r in ctx.results.get("drain", []) if r["name"].startswith("Publisher")), None
-    )
-    if plain is None or plain["msgs"] != n:
-        plain = publish_many_row(ctx, n)
+    fill["name"] = f"Outbox.add_many on {engine} (10,000 a transaction)"
+    plain = ctx.publish_many(count)
+    row = drain_row(ctx, f"OutboxRelay, {engine} backlog of {count:,}", count, db=dsn,
+                    table="amqp_outbox")  # fmt: skip
     row["vs_publish_many"] = row["rate"] / plain["rate"]
-    fill = {"name": "Outbox.add_many on SQLite (10,000 a transaction)", "msgs": n,
-            "rate": n / fill_seconds, "cpu_us": fill_cpu / n * 1e6}  # fmt: skip
-    ctx.results["sqlite"] = [plain, row, fill]
+    ctx.results[key] = [plain, row, fill]
+
+
+# --- the writer on each application stack --------------------------------------------------
+
+
+@dataclass
+class Stack:
+    """An application stack's writer, ready: ``add()`` and ``plain()`` each run one transaction
+    of one row, through ``Outbox.add()`` or a plain INSERT of the same row, on the same
+    connection and in the same transaction shape; coroutine functions run on ``loop`` when it
+    is an asyncio stack."""
+
+    name: str
+    add: Callable[[], Any]
+    plain: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def timed(self, txn: Callable[[], Any], count: int) -> Row:
+        """``count`` transactions of ``txn``: client CPU and wall time a row."""
+        started, cpu = time.perf_counter(), time.process_time()
+        if self.loop is None:
+            for _ in range(count):
+                txn()
+        else:
+
+            async def txns() -> None:
+                for _ in range(count):
+                    await txn()
+
+            self.loop.run_until_complete(txns())
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        return {"cpu_us": cpu / count * 1e6, "txn_us": seconds / count * 1e6}
+
+
+def section_stacks(ctx: Context) -> None:
+    args = ctx.args
+    per_round = max(1, args.writer_txns // ROUNDS)
+    warm = min(50, per_round)
+    rows = []
+    for make in STACKS:
+        with make(ctx, ctx.broker.exchange, body(0, args.size)) as stack:
+            for txn in (stack.add, stack.plain):  # warm: connections, statement caches
+                stack.timed(txn, warm)
+            figures: dict[str, list[Row]] = {"add": [], "plain": []}
+            for i in range(ROUNDS):  # interleaved, in turn first
+                for variant in ("add", "plain")[:: 1 if i % 2 == 0 else -1]:
+                    figures[variant].append(stack.timed(getattr(stack, variant), per_round))
+        row: Row = {"name": stack.name, "txns": per_round * ROUNDS}
+        for variant, measured_rows in figures.items():
+            for key in ("cpu_us", "txn_us"):
+                row[f"{variant}_{key}"] = statistics.median(r[key] for r in measured_rows)
+        row["extra_cpu_us"] = row["add_cpu_us"] - row["plain_cpu_us"]
+        row["extra_runs"] = [
+            a["cpu_us"] - p["cpu_us"] for a, p in zip(figures["add"], figures["plain"], strict=True)
+        ]
+        rows.append(row)
+    ctx.results["stacks"] = rows
+
+
+StackMaker = Callable[[Context, str, bytes], contextlib.AbstractContextManager[Stack]]
+
+
+@contextlib.contextmanager
+def pg_table(ctx: Context) -> Iterator[str]:
+    """A new outbox table in the run's PostgreSQL database, dropped after."""
+    table = ctx.db.table()
+    try:
+        yield table
+    finally:
+        ctx.db.drop(table)
+
+
+@contextlib.contextmanager
+def stack_psycopg(ctx: Context, exchange: str, payload: bytes) -> Iterator[Stack]:
+    values = plain_values(exchange, payload)
+    with pg_table(ctx) as table, ctx.db.connect() as conn:
+        outbox, insert = Outbox(table), insert_sql(table, PERCENT_MARKS)
+
+        def add() -> None:
+            outbox.add(conn, exchange, ROUTING_KEY, payload)
+            conn.commit()
+
+        def plain() -> None:
+            conn.execute(insert, values(), prepare=True)
+            conn.commit()
+
+        yield Stack("psycopg (PostgreSQL)", add, plain)
+
+
+@contextlib.contextmanager
+def stack_session(ctx: Context, exchange: str, payload: bytes) -> Iterator[Stack]:
+    import sqlalchemy as sa
+    from sqlalchemy.orm import Session
+
+    from reliable_amqp.outbox.sqlalchemy import outbox_table
+
+    values = plain_values(exchange, payload)
+    engine = sa.create_engine(ctx.db.dsn.replace("postgresql://", "postgresql+psycopg://", 1))
+    with pg_table(ctx) as table, Session(engine) as session:
+        outbox, insert = Outbox(table), sa.insert(outbox_table(sa.MetaData(), table))
+
+        def add() -> None:
+            outbox.add(session, exchange, ROUTING_KEY, payload)
+            session.commit()
+
+        def plain() -> None:
+            session.execute(insert, dict(zip(WRITE_COLUMNS, values(), strict=True)))
+            session.commit()
+
+        yield Stack("SQLAlchemy Session (psycopg)", add, plain)
+    engine.dispose()
+
+
+@contextlib.contextmanager
+def event_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    try:
+        yield loop
+    finally:
+        loop.close()
+
+
+@contextlib.contextmanager
+def stack_async_session(ctx: Context, exchange: str, payload: bytes) -> Iterator[Stack]:
+    import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from reliable_amqp.outbox.sqlalchemy import outbox_table
+
+    values = plain_values(exchange, payload)
+    with pg_table(ctx) as table, event_loop() as loop:
+        dsn = ctx.db.dsn.replace("postgresql://", "postgresql+asyncpg://", 1)
+        engine = create_async_engine(dsn)
+        session = AsyncSession(engine)
+        outbox, insert = AsyncOutbox(table), sa.insert(outbox_table(sa.MetaData(), table))
+
+        async def add() -> None:
+            await outbox.add(session, exchange, ROUTING_KEY, payload)
+            await session.commit()
+
+        async def plain() -> None:
+            await session.execute(insert, dict(zip(WRITE_COLUMNS, values(), strict=True)))
+            await session.commit()
+
+        try:
+            yield Stack("SQLAlchemy AsyncSession (asyncpg)", add, plain, loop)
+        finally:
+            loop.run_until_complete(session.close())
+            loop.run_until_complete(engine.dispose())
+
+
+@contextlib.contextmanager
+def stack_asyncpg(ctx: Context, exchange: str, payload: bytes) -> Iterator[Stack]:
+    import asyncpg
+
+    values = plain_values(exchange, payload)
+    with pg_table(ctx) as table, event_loop() as loop:
+        conn = loop.run_until_complete(asyncpg.connect(ctx.db.dsn))
+        marks = [f"${i}" for i in range(1, len(WRITE_COLUMNS) + 1)]
+        outbox, insert = AsyncOutbox(table), insert_sql(table, marks)
+
+        async def add() -> None:
+            async with conn.transaction():
+                await outbox.add(conn, exchange, ROUTING_KEY, payload)
+
+        async def plain() -> None:
+            async with conn.transaction():
+                await conn.execute(insert, *values())
+
+        try:
+            yield Stack("asyncpg", add, plain, loop)
+        finally:
+            loop.run_until_complete(conn.close())
+
+
+@contextlib.contextmanager
+def stack_django(ctx: Context, exchange: str, payload: bytes) -> Iterator[Stack]:
+    import django
+    from django.conf import settings
+
+    if not settings.configured:  # once a process: the run's database
+        url = urlsplit(ctx.db.dsn)
+        settings.configure(USE_TZ=True, DATABASES={"default": {
+            "ENGINE": "django.db.backends.postgresql", "NAME": ctx.db.name,
+            "USER": url.username or "", "PASSWORD": url.password or "",
+            "HOST": url.hostname or "", "PORT": str(url.port or ""),
+        }})  # fmt: skip
+        django.setup()
+    from django.db import connection, transaction
+
+    values = plain_values(exchange, payload)
+    with pg_table(ctx) as table:
+        outbox, insert = Outbox(table), insert_sql(table, PERCENT_MARKS)
+
+        def add() -> None:
+            with transaction.atomic():
+                outbox.add(connection, exchange, ROUTING_KEY, payload)
+
+        def plain() -> None:
+            with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute(insert, values())
+
+        try:
+            yield Stack("Django atomic() (PostgreSQL)", add, plain)
+        finally:
+            connection.close()
+
+
+@contextlib.contextmanager
+def stack_pymysql(ctx: Context, exchange: str, payload: bytes) -> Iterator[Stack]:
+    values = plain_values(exchange, payload)
+    outbox, conn = Outbox("stack_pymysql"), ctx.mariadb().connect()
+    insert = insert_sql(mysql_quote(outbox.table), PERCENT_MARKS, mysql_columns(WRITE_COLUMNS))
+    with conn:
+        outbox.install(conn)
+
+        def add() -> None:
+            outbox.add(conn, exchange, ROUTING_KEY, payload)
+            conn.commit()
+
+        def plain() -> None:
+            with conn.cursor() as cursor:
+                cursor.execute(insert, values())
+            conn.commit()
+
+        yield Stack("PyMySQL (MariaDB)", add, plain)
+
+
+@contextlib.contextmanager
+def stack_sqlite(_ctx: Context, exchange: str, payload: bytes) -> Iterator[Stack]:
+    values = plain_values(exchange, payload)
+    outbox = Outbox("amqp_outbox")
+    insert = insert_sql(outbox.table, ["?"] * len(WRITE_COLUMNS))
+    with tempfile.TemporaryDirectory(prefix="ra-bench-outbox-") as directory:
+        conn = sqlite3.connect(os.path.join(directory, "outbox.db"))
+        conn.execute("PRAGMA journal_mode=WAL")  # as beside a relay, which reads as it writes
+        outbox.install(conn)
+        conn.commit()
+
+        def add() -> None:
+            outbox.add(conn, exchange, ROUTING_KEY, payload)
+            conn.commit()
+
+        def plain() -> None:
+            conn.execute(insert, values())
+            conn.commit()
+
+        try:
+            yield Stack("sqlite3", add, plain)
+        finally:
+            conn.close()
+
+
+#: the stacks section's rows, in order
+STACKS: tuple[StackMaker, ...] = (
+    stack_psycopg, stack_session, stack_async_session, stack_asyncpg, stack_django,
+    stack_pymysql, stack_sqlite,
+)  # fmt: skip
 
 
 # --- printing ---------------------------------------------------------------------------------
@@ -1173,20 +1535,24 @@ def fmt(value: Any, spec: str, suffix: str = "") -> str:
 
 def print_results(ctx: Context) -> None:
     results, args = ctx.results, ctx.args
+    maria = f", MariaDB {ctx.maria.version()}" if ctx.maria else ""
     print(
         f"\n== outbox: {args.size} B bodies, persistent, mandatory, one durable lazy queue "
-        f"(PostgreSQL {server_version(ctx.db)}, {os.cpu_count()} cores) =="
+        f"(PostgreSQL {server_version(ctx.db)}{maria}, {os.cpu_count()} cores) =="
     )
     print(f"library: {library_source()}")
     print(f"load average at the start: {ctx.load}; sections took {ctx.took} (seconds)")
     for key, title in (("drain", f"drain: a {args.backlog:,}-row backlog, one relay"),
-                       ("relays", "two relays against one")):  # fmt: skip
+                       ("relays", "two relays against one"),
+                       ("sqlite", f"SQLite: a {args.sqlite_backlog:,}-row backlog, one relay"),
+                       ("mariadb", f"MariaDB (PyMySQL): a {args.mariadb_backlog:,}-row backlog, "
+                        "one relay")):  # fmt: skip
         if key not in results:
             continue
         print(f"\n-- {title} --")
         print(
             f"{'row':<62} {'msgs':>9} {'msgs/s':>8} {'halves':>13} {'ratio':>6} "
-            f"{'client CPU':>10} {'PG CPU':>9} {'broker CPU':>10} {'all CPU':>9} {'broker':>6} "
+            f"{'client CPU':>10} {'DB CPU':>9} {'broker CPU':>10} {'all CPU':>9} {'broker':>6} "
             f"{'machine':>7}"
         )
         for r in results[key]:
@@ -1205,8 +1571,9 @@ def print_results(ctx: Context) -> None:
             )
         print(
             "  halves: msgs/s while the queue took its first and its second half; CPU columns: "
-            "per message (client: the\n  process's own; PG: the relays' backends; broker: "
-            "beam.smp; all: the three); broker: cores it used; machine: busy share of all cores"
+            "per message (client: the\n  process's own; DB: PostgreSQL's backends of the "
+            "relays, MariaDB's whole mariadbd, SQLite's in the client; broker:\n  beam.smp; "
+            "all: the three); broker: cores it used; machine: busy share of all cores"
         )
         relay = next((r for r in results[key] if r["name"].startswith("OutboxRelay")), None)
         plain = next((r for r in results[key] if r["name"].startswith("Publisher")), None)
@@ -1291,16 +1658,28 @@ def print_results(ctx: Context) -> None:
             "writers' sampled states (every 10 ms)\n  spent waiting for the lock NOTIFY "
             "takes at commit (pg_stat_activity: Lock, object)"
         )
-    if "sqlite" in results:
-        plain, row, fill = results["sqlite"]
-        print("\n-- SQLite --")
-        print(f"{'row':<62} {'msgs':>9} {'msgs/s':>8} {'ratio':>6} {'client CPU':>10}")
-        for r in (plain, row, fill):
+    if "stacks" in results:
+        print(
+            "\n-- the writer on each stack: one row a transaction, add() against a plain INSERT "
+            "of the same row --"
+        )
+        print(
+            f"{'stack':<34} {'txns':>6} {'add() CPU':>10} {'INSERT CPU':>10} {'extra CPU':>10} "
+            f"{'add() txn':>10} {'INSERT txn':>10} {'extra CPU, rounds':>18}"
+        )
+        for r in results["stacks"]:
             print(
-                f"{r['name']:<62} {r['msgs']:>9,} {r['rate']:>8,.0f} "
-                f"{fmt(r.get('vs_publish_many'), '.2f', 'x'):>6} "
-                f"{fmt(r.get('cpu_us'), '.1f', ' us'):>10}"
+                f"{r['name']:<34} {r['txns']:>6,} {r['add_cpu_us']:>7.1f} us "
+                f"{r['plain_cpu_us']:>7.1f} us {r['extra_cpu_us']:>+7.1f} us "
+                f"{r['add_txn_us']:>7.0f} us {r['plain_txn_us']:>7.0f} us "
+                f"{min(r['extra_runs']):>+6.0f} to {max(r['extra_runs']):>+4.0f} us"
             )
+        print(
+            f"  per row; CPU: this process's (time.process_time), {ROUNDS} rounds interleaved, "
+            "the median; extra: add() CPU - INSERT CPU (of the medians;\n  rounds: the "
+            "lowest and highest of the rounds' own); txn: wall time of the whole transaction "
+            "(the database's work and\n  the commit's wait included)"
+        )
 
 
 def all_cpu(row: Row) -> float | None:
@@ -1354,12 +1733,13 @@ def main() -> int:
     parser.add_argument("--latency-seconds", type=float, default=10.0)
     parser.add_argument("--latency-writers", type=int, default=4, help="writer threads (4)")
     parser.add_argument(
-        "--writer-txns", type=int, default=2000, help="writer: one-row transactions (2,000; "
-        "a tenth as many of 100 rows)"
+        "--writer-txns", type=int, default=2000, help="writer, stacks: one-row transactions "
+        "(2,000; the writer: a tenth as many of 100 rows)"
     )  # fmt: skip
     parser.add_argument("--writers", type=int, default=8, help="commits: writer processes (8)")
     parser.add_argument("--commit-seconds", type=float, default=5.0)
     parser.add_argument("--sqlite-backlog", type=int, default=200_000)
+    parser.add_argument("--mariadb-backlog", type=int, default=200_000)
     parser.add_argument("--only", default=",".join(SECTIONS), help=",".join(SECTIONS))
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes, for a smoke test (seconds)"
@@ -1374,8 +1754,9 @@ def main() -> int:
     BROKER["url"] = args.url
     if args.quick:
         args.backlog, args.small_backlog, args.ceiling_count = 3000, 1000, 2000
-        args.rate, args.latency_seconds, args.writer_txns = 100, 1.0, 40
-        args.writers, args.commit_seconds, args.sqlite_backlog = 2, 0.5, 3000
+        args.rate, args.latency_seconds, args.writer_txns = 100, 0.5, 40
+        args.writers, args.commit_seconds = 2, 0.2
+        args.sqlite_backlog = args.mariadb_backlog = 3000
     sections = args.only.split(",")
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -1401,6 +1782,8 @@ def main() -> int:
     finally:
         if ctx.listener is not None:
             ctx.listener.result()  # its stdin closed: it ends
+        if ctx.maria is not None:
+            ctx.maria.close()
         db.close()
         broker.close()
     return 0

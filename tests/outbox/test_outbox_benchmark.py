@@ -38,7 +38,8 @@ def test_outbox_benchmark_prints_every_row(amqp_url: str, tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr
     figures = json.loads(saved.read_text())
     printed = result.stdout
-    for section in ("drain", "relays", "latency", "writer", "commits", "sqlite"):
+    for section in ("drain", "relays", "latency", "writer", "commits", "sqlite", "mariadb",
+                    "stacks"):  # fmt: skip
         for row in figures[section]:
             assert row["name"] in printed, (section, row["name"])
     assert "peak difference" in printed
@@ -85,7 +86,26 @@ def test_outbox_benchmark_prints_every_row(amqp_url: str, tmp_path: Path) -> Non
         positive(row, "commits", "commit_rate")
         assert len(row["runs"]) == 2 and 0 <= row["lock_wait"] <= 1
 
-    plain, relay, fill = figures["sqlite"]
-    assert relay["name"].startswith("OutboxRelay, SQLite")
-    positive(relay, "rate", "vs_publish_many", "cpu_us")
-    positive(fill, "rate")
+    for section, engine in (("sqlite", "SQLite"), ("mariadb", "MariaDB")):
+        plain, relay, fill = figures[section]
+        assert plain["name"].startswith("Publisher.publish_many") and plain["msgs"] == relay["msgs"]
+        assert relay["name"].startswith(f"OutboxRelay, {engine} backlog of")
+        positive(relay, "rate", "vs_publish_many", "cpu_us")
+        assert relay["extra_in_queue"] == 0 and relay["published"] == [relay["msgs"]]
+        assert fill["name"].startswith(f"Outbox.add_many on {engine}")
+        positive(fill, "rate", "cpu_us")
+    # MariaDB's CPU: its server process's, when this machine shows it (None otherwise)
+    if figures["mariadb"][1]["backend_cpu_us"] is not None:
+        positive(figures["mariadb"][1], "backend_cpu_us")
+
+    stacks = figures["stacks"]
+    assert [r["name"] for r in stacks] == [
+        "psycopg (PostgreSQL)", "SQLAlchemy Session (psycopg)",
+        "SQLAlchemy AsyncSession (asyncpg)", "asyncpg", "Django atomic() (PostgreSQL)",
+        "PyMySQL (MariaDB)", "sqlite3",
+    ]  # fmt: skip
+    for row in stacks:
+        positive(row, "txns", "add_cpu_us", "plain_cpu_us", "add_txn_us", "plain_txn_us")
+        assert row["extra_cpu_us"] == row["add_cpu_us"] - row["plain_cpu_us"]
+        assert len(row["extra_runs"]) == 4 and all(math.isfinite(x) for x in row["extra_runs"])
+    assert "extra CPU" in printed
