@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 
 from reliable_amqp._compat.futures import watched_async
+from reliable_amqp._core.admission import HandOver
 from reliable_amqp._core.entry import Entry, new_entry
 from reliable_amqp._core.errors import PublisherClosed
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, as_message
@@ -28,25 +28,10 @@ from reliable_amqp._core.window import Window
 from reliable_amqp._logs import report_spool_failed
 from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
 
-#: the caller's future of a message
-Handle = asyncio.Future[Confirmation]
-#: what the async publisher's engine holds per message: its entry, the caller's future its handle
-AsyncEntry = Entry[Handle]
-
-
-def hand_over(
-    supervisor: Supervisor[AsyncEntry],
-    entry: AsyncEntry,
-    index: int,
-    loop: asyncio.AbstractEventLoop,
-) -> Handle:
-    """Queue ``entry`` in the engine with its issue number ``index`` in the window and a new
-    future of ``loop`` as its handle; that future (the caller's)."""
-    future: Handle = loop.create_future()
-    entry.handle = future
-    entry.index = index
-    supervisor.accept((entry,), time.monotonic())
-    return future
+# The async publisher's types (reliable_amqp._async.publisher.Handle and AsyncEntry, which
+# imports this module), spelled out
+_Handle = asyncio.Future[Confirmation]
+_AsyncEntry = Entry[_Handle]
 
 
 class AsyncSpooled:
@@ -55,17 +40,18 @@ class AsyncSpooled:
     def __init__(
         self,
         options: PublisherOptions,
-        supervisor: Supervisor[AsyncEntry],
+        supervisor: Supervisor[_AsyncEntry],
         window: Window,
-        wake: Callable[[], None],
+        hand_over: HandOver[_AsyncEntry],
     ) -> None:
         assert options.spool is not None
         self.options = options
-        self.feed: SpoolFeed[Handle] = SpoolFeed.open(options, watched_async)
+        self.feed: SpoolFeed[_Handle] = SpoolFeed.open(options, watched_async)
         self.spool = self.feed.spool
         self._supervisor = supervisor
         self._window = window
-        self._wake = wake
+        #: the publisher's hand-over (its admission's): entries to the engine; the wake-up
+        self._hand_over = hand_over
         self._loop: asyncio.AbstractEventLoop | None = None
         self._refill_due = False
         self._flush_waiters: list[asyncio.Future[None]] = []
@@ -82,7 +68,7 @@ class AsyncSpooled:
 
     # --- publishing -----------------------------------------------------------------------------
 
-    def publish_now(self, message: AsyncEntry, queued: bool) -> Handle | None:
+    def publish_now(self, message: _AsyncEntry, queued: bool) -> _Handle | None:
         """The usual case, with no coroutine: nothing on disk ahead, room in the window and in
         the spool: append ``message`` and hand it to the engine; its future. None when
         :meth:`publish` has to wait (or park it): the caller awaits that instead. The caller
@@ -95,16 +81,14 @@ class AsyncSpooled:
         index = feed.append_direct(message, self._window)  # InvalidMessage: cannot be stored
         if not index:
             return None
-        future = hand_over(self._supervisor, message, index, loop)
-        self._wake()
-        return future
+        return self._hand_over_one(message, index, loop)
 
     async def publish(
         self,
-        message: AsyncEntry,
-        check: Callable[[AsyncEntry], None],
+        message: _AsyncEntry,
+        check: Callable[[_AsyncEntry], None],
         queued: Callable[[], bool],
-    ) -> Handle:
+    ) -> _Handle:
         """Append ``message`` to the spool; its future (see the module docstring).
 
         ``check`` raises when the publisher no longer accepts messages; ``queued`` says whether
@@ -140,13 +124,24 @@ class AsyncSpooled:
         if feed.direct(seq) and not queued() and window.fits(body_size):
             index = window.take(body_size)
             feed.track(index, seq, size)
-            future = hand_over(self._supervisor, message, index, loop)
-            self._wake()
+            future = self._hand_over_one(message, index, loop)
         else:  # left on disk: read back when confirms free room, its future kept till then
             future = loop.create_future()
             feed.park(future, seq)
             if window.free_slots() > 0:
                 self.schedule_refill()
+        return future
+
+    def _hand_over_one(
+        self, entry: _AsyncEntry, index: int, loop: asyncio.AbstractEventLoop
+    ) -> _Handle:
+        """Give ``entry`` to the engine with its issue number ``index`` and a new future of
+        ``loop`` as its handle; that future (the caller's)."""
+        entry.handle = future = loop.create_future()
+        entry.index = index
+        wake = self._hand_over((entry,))
+        if wake is not None:
+            wake()
         return future
 
     async def _keep_pace(self, size: int, loop: asyncio.AbstractEventLoop) -> None:
@@ -255,7 +250,7 @@ class AsyncSpooled:
         entries = feed.read(window.free_slots(), new_entry)
         if not entries:
             return
-        items: list[AsyncEntry] = []
+        items: list[_AsyncEntry] = []
         for entry in entries:
             read = entry.message
             assert isinstance(read, Entry)  # what new_entry makes
@@ -275,12 +270,13 @@ class AsyncSpooled:
             feed.track(read.index, entry.seq, entry.size)
             items.append(read)
         if items:
-            self._supervisor.accept(items, time.monotonic())
-            self._wake()
+            wake = self._hand_over(items)
+            if wake is not None:
+                wake()
             if window.free_slots() > 0:
                 self.schedule_refill()  # more room: the next chunk after what is queued
 
-    def resolved(self, resolutions: list[AsyncEntry]) -> None:
+    def resolved(self, resolutions: list[_AsyncEntry]) -> None:
         """The publisher settled ``resolutions`` and freed their room."""
         for error in self.feed.resolved(resolutions):
             # no caller holds them: one WARNING each (docs/observability.md)

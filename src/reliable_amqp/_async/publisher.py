@@ -18,7 +18,7 @@ import asyncio
 import time
 import weakref
 from collections import deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +27,10 @@ import aio_pika.abc
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
 from reliable_amqp._async._pump import Pump
-from reliable_amqp._async._spooled import AsyncEntry, AsyncSpooled, Handle, hand_over
+from reliable_amqp._async._spooled import AsyncSpooled
+from reliable_amqp._core.admission import NO_ROOM, Admission
 from reliable_amqp._core.builder import MessageBuilder
-from reliable_amqp._core.entry import CONFIRMED, new_entry
+from reliable_amqp._core.entry import CONFIRMED, Entry, new_entry
 from reliable_amqp._core.errors import (
     ConfigurationError,
     OperationTimeout,
@@ -50,6 +51,11 @@ if TYPE_CHECKING:
 
 
 _FIX = "Call `await publisher.aclose()` (or use `async with`) before the event loop ends."
+
+#: the caller's future of a message
+Handle = asyncio.Future[Confirmation]
+#: what the async publisher's engine holds per message: its entry, the caller's future its handle
+AsyncEntry = Entry[Handle]
 
 
 class _Open:
@@ -125,10 +131,14 @@ class AsyncPublisher(
             ConnectionSource(self.options, connection),
             self._topology,
             settle=self._resolve,
-            on_end=self._release_room_waiters,
+            on_end=self._on_end,
         )
+        #: publishes waiting for room in the window, first come first served
         self._room_waiters: deque[asyncio.Future[None]] = deque()
-        self._accepting = True
+        #: whether a publish goes in now (the core's)
+        self._admission: Admission[AsyncEntry] = Admission(
+            self._window, self._hand_over, self._room_waiters
+        )
         urls = ", ".join(redact_url(u) for u in self.options.urls)
         self._open = _Open(f"AsyncPublisher [{urls}]", self._window, self.options.spool)
         state = self._open
@@ -142,7 +152,7 @@ class AsyncPublisher(
         self._telemetry: Telemetry | None = None
         #: the durable spool's part (spool=DIR): opening it takes its lock, or raises
         self._spooled: AsyncSpooled | None = (
-            AsyncSpooled(self.options, self._supervisor, self._window, self._pump.wake)
+            AsyncSpooled(self.options, self._supervisor, self._window, self._hand_over)
             if self.options.spool is not None
             else None
         )
@@ -169,10 +179,11 @@ class AsyncPublisher(
         the connect policy is spent.
         """
         pump = self._pump
-        if not self._accepting:
+        if not self._admission.accepting:
             raise PublisherClosed.refused("connect()")
         if not pump.started:
             self._telemetry = self._otel.decide(self.options, self._supervisor, self.stats)
+            self._admission.telemetry = self._telemetry
             self._open.started = True
             pump.start()
             if self._spooled is not None:
@@ -182,7 +193,7 @@ class AsyncPublisher(
         await pump.ready.wait()
         if pump.fatal is not None:
             raise pump.fatal
-        if not self._accepting:
+        if not self._admission.accepting:
             raise PublisherClosed.refused("connect()", reason="closed while connecting")
         return self
 
@@ -204,7 +215,7 @@ class AsyncPublisher(
         returns, every future this publisher handed out is resolved. Returns how many failed so.
         A lent aio-pika connection stays open; only the publisher's channel is closed.
         """
-        self._accepting = False
+        self._admission.accepting = False
         self._open.closed = True
         self._release_room_waiters()
         pump = self._pump
@@ -260,76 +271,66 @@ class AsyncPublisher(
     def _check_usable(self, call: str) -> None:
         if self._pump.fatal is not None:
             raise self._pump.fatal
-        if not self._accepting:
+        if not self._admission.accepting:
             raise PublisherClosed.refused(call)
 
     # --- publishing --------------------------------------------------------------------------
 
-    async def _publish(self, message: AsyncEntry) -> Handle:
+    async def _publish(self, entry: AsyncEntry) -> Handle:
         pump = self._pump
+        admission = self._admission
         if self._spooled is not None:
             if not pump.started:
                 await self.connect()
-            if pump.fatal is not None or not self._accepting:
-                self._check_accepting(message)
-            spooled = self._spooled.publish_now(message, bool(self._room_waiters))
+            if admission.fatal is not None or not admission.accepting:
+                admission.check(entry)
+            spooled = self._spooled.publish_now(entry, bool(self._room_waiters))
             if spooled is not None:
                 return spooled
             return await self._spooled.publish(
-                message, self._check_accepting, lambda: bool(self._room_waiters)
+                entry, admission.check, lambda: bool(self._room_waiters)
             )
         if not pump.ready.is_set():
             await self.connect()
-        if pump.fatal is not None or not self._accepting:
-            self._check_accepting(message)
-        size = len(message.body)
-        window = self._window
-        index = 0 if self._room_waiters else window.try_take(size)
-        if not index:
-            await self._wait_for_room(size, message)
-            index = window.take(size)
-        if self._telemetry is not None:  # the span starts once nothing can refuse it
-            self._telemetry.on_publish(message, index)
-        future = hand_over(self._supervisor, message, index, pump.loop)
-        pump.wake()
+        entry.handle = future = pump.loop.create_future()
+        wake = admission.admit(entry)
+        while wake is NO_ROOM:  # (once: the wait ends when it fits and its turn came)
+            await self._wait_for_room(entry)
+            wake = admission.admit(entry, turn=True)
+        if wake is not None:
+            wake()
         return future
 
-    async def _publish_many(self, messages: list[AsyncEntry]) -> list[Handle]:
-        if not messages:
+    async def _publish_many(self, entries: list[AsyncEntry]) -> list[Handle]:
+        if not entries:
             return []
         if self._spooled is not None:
             if not self._pump.started:
                 await self.connect()
             spooled = self._spooled
+            check = self._admission.check
             queued = lambda: bool(self._room_waiters)  # noqa: E731
-            return [await spooled.publish(m, self._check_accepting, queued) for m in messages]
+            return [await spooled.publish(entry, check, queued) for entry in entries]
         if not self._pump.ready.is_set():
             await self.connect()
         loop = self._pump.loop
-        futures: list[asyncio.Future[Confirmation]] = [loop.create_future() for _ in messages]
-        window = self._window
-        telemetry = self._telemetry
-        done = 0
-        while done < len(messages):
-            self._check_accepting(messages[done])
-            if self._room_waiters or not window.fits(messages[done].size):
+        for entry in entries:
+            entry.handle = loop.create_future()
+        many = self._admission.admit_many(entries)
+        while not many.finished:
+            step = many.step()
+            if isinstance(step, Entry):
                 try:
-                    await self._wait_for_room(messages[done].size, messages[done])
+                    await self._wait_for_room(step)
                 except PublishTimeout as exc:
-                    if not done:
-                        raise
-                    for future in futures[done:]:
-                        future.set_exception(exc)
-                    break
-            taken = messages[done : done + window.take_run(messages, done)]
-            for message, future in zip(taken, futures[done:], strict=False):
-                message.handle = future
-                if telemetry is not None:  # the span starts once nothing can refuse it
-                    telemetry.on_publish(message, message.index)
-            self._supervisor.accept(taken, time.monotonic())
-            done += len(taken)
-            self._pump.wake()
-        return futures
+                    many.give_up(exc)
+            elif step is not None:
+                step()
+        timeout = many.timeout
+        if timeout is not None:  # the window stayed full: the rest were not admitted
+            for entry in many.unadmitted():
+                entry.handle.set_exception(timeout)
+        return [entry.handle for entry in entries]
 
     async def publish_and_wait(
         self,
@@ -379,8 +380,10 @@ class AsyncPublisher(
             raise ConfigurationError("persist() needs a spool: AsyncPublisher(url, spool=DIR)")
         return await self._spooled.persist(timeout)
 
-    async def _wait_for_room(self, size: int, message: AsyncEntry) -> None:
-        # FIFO: a publish that finds others waiting queues behind them even if it would fit.
+    async def _wait_for_room(self, entry: AsyncEntry) -> None:
+        """Wait until ``entry`` fits in the window and its turn came: first come, first served
+        (a publish that finds others waiting queues behind them even if it would fit; see
+        Admission.waiting); PublishTimeout after ``publish_timeout``."""
         loop = asyncio.get_running_loop()
         end = loop.time() + self.options.publish_timeout
         retry = False
@@ -401,8 +404,8 @@ class AsyncPublisher(
             if not waiter.done():
                 self._room_waiters.remove(waiter)
                 raise self._window.full_error(self.options.publish_timeout)
-            self._check_accepting(message)
-            if self._window.fits(size):
+            self._admission.check(entry)
+            if self._window.fits(entry.size):
                 self._wake_room()  # more room may be left for the next in line
                 return
             retry = True
@@ -416,18 +419,23 @@ class AsyncPublisher(
                 waiter.set_result(None)
                 free -= 1
 
+    def _hand_over(self, entries: Sequence[AsyncEntry]) -> Callable[[], None]:
+        """The admission's hand-over: admitted entries (each with its future) to the engine;
+        the writer's wake-up."""
+        self._supervisor.accept(entries, time.monotonic())
+        return self._pump.wake
+
+    def _on_end(self) -> None:
+        """The pump gave up or ended: publishes are refused with its fatal error, if any, and
+        those waiting for room learn it now."""
+        self._admission.fatal = self._pump.fatal
+        self._release_room_waiters()
+
     def _release_room_waiters(self) -> None:
         while self._room_waiters:
             waiter = self._room_waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
-
-    def _check_accepting(self, message: AsyncEntry) -> None:
-        fatal = self._pump.fatal
-        if fatal is not None:
-            raise PublisherClosed(message.message, 0, str(fatal)) from fatal
-        if not self._accepting:
-            raise PublisherClosed.refused("publish()", message.message)
 
     # --- settling ----------------------------------------------------------------------------
 

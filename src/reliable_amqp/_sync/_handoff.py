@@ -20,10 +20,11 @@ import contextlib
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from reliable_amqp._compat.futures import LightFuture, SharedLockCondition, settle
+from reliable_amqp._core.admission import Admission
 from reliable_amqp._core.errors import (
     PublisherClosed,
     PublisherForked,
@@ -74,6 +75,8 @@ class Handoff:
         #: the waiters of callers waiting for a change (see the module docstring)
         self._waiters: list[threading.Lock] = []
         self.window = Window(options.max_in_flight, options.max_in_flight_bytes)
+        #: whether a publish goes in now (the core's; every call under :attr:`lock`)
+        self.admission: Admission[PublishFuture] = Admission(self.window, self.hand_over)
         self.outbox: deque[PublishFuture] = deque()
         self.requests: deque[Request] = deque()
         #: the condition (over one lock) this publisher's futures share
@@ -84,8 +87,6 @@ class Handoff:
         self.wake_loop: Callable[[], None] | None = None
         #: wakes the I/O thread while it waits between connections
         self.idle = threading.Event()
-        self.accepting = True
-        self.fatal: ReliableAmqpError | None = None
         #: the I/O thread's ident: waiting on a future there would deadlock
         self.io_ident: int | None = None
         #: the process this publisher belongs to (a forked child inherits a copy, not the thread)
@@ -97,6 +98,24 @@ class Handoff:
         #: set when the publisher closes at interpreter exit or after it was dropped: what it
         #: fails then is reported in one line (report_unclosed), not once per future
         self.closing_unclosed = False
+
+    @property
+    def accepting(self) -> bool:
+        """Under :attr:`lock`: False once the publisher closes (the admission's)."""
+        return self.admission.accepting
+
+    @accepting.setter
+    def accepting(self, value: bool) -> None:
+        self.admission.accepting = value
+
+    @property
+    def fatal(self) -> ReliableAmqpError | None:
+        """Why the publisher gave up for good (the admission's), or None."""
+        return self.admission.fatal
+
+    @fatal.setter
+    def fatal(self, value: ReliableAmqpError | None) -> None:
+        self.admission.fatal = value
 
     def waiter(self) -> threading.Lock:
         """Under :attr:`lock`: a waiter for the next :meth:`notify_all`, to :meth:`wait` on once
@@ -142,6 +161,13 @@ class Handoff:
         self.wake_pending = True
         wake = self.wake_loop
         return self.idle.set if wake is None else wake
+
+    def hand_over(self, entries: Sequence[PublishFuture]) -> Callable[[], None] | None:
+        """Under :attr:`lock`: the admission's hand-over (admitted entries to the outbox, for
+        the I/O thread); the wake-up to make once the lock is released (see
+        :meth:`wake_call`)."""
+        self.outbox.extend(entries)
+        return self.wake_call()
 
     def take_outbox(self) -> deque[PublishFuture] | None:
         """Everything published since the last call (None when nothing was)."""

@@ -22,6 +22,8 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from reliable_amqp._compat.futures import LightFuture
+from reliable_amqp._core.admission import NO_ROOM
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import (
     ConfigurationError,
     OperationTimeout,
@@ -200,6 +202,7 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         params = [connection_parameters(u, self.options) for u in self.options.urls]
         self._handoff = Handoff(self.options)
         self._window = self._handoff.window
+        self._admission = self._handoff.admission
         self._supervisor: Supervisor[PublishFuture] = Supervisor(self.options)
         #: checks and builds each message: as its own future (see PublishFuture)
         self._builder = self._init_builder(future_factory(self._handoff.futures, self._handoff))
@@ -247,6 +250,7 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         self._telemetry = self._parts.telemetry = handoff.telemetry = self._otel.decide(
             self.options, self._supervisor, self.stats
         )
+        self._admission.telemetry = self._telemetry
         _open_publishers.add(self)
         self._io.start()
         if self._spooled is not None:
@@ -350,110 +354,80 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
 
     # --- publishing --------------------------------------------------------------------------
 
-    def _publish(self, message: PublishFuture) -> Future[Confirmation]:
-        handoff = self._handoff
+    def _publish(self, entry: PublishFuture) -> Future[Confirmation]:
+        # The entry is its own future (see PublishFuture). Cancelling the future only means
+        # the caller stopped caring: the message stays tracked.
+        admission = self._admission
         if not self._io.opened.is_set():
-            self._check_accepting(message)
+            admission.check(entry)
             self.connect()
         if self._spooled is not None:
-            return self._spooled.publish(message, self._check_accepting)
-        # The message is its own future (see PublishFuture). Cancelling the future only means
-        # the caller stopped caring: the message stays tracked.
-        size = len(message.body)
-        window = self._window
-        with handoff.lock:
-            if handoff.fatal is not None or not handoff.accepting:
-                self._check_accepting(message)
-            index = window.try_take(size)
-            if index:
-                message.index = index
-                if self._telemetry is not None:  # the span starts once nothing can refuse it
-                    self._telemetry.on_publish(message, index)
-                handoff.outbox.append(message)
-                wake = handoff.wake_call()
-        if not index:
-            return self._publish_when_room(message, size)
+            return self._spooled.publish(entry, admission.check)
+        with self._handoff.lock:
+            wake = admission.admit(entry)
         if wake is not None:
+            if wake is NO_ROOM:
+                return self._publish_when_room(entry)
             wake()
-        return message
+        return entry
 
-    def _publish_when_room(self, message: PublishFuture, size: int) -> PublishFuture:
+    def _publish_when_room(self, entry: PublishFuture) -> PublishFuture:
         """:meth:`_publish` into a full window: wait for room (off the lock: see Handoff), at
         most ``publish_timeout``."""
         handoff = self._handoff
         # A callback publishing into a full window would wait for confirms that only this (the
         # I/O) thread can read: fail at once instead.
         handoff.check_wait("publish() into a full in-flight window")
-        window = self._window
         end = time.monotonic() + self.options.publish_timeout
         while True:
             with handoff.lock:
-                self._check_accepting(message)
-                index = window.try_take(size)
-                if index:
-                    message.index = index
-                    if self._telemetry is not None:
-                        self._telemetry.on_publish(message, index)
-                    handoff.outbox.append(message)
-                    wake = handoff.wake_call()
+                wake = self._admission.admit(entry)
+                if wake is not NO_ROOM:
                     break
                 remaining = end - time.monotonic()
                 if remaining <= 0:
-                    raise window.full_error(self.options.publish_timeout)
+                    raise self._window.full_error(self.options.publish_timeout)
                 waiter = handoff.waiter()
             handoff.wait(waiter, remaining)
         if wake is not None:
             wake()
-        return message
+        return entry
 
-    def _publish_many(self, messages: list[PublishFuture]) -> list[Future[Confirmation]]:
-        handoff = self._handoff
-        if not messages:
+    def _publish_many(self, entries: list[PublishFuture]) -> list[Future[Confirmation]]:
+        if not entries:
             return []
+        admission = self._admission
         if not self._io.opened.is_set():
-            self._check_accepting(messages[0])
+            admission.check(entries[0])
             self.connect()
         if self._spooled is not None:
-            return [self._spooled.publish(m, self._check_accepting) for m in messages]
-        futures = messages  # each message is its own future (see publish())
-        window = self._window
-        telemetry = self._telemetry
-        done = 0
+            return [self._spooled.publish(entry, admission.check) for entry in entries]
+        handoff = self._handoff
+        many = admission.admit_many(entries)  # each step under the lock; waits off it
         end = 0.0  # publish_timeout's deadline, once the window is full
-        while done < len(messages):
-            waiter = None
+        while not many.finished:
+            waiter = wake = None
             with handoff.lock:
-                if handoff.fatal is not None or not handoff.accepting:
-                    self._check_accepting(messages[done])
-                if window.fits(messages[done].size):
-                    taken = messages[done : done + window.take_run(messages, done)]
-                    if telemetry is not None:  # the spans start once nothing can refuse them
-                        for future in taken:
-                            telemetry.on_publish(future, future.index)
-                    handoff.outbox.extend(taken)
-                    done += len(taken)
-                    end = 0.0
-                    wake = handoff.wake_call()
-                else:  # wait for room, off the lock (see Handoff)
+                step = many.step()
+                if isinstance(step, Entry):  # wait for room (see Handoff)
                     now = time.monotonic()
                     if not end:
                         handoff.check_wait("publish() into a full in-flight window")
                         end = now + self.options.publish_timeout
                     if now >= end:
-                        exc = window.full_error(self.options.publish_timeout)
-                        if not done:
-                            raise exc
-                        break
+                        many.give_up(self._window.full_error(self.options.publish_timeout))
+                        continue
                     waiter = handoff.waiter()
+                else:
+                    end = 0.0
+                    wake = step
             if waiter is not None:
                 handoff.wait(waiter, end - time.monotonic())
             elif wake is not None:
                 wake()
-        else:
-            return list(futures)
-        for future in futures[done:]:  # the window stayed full: these were not accepted
-            future.set_exception(exc)
-        return list(futures)
+        for entry in many.unadmitted():  # the window stayed full: these were not admitted
+            entry.set_exception(many.timeout)
+        return list(entries)
 
     def publish_and_wait(
         self, exchange: str, routing_key: str, body: bytes, **options: Any
@@ -481,10 +455,3 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         if self._spooled is None:
             raise ConfigurationError("persist() needs a spool: Publisher(url, spool=DIR)")
         return self._spooled.persist(timeout)
-
-    def _check_accepting(self, message: PublishFuture) -> None:
-        fatal = self._handoff.fatal
-        if fatal is not None:
-            raise PublisherClosed(message.message, 0, str(fatal)) from fatal
-        if not self._handoff.accepting:
-            raise PublisherClosed.refused("publish()", message.message)
