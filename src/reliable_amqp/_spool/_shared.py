@@ -86,8 +86,9 @@ class Shared:
     #: messages moved to the failed log, and their bytes
     failed: int = 0
     failed_bytes: int = 0
-    #: the segments that hold records, in order (the list, and each one's ``size`` and
-    #: ``last``; ``Spool.read`` copies what it needs under the lock)
+    #: the segments that hold records, in order: the list, and each one's ``size`` and
+    #: ``last`` (its ``synced`` is the writer's alone); ``Spool.read`` copies what it needs
+    #: under the lock
     segments: list[Segment] = field(default_factory=list)
     #: the seqs that left the pending set (``Spool.read`` copies it under the lock)
     removed: Removed = field(default_factory=Removed)
