@@ -59,7 +59,7 @@ def test_this_python_gets_the_light_future() -> None:
     assert set(vars(_futures(1)[0])) == expected | {"guard"}
 
 
-def test_futures_sharing_a_condition_settle_in_one_go_and_skip_cancelled_ones() -> None:
+def test_futures_sharing_a_condition_resolve_in_one_go_and_skip_cancelled_ones() -> None:
     condition = compat_futures.SharedLockCondition()
     futures = _made(condition, 4)
     seen: list[object] = []
@@ -67,7 +67,7 @@ def test_futures_sharing_a_condition_settle_in_one_go_and_skip_cancelled_ones() 
     assert futures[2].cancel()
     error = MessageNacked(build_message("", "q", b"x"), 1)
     assert wait(futures[1:2], timeout=0).not_done  # makes (and empties) one's list of waiters
-    compat_futures.settle(condition, futures[:3], [Confirmation("a", 1), error, error])
+    compat_futures.resolve_futures(condition, futures[:3], [Confirmation("a", 1), error, error])
     assert seen == [Confirmation("a", 1)]
     assert futures[1].exception(timeout=0) is error
     assert futures[2].cancelled()

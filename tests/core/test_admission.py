@@ -28,7 +28,10 @@ class Writer:
         self.woken = 0
         self.pending = False
 
-    def hand_over(self, entries: Sequence[Item]) -> Any:
+    def hand_over(self, entry: Item) -> Any:
+        return self.hand_over_run([entry])
+
+    def hand_over_run(self, entries: Sequence[Item]) -> Any:
         self.runs.append(list(entries))
         if self.pending:
             return None
@@ -56,7 +59,7 @@ def _admission(
     count: int = 2, size: int = 100, waiting: Any = ()
 ) -> tuple[Admission[Item], Writer]:
     writer = Writer()
-    return Admission(Window(count, size), writer.hand_over, waiting), writer
+    return Admission(Window(count, size), writer.hand_over, writer.hand_over_run, waiting), writer
 
 
 def test_a_publish_with_room_gets_its_index_its_span_and_is_handed_over() -> None:
@@ -89,15 +92,6 @@ def test_a_closed_or_failed_publisher_refuses_and_takes_nothing() -> None:
         admission.admit(entry)
     assert caught.value.__cause__ is fatal and caught.value.message.message_id == entry.message_id
     assert writer.runs == [] and admission.window.count == 0
-
-
-def test_others_waiting_go_first_unless_it_is_this_ones_turn() -> None:
-    queue: deque[object] = deque([object()])
-    admission, writer = _admission(waiting=queue)
-    [entry] = _entries(1)
-    assert admission.admit(entry) is NO_ROOM  # it fits, but others wait for room first
-    assert admission.admit(entry, turn=True) == writer.wake
-    assert writer.runs == [[entry]]
 
 
 def test_publish_many_admits_runs_as_the_window_takes_them() -> None:

@@ -36,8 +36,8 @@ def test_which_channel_closes_blame_a_message(code: int | None, text: str, perma
 
 
 def _next(engine: PublishEngine[Entry[Any]]) -> Entry[Any] | None:
-    """The next message :meth:`PublishEngine.take` gives, taken alone."""
-    taken, _ = engine.take(1, 1)
+    """The next message :meth:`PublishEngine.next_run` gives, taken alone."""
+    taken, _ = engine.next_run(1, 1)
     return taken[0] if taken else None
 
 

@@ -69,8 +69,8 @@ def nack_delay(nacks: int) -> float:
 
 
 def _next(engine: PublishEngine[Entry[int]]) -> Entry[int] | None:
-    """The next message :meth:`PublishEngine.take` gives, taken alone."""
-    taken, _ = engine.take(1, 1)
+    """The next message :meth:`PublishEngine.next_run` gives, taken alone."""
+    taken, _ = engine.next_run(1, 1)
     return taken[0] if taken else None
 
 
@@ -132,7 +132,7 @@ class EngineMachine(RuleBasedStateMachine):
         return any(m.isolated and m.state != "done" for m in self.msgs)
 
     def _next_expected(self) -> Msg | None:
-        """What take() must give next: the queue's head, except while isolating, where
+        """What next_run() must give next: the queue's head, except while isolating, where
         an isolated message goes only onto an empty wire, and nothing follows it until it is
         settled."""
         if not self.queue:
@@ -259,9 +259,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule(count=st.integers(1, 8))
     def send_batch(self, count: int) -> None:
-        """A writer's batch: take() gives a run that goes out as made, or one message with
+        """A writer's batch: next_run() gives a run that goes out as made, or one message with
         headers of its own (a dedup header, BCC's attempt header), marked one by one here."""
-        taken, as_made = self.engine.take(count, 1 << 30)
+        taken, as_made = self.engine.next_run(count, 1 << 30)
         for entry in taken:
             expected = self._take_expected()
             assert expected is not None and entry is self.entries[expected.handle]
@@ -316,7 +316,7 @@ class EngineMachine(RuleBasedStateMachine):
         msg = self._take_expected()
         assert msg is not None and entry is self.entries[msg.handle]
         self.engine.mark_sent(entry)
-        self.engine.take_back(entry)
+        self.engine.unmark_sent(entry)
         assert entry.key == -1
         assert entry.attempts == msg.attempts
         expected: list[tuple[Msg, type]] = []

@@ -224,14 +224,14 @@ class WindowMachine(RuleBasedStateMachine):
         return sum(1 for i in self.unresolved if i <= mark)
 
     @rule(size=st.integers(0, 25))
-    def take(self, size: int) -> None:
+    def issue(self, size: int) -> None:
         count, used = len(self.unresolved), sum(self.unresolved.values())
         fits = count < self.max_count and (used + size <= self.max_bytes or count == 0)
         assert self.window.fits(size) is fits
         assert self.window.free_slots() == self.max_count - count
-        if fits:  # publishers take only what fits
+        if fits:  # publishers issue only what fits
             self.issued += 1
-            assert self.window.take(size) == self.issued
+            assert self.window.issue(size) == self.issued
             self.unresolved[self.issued] = size
 
     @precondition(lambda self: self.unresolved)
@@ -338,7 +338,7 @@ class SupervisorMachine(RuleBasedStateMachine):
         if kind == "bad":  # a gap in publish()'s checks: it cannot be encoded
             props = MessageProperties(headers={"k": object()}, message_id="bad")
             message = message.replace(properties=props)
-        index = self.window.take(size)
+        index = self.window.issue(size)
         accept(self.sup.engine, message, Handle(index), self.now)
         self.published += 1
         self.exchange[index] = kind

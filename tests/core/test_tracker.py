@@ -197,7 +197,7 @@ def test_discard_forgets_only_a_tracked_entry() -> None:
     assert tracker.discard(entry) is False
     tracker.track(entry)
     assert tracker.discard(entry) is True and entry.key == -1 and len(tracker) == 0
-    assert tracker.settle(0, 1, multiple=False) == []
+    assert tracker.pop_settled(0, 1, multiple=False) == []
 
 
 def test_a_return_without_attempt_header_is_never_a_message_with_bcc() -> None:

@@ -42,7 +42,7 @@ def settled(
     """What an ack (or nack) settles, and how: an acked entry with ``returned`` set was returned."""
     return [
         (e, (RETURNED if e.returned else ACKED) if ack else NACKED)
-        for e in tracker.settle(generation, tag, multiple)
+        for e in tracker.pop_settled(generation, tag, multiple)
     ]
 
 
@@ -334,11 +334,11 @@ def test_lavinmq_ack_multiple_skips_tags_nacked_before() -> None:
     entries = [_entry(n) for n in range(1, 6)]
     for e in entries:
         tracker.track(e)
-    assert tracker.settle(0, 2, False) == [entries[1]]  # nacked
-    assert tracker.settle(0, 4, False) == [entries[3]]  # nacked
-    assert [e.handle for e in tracker.settle(0, 5, True)] == [1, 3, 5]  # acked
+    assert tracker.pop_settled(0, 2, False) == [entries[1]]  # nacked
+    assert tracker.pop_settled(0, 4, False) == [entries[3]]  # nacked
+    assert [e.handle for e in tracker.pop_settled(0, 5, True)] == [1, 3, 5]  # acked
     assert len(tracker) == 0
-    assert tracker.settle(0, 5, True) == []
+    assert tracker.pop_settled(0, 5, True) == []
 
 
 def test_return_then_ack_settles_as_returned_and_retrack_clears_it() -> None:
@@ -360,11 +360,11 @@ def test_frames_of_an_old_generation_are_ignored() -> None:
     assert tracker.new_generation() == [first]
     tracker.track(second)
     tracker.track(first)
-    assert tracker.settle(0, 1, True) == []
-    assert tracker.settle(0, 2, False) == []
+    assert tracker.pop_settled(0, 1, True) == []
+    assert tracker.pop_settled(0, 2, False) == []
     assert tracker.on_return(old_tag, 312, "NO_ROUTE") is None
     assert [e.handle for e in tracker] == [2, 1]
-    assert [e.handle for e in tracker.settle(1, 2, True)] == [2, 1]
+    assert [e.handle for e in tracker.pop_settled(1, 2, True)] == [2, 1]
 
 
 @pytest.mark.parametrize("generation, seq", [(0, 1), (3, 7), (2**20, 2**40 - 1)])

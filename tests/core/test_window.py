@@ -27,7 +27,7 @@ def resolved(index: int, size: int = 0, ok: bool = True) -> Entry[Handle]:
 
 
 def fill(window: Window, sizes: list[int]) -> list[int]:
-    return [window.take(size) for size in sizes]
+    return [window.issue(size) for size in sizes]
 
 
 # --- bounds -------------------------------------------------------------------------------------
@@ -73,19 +73,19 @@ def test_take_numbers_messages_from_one() -> None:
     assert fill(window, [5, 6, 7]) == [1, 2, 3]
     assert (window.count, window.bytes, window.issued) == (3, 18, 3)
     window.release([resolved(2, 6)])
-    assert window.take(0) == 4  # numbers are never reused
+    assert window.issue(0) == 4  # numbers are never reused
     assert (window.count, window.bytes, window.issued) == (3, 12, 4)
 
 
 @pytest.mark.parametrize(
     ("taken", "size"), [([], 1000), ([60], 40), ([60], 41), ([1] * 9, 1), ([1] * 10, 0), ([100], 0)]
 )
-def test_try_take_takes_exactly_when_fits_says_so(taken: list[int], size: int) -> None:
+def test_try_issue_issues_exactly_when_fits_says_so(taken: list[int], size: int) -> None:
     window = Window(max_count=10, max_bytes=100)
     fill(window, taken)
     before = (window.count, window.bytes, window.issued)
     fits = window.fits(size)
-    index = window.try_take(size)
+    index = window.try_issue(size)
     if fits:
         assert index == before[2] + 1
         assert (window.count, window.bytes, window.issued) == (
@@ -204,7 +204,7 @@ def test_full_error_names_the_counts_and_the_limits() -> None:
     assert "60 s" in str(window.full_error(60.0))
 
 
-def test_take_run_counts_what_fits_and_numbers_it_in_order() -> None:
+def test_issue_run_counts_what_fits_and_numbers_it_in_order() -> None:
     @dataclass
     class Issued:
         size: int
@@ -212,11 +212,11 @@ def test_take_run_counts_what_fits_and_numbers_it_in_order() -> None:
 
     window = Window(max_count=3, max_bytes=100)
     big = [Issued(500), Issued(1)]
-    assert window.take_run(big) == 1  # an empty window lets the first through alone
+    assert window.issue_run(big) == 1  # an empty window lets the first through alone
     assert big[0].index == 1 and big[1].index == 0
-    assert window.take_run(big, 1) == 0  # over the bytes now
+    assert window.issue_run(big, 1) == 0  # over the bytes now
     window.release([resolved(1, 500)])
     run = [Issued(10) for _ in range(5)]
-    assert window.take_run(run) == 3  # the count bound
+    assert window.issue_run(run) == 3  # the count bound
     assert [e.index for e in run] == [2, 3, 4, 0, 0]
     assert (window.count, window.bytes, window.issued) == (3, 30, 4)

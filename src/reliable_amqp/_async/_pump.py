@@ -59,14 +59,15 @@ class Pump(Generic[E]):
         source: ConnectionSource,
         topology: Topology,
         *,
-        settle: Callable[[list[E]], None],
+        resolve: Callable[[list[E]], None],
         on_end: Callable[[], None],
     ) -> None:
         self.supervisor = supervisor
         self.options = supervisor.options
         self.source = source
         self.topology = topology
-        self.settle = settle
+        #: turns resolved entries into resolved futures (the publisher's)
+        self.resolve = resolve
         self.on_end = on_end
         #: called once, before what is left is failed, when the task was cancelled while the
         #: publisher was open (its event loop is stopping under it: asyncio.run's end)
@@ -113,7 +114,7 @@ class Pump(Generic[E]):
         """Start the connection task on the running loop."""
         loop = self._loop = asyncio.get_running_loop()
         self._stop = loop.create_future()
-        self._task = loop.create_task(self._run(), name="reliable-amqp-supervisor")
+        self._task = loop.create_task(self._run(), name="reliable-amqp-connection")
 
     def wake(self) -> None:
         """Tell the writer there is something to send (and make sure deadlines have a timer)."""
@@ -161,7 +162,7 @@ class Pump(Generic[E]):
                 log.warning("reliable-amqp: %s", silent)
                 self._silent = silent
                 drop_silent(watched)
-        self.settle(self.supervisor.tick(now))
+        self.resolve(self.supervisor.tick(now))
         if self.supervisor.has_sendable():
             self._wakeup.set()
         self.schedule()
@@ -171,7 +172,7 @@ class Pump(Generic[E]):
     def on_confirm(self, generation: int, ack: bool, tag: int, multiple: bool) -> None:
         """``basic.ack``/``basic.nack`` from the channel of ``generation``."""
         isolating = self.supervisor.isolating
-        self.settle(self.supervisor.on_confirm(generation, ack, tag, multiple, time.monotonic()))
+        self.resolve(self.supervisor.on_confirm(generation, ack, tag, multiple, time.monotonic()))
         if not ack:
             self.schedule()  # a nack retry may come due before anything else
         if isolating:
@@ -224,7 +225,7 @@ class Pump(Generic[E]):
                 continue
             parts: list[bytes | memoryview] = []
             _count, failed = supervisor.write(number, parts)
-            self.settle(failed)
+            self.resolve(failed)
             if not parts:
                 if not failed:  # isolating: the next one waits for a confirm, which wakes us
                     wakeup.clear()
@@ -267,10 +268,10 @@ class Pump(Generic[E]):
                 established = True
                 loss = await self._serve(connection)
                 reply = connection_close_reply(connection)
-            resolutions, plan = supervisor.connection_lost(
+            resolved, plan = supervisor.connection_lost(
                 loss, time.monotonic(), established=established, reply=reply
             )
-            self.settle(resolutions)
+            self.resolve(resolved)
             if plan is None:
                 return
             if isinstance(plan, GiveUp):
@@ -332,7 +333,7 @@ class Pump(Generic[E]):
             self.connection = connection
             self.ready.set()
             self.opened.set()
-            await self._pump(channel)
+            await self._write_while_open(channel)
             self.opened.clear()
             self._channel = None
             self.connection = None
@@ -343,12 +344,12 @@ class Pump(Generic[E]):
             code, text = close_reason(channel)
             if connection.is_closed or self._silent is not None:  # the connection's loss
                 return AmqpConnectionError(f"connection lost: {text}")
-            resolutions, delay = supervisor.channel_closed(code, text, time.monotonic())
-            self.settle(resolutions)
+            resolved, delay = supervisor.channel_closed(code, text, time.monotonic())
+            self.resolve(resolved)
             await self._sleep(delay)
         return AmqpConnectionError("publisher closed")
 
-    async def _pump(self, channel: ConfirmChannel) -> None:
+    async def _write_while_open(self, channel: ConfirmChannel) -> None:
         """Run the writer for ``channel`` until the channel closes or the publisher stops."""
         writer = asyncio.get_running_loop().create_task(
             self._write(channel), name="reliable-amqp-writer"
@@ -391,7 +392,7 @@ class Pump(Generic[E]):
         self.on_end()  # no more publishes: release those waiting for room
         if self._abandoned and self.on_abandoned is not None:
             self.on_abandoned()
-        self.settle(supervisor.shutdown())
+        self.resolve(supervisor.shutdown())
         self.ready.set()
         channel, self._channel = self._channel, None
         try:

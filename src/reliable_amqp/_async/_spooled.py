@@ -2,9 +2,9 @@
 
 As for the sync publisher (:mod:`reliable_amqp._sync._spooled`): ``publish()`` appends the
 message to the spool and hands it to the engine when nothing older waits on disk and the window
-has room, else leaves it on disk; the backlog is read back in order as resolutions free room;
-every resolution goes through :meth:`SpoolFeed.resolved`. Recovered messages wait for the
-caller's first ``publish()``, ``flush()`` or ``aclose()`` (:meth:`SpoolFeed.release`).
+has room, else leaves it on disk; the backlog is read back in order as messages resolve and
+free room; every resolved entry goes through :meth:`SpoolFeed.resolved`. Recovered messages
+wait for the caller's first ``publish()``, ``flush()`` or ``aclose()`` (:meth:`SpoolFeed.release`).
 Everything runs on the publisher's event loop but the spool's writer, whose commits wake the
 loop when a read back found the backlog not yet committed, and the waits that block (room in
 the spool, ``persist()``, closing), which run in the loop's default executor.
@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Callable
 
 from reliable_amqp._compat.futures import watched_async
-from reliable_amqp._core.admission import HandOver
+from reliable_amqp._core.admission import HandOverRun
 from reliable_amqp._core.entry import Entry, new_entry
 from reliable_amqp._core.errors import PublisherClosed
 from reliable_amqp._core.message import Confirmation, OutgoingMessage, as_message
@@ -42,7 +42,7 @@ class AsyncSpooled:
         options: PublisherOptions,
         supervisor: Supervisor[_AsyncEntry],
         window: Window,
-        hand_over: HandOver[_AsyncEntry],
+        hand_over: HandOverRun[_AsyncEntry],
     ) -> None:
         assert options.spool is not None
         self.options = options
@@ -122,7 +122,7 @@ class AsyncSpooled:
             # only confirms make room: wait for them off the loop (which settles them)
             await loop.run_in_executor(None, spool.wait_for_room, size, min(left, 1.0))
         if feed.direct(seq) and not queued() and window.fits(body_size):
-            index = window.take(body_size)
+            index = window.issue(body_size)
             feed.track(index, seq, size)
             future = self._hand_over_one(message, index, loop)
         else:  # left on disk: read back when confirms free room, its future kept till then
@@ -148,7 +148,7 @@ class AsyncSpooled:
         """Wait (a little) while the window has no room for this message and those ahead of it
         on disk: while the broker confirms, publish() keeps its pace, and its messages go
         straight to the engine rather than being read back (as the sync publisher's
-        ``SpooledPublishing._keep_pace``, which says why). A window that frees no room within
+        ``SpooledPublishing._pace_until``, which says why). A window that frees no room within
         PACE_WAIT makes it stop waiting until something resolves (:attr:`stalled`)."""
         window = self._window
         feed = self.feed
@@ -266,7 +266,7 @@ class AsyncSpooled:
                     # future dropped unretrieved.
                     future.add_done_callback(_discard_outcome)
             read.handle = future
-            read.index = window.take(size)
+            read.index = window.issue(size)
             feed.track(read.index, entry.seq, entry.size)
             items.append(read)
         if items:
@@ -276,9 +276,9 @@ class AsyncSpooled:
             if window.free_slots() > 0:
                 self.schedule_refill()  # more room: the next chunk after what is queued
 
-    def resolved(self, resolutions: list[_AsyncEntry]) -> None:
-        """The publisher settled ``resolutions`` and freed their room."""
-        for error in self.feed.resolved(resolutions):
+    def resolved(self, resolved: list[_AsyncEntry]) -> None:
+        """The publisher resolved the futures of ``resolved`` and freed their room."""
+        for error in self.feed.resolved(resolved):
             # no caller holds them: one WARNING each (docs/observability.md)
             detail = report_spool_failed(error, error.message.message_id)
             self._supervisor.events.emit(EventKind.SPOOL_FAILED, detail, error=error)

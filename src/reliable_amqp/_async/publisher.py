@@ -130,14 +130,16 @@ class AsyncPublisher(
             self._supervisor,
             ConnectionSource(self.options, connection),
             self._topology,
-            settle=self._resolve,
+            resolve=self._resolve,
             on_end=self._on_end,
         )
         #: publishes waiting for room in the window, first come first served
         self._room_waiters: deque[asyncio.Future[None]] = deque()
+        #: the event loop, once the pump is ready (publish() need not connect)
+        self._loop: asyncio.AbstractEventLoop | None = None
         #: whether a publish goes in now (the core's)
         self._admission: Admission[AsyncEntry] = Admission(
-            self._window, self._hand_over, self._room_waiters
+            self._window, self._hand_over, self._hand_over_run, self._room_waiters
         )
         urls = ", ".join(redact_url(u) for u in self.options.urls)
         self._open = _Open(f"AsyncPublisher [{urls}]", self._window, self.options.spool)
@@ -152,7 +154,7 @@ class AsyncPublisher(
         self._telemetry: Telemetry | None = None
         #: the durable spool's part (spool=DIR): opening it takes its lock, or raises
         self._spooled: AsyncSpooled | None = (
-            AsyncSpooled(self.options, self._supervisor, self._window, self._hand_over)
+            AsyncSpooled(self.options, self._supervisor, self._window, self._hand_over_run)
             if self.options.spool is not None
             else None
         )
@@ -191,6 +193,7 @@ class AsyncPublisher(
         if self._spooled is not None:
             return self  # connects in the background; publish() goes to the spool meanwhile
         await pump.ready.wait()
+        self._loop = pump.loop
         if pump.fatal is not None:
             raise pump.fatal
         if not self._admission.accepting:
@@ -290,13 +293,18 @@ class AsyncPublisher(
             return await self._spooled.publish(
                 entry, admission.check, lambda: bool(self._room_waiters)
             )
-        if not pump.ready.is_set():
-            await self.connect()
-        entry.handle = future = pump.loop.create_future()
-        wake = admission.admit(entry)
+        loop = self._loop
+        if loop is None:  # not ready: connect (or wait for the first channel) first
+            if not pump.ready.is_set():
+                await self.connect()
+            admission.check(entry)  # (closed before it ever started, say)
+            loop = pump.loop
+        entry.handle = future = loop.create_future()
+        # first come, first served: behind those waiting for room, even if it would fit
+        wake = NO_ROOM if self._room_waiters else admission.admit(entry)
         while wake is NO_ROOM:  # (once: the wait ends when it fits and its turn came)
             await self._wait_for_room(entry)
-            wake = admission.admit(entry, turn=True)
+            wake = admission.admit(entry)
         if wake is not None:
             wake()
         return future
@@ -419,9 +427,14 @@ class AsyncPublisher(
                 waiter.set_result(None)
                 free -= 1
 
-    def _hand_over(self, entries: Sequence[AsyncEntry]) -> Callable[[], None]:
-        """The admission's hand-over: admitted entries (each with its future) to the engine;
-        the writer's wake-up."""
+    def _hand_over(self, entry: AsyncEntry) -> Callable[[], None]:
+        """The admission's hand-over: an admitted entry (with its future) to the engine; the
+        writer's wake-up."""
+        self._supervisor.accept((entry,), time.monotonic())
+        return self._pump.wake
+
+    def _hand_over_run(self, entries: Sequence[AsyncEntry]) -> Callable[[], None]:
+        """:meth:`_hand_over` for a run of entries, in order (publish_many, a read back)."""
         self._supervisor.accept(entries, time.monotonic())
         return self._pump.wake
 
@@ -439,17 +452,20 @@ class AsyncPublisher(
 
     # --- settling ----------------------------------------------------------------------------
 
-    def _resolve(self, resolutions: list[AsyncEntry]) -> None:
-        if not resolutions:
+    def _resolve(self, resolved: list[AsyncEntry]) -> None:
+        if not resolved:
             return
         if self._telemetry is not None:  # before the futures: a span ends with its message
-            self._telemetry.on_resolved(resolutions)
+            self._telemetry.on_resolved(resolved)
         spool = self._spooled.spool.directory if self._spooled is not None else None
-        for entry in resolutions:
+        for entry in resolved:
             future = entry.handle
             if not future.done():  # done: the caller cancelled it; the message was settled
                 outcome = entry.raw_outcome
-                if outcome is CONFIRMED:  # (entry.outcome, inlined: the entry is let go next)
+                # entry.outcome, inlined (the entry is let go next): its twin is Entry.outcome,
+                # kept in step by tests/core/test_engine_properties.py (the Confirmation's
+                # fields) and every awaited Confirmation in tests/async
+                if outcome is CONFIRMED:
                     future.set_result(new_confirmation(entry.message_id, entry.attempts))
                 elif isinstance(outcome, Confirmation):
                     future.set_result(outcome)
@@ -459,14 +475,14 @@ class AsyncPublisher(
                     future.set_exception(outcome)
                     if self._open.reported:  # counted in that report: not one log line each
                         future.exception()
-        for barrier in self._window.release(resolutions):
+        for barrier in self._window.release(resolved):
             waiter = barrier.waiter
             if isinstance(waiter, asyncio.Future) and not waiter.done():
                 waiter.set_result(None)
         if self._room_waiters:
             self._wake_room()
         if self._spooled is not None:
-            self._spooled.resolved(resolutions)
+            self._spooled.resolved(resolved)
 
 
 def _discard_outcome(future: asyncio.Future[Confirmation]) -> None:

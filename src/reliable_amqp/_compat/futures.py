@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
-__all__ = ["LIGHT_FUTURES", "LightFuture", "SharedLockCondition", "probe", "settle"]
+__all__ = ["LIGHT_FUTURES", "LightFuture", "SharedLockCondition", "probe", "resolve_futures"]
 
 T = TypeVar("T")
 
@@ -207,7 +207,7 @@ class LightFuture(Future[T]):
         return super().exception(0)
 
 
-def settle(
+def resolve_futures(
     condition: SharedLockCondition,
     futures: Iterable[LightFuture[Any]],
     outcomes: Iterable[Any],
@@ -217,7 +217,12 @@ def settle(
     order): a result, or an exception instance, which is set as the exception.
 
     What ``set_result``/``set_exception`` do for each, under one taking of the shared lock and
-    one notify; a future that is already done (cancelled by its caller) is left as it is.
+    one notify; a future that is already done (cancelled by its caller) is left as it is. A
+    fast-path twin of CPython's ``Future.set_result``/``set_exception`` (which LightFuture
+    inherits, and which the loop below for other Pythons calls): change it with them. Kept in
+    step by tests/test_publish_future.py: test_this_python_gets_the_light_future (the fields
+    written here are CPython's) and
+    test_futures_sharing_a_condition_resolve_in_one_go_and_skip_cancelled_ones.
     Callbacks run after the lock is released, as a plain Future runs them. ``on_exception``
     is called for each future set with an exception, before any callback runs (nothing is
     done per future that gets a result).

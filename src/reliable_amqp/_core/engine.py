@@ -115,7 +115,7 @@ class PublishEngine(Generic[E]):
         self.counters.published += len(entries)
 
     def has_sendable(self) -> bool:
-        """Whether :meth:`take` may have something (possibly an already-resolved entry)."""
+        """Whether :meth:`next_run` may have something (possibly an already-resolved entry)."""
         return bool(self._sendq)
 
     @property
@@ -129,7 +129,7 @@ class PublishEngine(Generic[E]):
         """The channel generation the next publishes go out on (confirms of another are stale)."""
         return self.tracker.generation
 
-    def take(self, max_count: int, max_bytes: int) -> tuple[list[E], bool]:
+    def next_run(self, max_count: int, max_bytes: int) -> tuple[list[E], bool]:
         """The next messages to write, in order, now on their way (``WIRE``).
 
         Returns ``(entries, True)``: a run to write as the messages were made, at most
@@ -138,7 +138,7 @@ class PublishEngine(Generic[E]):
         to write with headers of its own, which :meth:`mark_sent` records and returns (a dedup
         header, or the attempt header of a mandatory message whose return the broker alters:
         :func:`~reliable_amqp._core.tracker.returns_altered`). Empty when nothing waits. One
-        whose frames cannot be encoded goes to :meth:`fail` instead (after :meth:`take_back`,
+        whose frames cannot be encoded goes to :meth:`fail` instead (after :meth:`unmark_sent`,
         once marked). While :attr:`isolating`, a suspect is taken alone, once nothing else is on
         the wire, and nothing is taken while it is on the wire.
         """
@@ -177,17 +177,17 @@ class PublishEngine(Generic[E]):
         return taken, True
 
     def sent(self, entries: Sequence[E]) -> None:
-        """Record that ``entries`` (a run from :meth:`take`) were written as they were made, in
+        """Record that ``entries`` (a run from :meth:`next_run`) were written as they were made, in
         this order: the next publishes on the channel, now awaiting their confirms."""
         self.tracker.track_all(entries)
 
-    def take_back(self, entry: E) -> None:
+    def unmark_sent(self, entry: E) -> None:
         """The entry :meth:`mark_sent` just recorded was not written after all (its frames
         failed to encode): its delivery tag goes to the next publish."""
         self.tracker.untrack(entry)
 
     def mark_sent(self, entry: E) -> Mapping[str, Any] | None:
-        """Record that ``entry`` (from :meth:`take`) is being written now, alone (the next
+        """Record that ``entry`` (from :meth:`next_run`) is being written now, alone (the next
         publish on the channel), and return the headers to write it with: the message's own,
         plus the attempt header on mandatory messages (to correlate a ``basic.return``) and the
         dedup header when configured; None when the message's headers go out unchanged.
@@ -207,8 +207,8 @@ class PublishEngine(Generic[E]):
         self, channel: int, frame_max: int, out: list[bytes | memoryview]
     ) -> tuple[int, list[E]]:
         """Append the frames of the next batch to ``out``: (messages written, resolved
-        entries), by the rules of :meth:`take`, :meth:`sent`, :meth:`mark_sent` and
-        :meth:`take_back`.
+        entries), by the rules of :meth:`next_run`, :meth:`sent`, :meth:`mark_sent` and
+        :meth:`unmark_sent`.
 
         At most :data:`BATCH_COUNT` messages or :data:`BATCH_BYTES` body bytes; bodies are split
         at ``frame_max``. A message whose frames cannot be encoded (a gap in ``publish()``'s
@@ -221,7 +221,7 @@ class PublishEngine(Generic[E]):
             encoder = self._encoder = PublishEncoder(channel, frame_max)
         encode = encoder.encode
         while count < BATCH_COUNT and size < BATCH_BYTES:
-            entries, as_made = self.take(BATCH_COUNT - count, BATCH_BYTES - size)
+            entries, as_made = self.next_run(BATCH_COUNT - count, BATCH_BYTES - size)
             if not entries:
                 break
             count += len(entries)
@@ -249,7 +249,7 @@ class PublishEngine(Generic[E]):
                     publish_frames(channel, entry, headers, frame_max, out)
                 except ENCODE_ERRORS as exc:
                     del out[mark:]
-                    self.take_back(entry)
+                    self.unmark_sent(entry)
                     failed.append(self.fail(entry, _unencodable(entry, exc)))
                     continue
                 size += entry.size
@@ -259,7 +259,7 @@ class PublishEngine(Generic[E]):
 
     def on_ack(self, generation: int, tag: int, multiple: bool, now: float) -> list[E]:
         """``basic.ack`` on the channel of ``generation``."""
-        settled = self.tracker.settle(generation, tag, multiple)
+        settled = self.tracker.pop_settled(generation, tag, multiple)
         if not settled:
             return settled
         resolved: list[E] = []
@@ -273,7 +273,10 @@ class PublishEngine(Generic[E]):
                 if done is not None:
                     resolved.append(done)
                 continue
-            # _finish() for a confirm, inlined: this loop runs for every confirmed message
+            # _finish() for a confirm, inlined: this loop runs for every confirmed message.
+            # Twin of _finish (its state, live count and counters): kept in step by
+            # tests/core/test_engine_properties.py::test_engine_against_model, whose
+            # invariants counts_match and stats_count_what_happened check both paths.
             entry.state = DONE
             latencies.append(now - entry.accepted)
             entry.raw_outcome = CONFIRMED  # its Confirmation is built if asked for
@@ -291,7 +294,7 @@ class PublishEngine(Generic[E]):
     def on_nack(self, generation: int, tag: int, multiple: bool, now: float) -> list[E]:
         """``basic.nack``: retried under the nack policy (with backoff), or failed."""
         resolved: list[E] = []
-        for entry in self.tracker.settle(generation, tag, multiple):
+        for entry in self.tracker.pop_settled(generation, tag, multiple):
             if entry.state is WIRE:
                 done = self._resolve_one(entry, False, now)
                 if done is not None:
@@ -367,10 +370,10 @@ class PublishEngine(Generic[E]):
         reply_code: int,
         reply_text: str,
     ) -> list[E]:
-        resolutions: list[E] = []
+        resolved: list[E] = []
         if culprit is not None:
             error = MessageRejected(culprit.message, culprit.attempts, reply_code, reply_text)
-            resolutions.append(self._finish(culprit, error))
+            resolved.append(self._finish(culprit, error))
         again = [e for e in unconfirmed if e.state is WIRE]
         for entry in again:
             entry.state = WAITING
@@ -379,7 +382,7 @@ class PublishEngine(Generic[E]):
             for entry in again:
                 self.on_resend(entry, "republish")
         self._sendq.extendleft(reversed(again))
-        return resolutions
+        return resolved
 
     # --- time ---------------------------------------------------------------------------------
 
@@ -391,19 +394,19 @@ class PublishEngine(Generic[E]):
             if entry.state is BACKOFF:
                 entry.state = WAITING
                 self._sendq.append(entry)
-        resolutions: list[E] = []
+        resolved: list[E] = []
         fifo = self._fifo
         while fifo and (fifo[0].state is DONE or fifo[0].deadline <= now):
             entry = fifo.popleft()
             if entry.state is not DONE:
                 self.tracker.discard(entry)
-                resolutions.append(
+                resolved.append(
                     self._finish(
                         entry, DeliveryTimeout(entry.message, entry.attempts, self.delivery_timeout)
                     )
                 )
         self._compact()
-        return resolutions
+        return resolved
 
     def _compact(self) -> None:
         # Resolved entries leave the deadline queue lazily: from the left as they come up, and
@@ -430,13 +433,13 @@ class PublishEngine(Generic[E]):
         pending = [e for e in self._fifo if e.state is not DONE]
         for entry in pending:
             self.tracker.discard(entry)
-        resolutions = [
+        resolved = [
             self._finish(e, PublisherClosed(e.message, e.attempts, reason)) for e in pending
         ]
         self._fifo.clear()
         self._sendq.clear()
         self._retry.clear()
-        return resolutions
+        return resolved
 
     def fail(self, entry: E, error: PublishError) -> E:
         """Fail one unresolved entry that is not on the wire (it could not be written)."""
@@ -470,6 +473,8 @@ class PublishEngine(Generic[E]):
         return self._finish(entry, MessageNacked(entry.message, entry.attempts))
 
     def _finish(self, entry: E, outcome: Confirmation | PublishError) -> E:
+        # Inlined for a plain confirm in on_ack (its twin there): change both together
+        # (tests/core/test_engine_properties.py::test_engine_against_model keeps them in step)
         entry.state = DONE
         self._live -= 1
         if entry.isolated:

@@ -288,6 +288,9 @@ def publish_frames(
     and dedup headers there). Bodies are split into frames of at most ``frame_max`` bytes, the
     size negotiated in ``connection.tune``. Appends nothing when it raises (a value that cannot
     be encoded), so the caller can take the publish back.
+
+    :class:`PublishEncoder` is its fast-path twin (a run of messages sharing route and
+    properties): change both together (see there for the tests that keep them in step).
     """
     base = message.base
     if headers is None:
@@ -355,6 +358,11 @@ class PublishEncoder:
     id, then the body and the end octet; anything else (a new route or property set, an id of
     another length, a body that needs several frames, no id) goes through
     :func:`publish_frames`, which the result equals byte for byte.
+
+    A fast-path twin of :func:`publish_frames`: change both together. Kept in step by
+    tests/async/test_async_frames.py: test_the_publish_encoder_writes_what_pika_writes (this
+    encoder against pika's own marshalling) and test_publish_frames_match_pika (the twin
+    against the same).
     """
 
     __slots__ = (

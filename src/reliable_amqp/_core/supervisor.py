@@ -199,8 +199,8 @@ class Supervisor(Generic[E]):
         ``reply`` is the broker's ``connection.close`` (code, text) when it sent one. Whatever
         was on the wire is queued to go out again, in order, except the culprit of a close for
         a frame or syntax error (see :meth:`PublishEngine.on_connection_lost`). Returns the
-        resolutions and what to do next: reconnect (to which URL, after how long), give up, or
-        nothing (the publisher is closing).
+        resolved entries and what to do next: reconnect (to which URL, after how long), give
+        up, or nothing (the publisher is closing).
         """
         blame = None
         if reply is not None and reply[0] in CONNECTION_CULPRIT_CODES:
@@ -208,9 +208,9 @@ class Supervisor(Generic[E]):
             # WARNING below says the connection was lost and why; not a third time here
             log.debug("reliable-amqp: the broker closed the connection: %s %s", *reply)
             blame = reply
-        resolutions = self.engine.on_connection_lost(blame, now)
+        resolved = self.engine.on_connection_lost(blame, now)
         if self.stopping:
-            return resolutions, None
+            return resolved, None
         if loss is None:
             loss = AmqpConnectionError("connection lost")
         if established:
@@ -231,7 +231,7 @@ class Supervisor(Generic[E]):
         in_round = self.borrowed or (urls > 1 and failures % urls != 0)
         wait = 0.0 if in_round else policy.base_delay(failures)
         if not loss.retriable or not policy.allows(failures, now - self._first_failure, wait):
-            return resolutions, GiveUp(self.give_up(loss, failures))
+            return resolved, GiveUp(self.give_up(loss, failures))
         delay = 0.0 if in_round else policy.delay(failures)
         index = self._attempts % urls
         self.events.retrying(
@@ -242,7 +242,7 @@ class Supervisor(Generic[E]):
             delay,
             established=established,
         )
-        return resolutions, Reconnect(index, delay)
+        return resolved, Reconnect(index, delay)
 
     def give_up(self, error: ReliableAmqpError, failures: int = 0) -> ReliableAmqpError:
         """End recovery with ``error`` (a retriable one becomes :class:`RecoveryFailed`)."""
@@ -262,9 +262,9 @@ class Supervisor(Generic[E]):
         """The broker closed the publishing channel while its connection stays open.
 
         The message that caused a permanent close (404, 406, ...) fails alone; the others go out
-        again on a new channel. Returns those resolutions and the delay before the next channel:
-        0 after a permanent close (the culprit is out of the way), a backoff after a resource
-        problem (LavinMQ's low disk, 506) so the broker is not hammered.
+        again on a new channel. Returns the resolved entries and the delay before the next
+        channel: 0 after a permanent close (the culprit is out of the way), a backoff after a
+        resource problem (LavinMQ's low disk, 506) so the broker is not hammered.
         """
         # A permanent close (404, 406, ...) is a message's doing: that message fails with
         # MessageRejected (now, or once isolating the suspects one at a time found it), which
@@ -275,7 +275,7 @@ class Supervisor(Generic[E]):
         if reply_code is not None and is_permanent_channel_close(reply_code, reply_text):
             blame = (reply_code, reply_text)
         permanent = blame is not None
-        resolutions = self.engine.on_channel_lost(blame, now)
+        resolved = self.engine.on_channel_lost(blame, now)
         log.log(
             logging.DEBUG if permanent else logging.WARNING,
             "reliable-amqp: channel closed: %s %s",
@@ -288,8 +288,8 @@ class Supervisor(Generic[E]):
         if self.state.state is not State.CLOSING:
             self.state.transition(State.RECOVERING)
         if permanent:
-            return resolutions, 0.0
-        return resolutions, self.channel_failed()
+            return resolved, 0.0
+        return resolved, self.channel_failed()
 
     def channel_failed(self) -> float:
         """A channel could not be opened or was closed for a resource problem: the backoff."""
@@ -389,12 +389,12 @@ class Supervisor(Generic[E]):
         """The end (closing begins if it had not): fail what is left, with the fatal error as
         cause when the publisher gave up."""
         self.begin_close()
-        resolutions = self.engine.close_all(self._end_reason())
+        resolved = self.engine.close_all(self._end_reason())
         if self.fatal is not None:
-            for r in resolutions:
+            for r in resolved:
                 if isinstance(r.outcome, PublishError):
                     r.outcome.__cause__ = self.fatal  # AuthenticationFailed, RecoveryFailed, ...
-        return resolutions
+        return resolved
 
     def closed(self) -> None:
         """The connection is torn down: report it (once)."""

@@ -187,7 +187,7 @@ class ConfirmTracker(Generic[E]):
             return None
         return first, run, offset
 
-    def _take(self, first: int, run: _Run[E], offset: int) -> E:
+    def _empty_slot(self, first: int, run: _Run[E], offset: int) -> E:
         """Empty one live slot; the run leaves the map once all its slots are empty."""
         entry = run.entries[offset]
         assert entry is not None
@@ -299,7 +299,7 @@ class ConfirmTracker(Generic[E]):
         slot = self._slot(entry.key) if entry.key >= 0 else None
         if slot is None or slot[1].entries[slot[2]] is not entry:
             return False
-        self._take(*slot)
+        self._empty_slot(*slot)
         return True
 
     def new_generation(self) -> list[E]:
@@ -319,7 +319,7 @@ class ConfirmTracker(Generic[E]):
         self._seq = 0
         return unconfirmed
 
-    def settle(self, generation: int, tag: int, multiple: bool) -> list[E]:
+    def pop_settled(self, generation: int, tag: int, multiple: bool) -> list[E]:
         """The entries an ack or nack of ``tag`` (with ``multiple``) settles, in publish order,
         taken out of the tracker (an acked entry with ``returned`` set was returned)."""
         if generation != self._generation or tag <= 0:
@@ -327,7 +327,7 @@ class ConfirmTracker(Generic[E]):
         key = pack_key(generation, tag)
         if not multiple:
             slot = self._slot(key)
-            return [] if slot is None else [self._take(*slot)]
+            return [] if slot is None else [self._empty_slot(*slot)]
         # Everything up to and including ``tag``: whole runs off the front of the map, then the
         # head of the run that holds ``tag`` (its rest goes back under the key of its new head).
         runs = self._runs

@@ -73,8 +73,8 @@ class Window:
             self.bytes + size <= self.max_bytes or self.count == 0
         )
 
-    def try_take(self, size: int) -> int:
-        """:meth:`take` if the message :meth:`fits` now (its index), else 0: one call where a
+    def try_issue(self, size: int) -> int:
+        """:meth:`issue` if the message :meth:`fits` now (its index), else 0: one call where a
         publisher holds its lock."""
         count = self.count
         if count < self.max_count and (self.bytes + size <= self.max_bytes or count == 0):
@@ -84,21 +84,21 @@ class Window:
             return issued
         return 0
 
-    def untake(self, size: int) -> None:
-        """Take back the latest :meth:`try_take` (of ``size``): its message went nowhere.
-        Only right when nothing was taken since."""
+    def unissue(self, size: int) -> None:
+        """Take back the latest :meth:`try_issue` (of ``size``): its message went nowhere.
+        Only right when nothing was issued since."""
         self.count -= 1
         self.bytes -= size
         self.issued -= 1
 
-    def take(self, size: int) -> int:
+    def issue(self, size: int) -> int:
         """Count one more unresolved message; return its index."""
         self.count += 1
         self.bytes += size
         self.issued += 1
         return self.issued
 
-    def take_run(self, entries: Sequence[Issued], start: int = 0) -> int:
+    def issue_run(self, entries: Sequence[Issued], start: int = 0) -> int:
         """Count as many of ``entries[start:]`` as fit now (at least one when the window is
         empty), giving each its issue number (``index``) in order; return how many."""
         count = self.count
@@ -128,10 +128,10 @@ class Window:
         """How many more messages the count bound admits (the byte bound aside)."""
         return self.max_count - self.count
 
-    def release(self, resolutions: Sequence[Resolved]) -> list[Barrier]:
+    def release(self, resolved: Sequence[Resolved]) -> list[Barrier]:
         """Messages resolved; returns the barriers that reached zero with them."""
-        self.count -= len(resolutions)
-        self.bytes -= sum([r.size for r in resolutions])
+        self.count -= len(resolved)
+        self.bytes -= sum([r.size for r in resolved])
         if not self._barriers:
             return []
         cleared: list[Barrier] = []
@@ -139,7 +139,7 @@ class Window:
             if barrier.remaining <= 0:
                 continue
             mark = barrier.mark
-            barrier.remaining -= sum(1 for r in resolutions if r.index <= mark)
+            barrier.remaining -= sum(1 for r in resolved if r.index <= mark)
             if barrier.remaining <= 0:
                 cleared.append(barrier)
         return cleared
@@ -155,6 +155,10 @@ class Window:
         """The flush is over (done or timed out); stop counting for it."""
         if barrier in self._barriers:
             self._barriers.remove(barrier)
+
+    # the names the durable spool's feed (_spool/_feed) calls them by, until it says issue too
+    try_take = try_issue
+    untake = unissue
 
     def full_error(self, waited: float) -> PublishTimeout:
         """The error ``publish()`` raises after waiting ``waited`` seconds for room."""

@@ -99,7 +99,7 @@ class PublishFuture(LightFuture[Confirmation], Entry[Any]):
 
     def set_exception(self, exception: BaseException | None) -> None:
         """As ``Future.set_exception`` (the publisher sets most failures through
-        :func:`~reliable_amqp._compat.futures.settle` instead, with :func:`failed`)."""
+        :func:`~reliable_amqp._compat.futures.resolve_futures` instead, with :func:`failed`)."""
         if exception is not None and not self.done():
             failed(self, exception)
         super().set_exception(exception)

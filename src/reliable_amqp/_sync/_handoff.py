@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from reliable_amqp._compat.futures import LightFuture, SharedLockCondition, settle
+from reliable_amqp._compat.futures import LightFuture, SharedLockCondition, resolve_futures
 from reliable_amqp._core.admission import Admission
 from reliable_amqp._core.errors import (
     PublisherClosed,
@@ -52,9 +52,9 @@ class Backlog(Protocol):
         """On the I/O thread: the messages waiting on disk that the window has room for now."""
         ...
 
-    def resolved_locked(self, resolutions: list[PublishFuture]) -> list[PublishError]:
-        """Under :attr:`Handoff.lock`: note resolutions; returns the recovered messages that
-        failed for good (to report once the lock is released)."""
+    def resolved_locked(self, resolved: list[PublishFuture]) -> list[PublishError]:
+        """Under :attr:`Handoff.lock`: note the resolved entries; returns the recovered
+        messages that failed for good (to report once the lock is released)."""
         ...
 
     def after_resolved(self, failed: list[PublishError]) -> None:
@@ -76,7 +76,9 @@ class Handoff:
         self._waiters: list[threading.Lock] = []
         self.window = Window(options.max_in_flight, options.max_in_flight_bytes)
         #: whether a publish goes in now (the core's; every call under :attr:`lock`)
-        self.admission: Admission[PublishFuture] = Admission(self.window, self.hand_over)
+        self.admission: Admission[PublishFuture] = Admission(
+            self.window, self.hand_over, self.hand_over_run
+        )
         self.outbox: deque[PublishFuture] = deque()
         self.requests: deque[Request] = deque()
         #: the condition (over one lock) this publisher's futures share
@@ -155,21 +157,32 @@ class Handoff:
         to make once the lock is released; None when a wake is on its way already (one wake
         however many publishes ask: the I/O thread takes the whole outbox). Between
         connections it wakes the thread's wait, which takes the outbox too (so a message's
-        delivery deadline runs from its publish)."""
+        delivery deadline runs from its publish). :meth:`hand_over` inlines it: change both."""
         if self.wake_pending:
             return None
         self.wake_pending = True
         wake = self.wake_loop
         return self.idle.set if wake is None else wake
 
-    def hand_over(self, entries: Sequence[PublishFuture]) -> Callable[[], None] | None:
-        """Under :attr:`lock`: the admission's hand-over (admitted entries to the outbox, for
+    def hand_over(self, entry: PublishFuture) -> Callable[[], None] | None:
+        """Under :attr:`lock`: the admission's hand-over (an admitted entry to the outbox, for
         the I/O thread); the wake-up to make once the lock is released (see
         :meth:`wake_call`)."""
+        self.outbox.append(entry)
+        # wake_call(), inlined (one call less a publish): its twin, kept in step by
+        # tests/adapters (every publish waits on the wake-up this gives)
+        if self.wake_pending:
+            return None
+        self.wake_pending = True
+        wake = self.wake_loop
+        return self.idle.set if wake is None else wake
+
+    def hand_over_run(self, entries: Sequence[PublishFuture]) -> Callable[[], None] | None:
+        """:meth:`hand_over` for a run of entries, in order (publish_many)."""
         self.outbox.extend(entries)
         return self.wake_call()
 
-    def take_outbox(self) -> deque[PublishFuture] | None:
+    def pop_outbox(self) -> deque[PublishFuture] | None:
         """Everything published since the last call (None when nothing was)."""
         with self.lock:
             self.wake_pending = False
@@ -179,49 +192,49 @@ class Handoff:
             self.outbox = deque()
             return items
 
-    def take_requests(self) -> list[Request]:
+    def pop_requests(self) -> list[Request]:
         """The declarations callers asked for since the last call."""
         with self.lock:
             requests = list(self.requests)
             self.requests.clear()
             return requests
 
-    def resolve(self, resolutions: list[PublishFuture]) -> None:
+    def resolve(self, resolved: list[PublishFuture]) -> None:
         """Settle the futures the engine resolved (each its message's entry) and free their
         room in the window."""
-        if not resolutions:
+        if not resolved:
             return
         if self.telemetry is not None:  # before the futures: a span ends with its message
-            self.telemetry.on_resolved(resolutions)
+            self.telemetry.on_resolved(resolved)
         # a future the caller cancelled is left as it is; the message was still settled. A
         # confirmed one keeps its raw outcome (CONFIRMED: the Confirmation is built by
         # future.result(), if anyone asks).
         # A failed one nobody retrieves is reported when it is collected (_future.failed).
-        outcomes = [e.raw_outcome for e in resolutions]
-        settle(self.futures, resolutions, outcomes, report_if_unretrieved)
+        outcomes = [e.raw_outcome for e in resolved]
+        resolve_futures(self.futures, resolved, outcomes, report_if_unretrieved)
         spooled = self.spooled
         with self.lock:  # held briefly: publishing threads wait on this lock
-            self.window.release(resolutions)
-            failed = spooled.resolved_locked(resolutions) if spooled is not None else None
+            self.window.release(resolved)
+            failed = spooled.resolved_locked(resolved) if spooled is not None else None
             self.notify_all()
         if spooled is not None:
             spooled.after_resolved(failed or [])
 
-    def resolve_closing(self, resolutions: list[PublishFuture]) -> None:
+    def resolve_closing(self, resolved: list[PublishFuture]) -> None:
         """:meth:`resolve` for what closing fails with ``PublisherClosed``: with a spool, the
         error says the message stays there; closed at exit or after being dropped, the
         publisher reports them in one line (:attr:`closing_unclosed`), not once each."""
-        if not resolutions:
+        if not resolved:
             return
         spooled = self.spooled
         if spooled is not None:
-            for entry in resolutions:
+            for entry in resolved:
                 error = entry.raw_outcome
                 if isinstance(error, PublisherClosed):
                     entry.raw_outcome = error.kept_in_spool(spooled.directory)
-        self.resolve(resolutions)
+        self.resolve(resolved)
         if self.closing_unclosed:
-            for future in resolutions:
+            for future in resolved:
                 retrieved(future)
 
     def fail(self, fatal: ReliableAmqpError) -> None:

@@ -3,7 +3,7 @@
 Everything here runs on the one thread that owns the pika connection and the
 :class:`~reliable_amqp._core.supervisor.Supervisor`. What a frame or a loss means, which URL to
 try next and when, and when to wake up are the supervisor's decisions; this module only carries
-them out on a pika ``SelectConnection`` and hands resolutions to the :class:`Handoff`.
+them out on a pika ``SelectConnection`` and hands the resolved entries to the :class:`Handoff`.
 """
 
 from __future__ import annotations
@@ -142,10 +142,10 @@ class IOThread:
             self._connection = None
             self._channel = None
             # Whatever was on the wire goes out again on the next connection, in order.
-            resolutions, plan = supervisor.connection_lost(
+            resolved, plan = supervisor.connection_lost(
                 self._loss, time.monotonic(), established=self._established, reply=self._reply
             )
-            self._handoff.resolve(resolutions)
+            self._handoff.resolve(resolved)
             if plan is None:
                 break
             if isinstance(plan, GiveUp):
@@ -172,7 +172,7 @@ class IOThread:
         self._handoff.fail(self._supervisor.give_up(error))
 
     def _shutdown(self) -> None:
-        for op, future in self._handoff.take_requests():
+        for op, future in self._handoff.pop_requests():
             if future is not None and not future.done():
                 future.set_exception(ReliableAmqpError(f"publisher closed before {op.describe()}"))
         self._accept_outbox(time.monotonic())
@@ -183,7 +183,7 @@ class IOThread:
         """Hand what callers published, then what waits on disk (as room allows), to the
         engine; returns how many came from disk."""
         handoff = self._handoff
-        items = handoff.take_outbox()
+        items = handoff.pop_outbox()
         if items is not None:
             self._supervisor.accept(items, now)
         read = 0
@@ -298,8 +298,8 @@ class IOThread:
             return  # the connection's loss recovers it
         code = getattr(reason, "reply_code", None)
         text = getattr(reason, "reply_text", str(reason))
-        resolutions, delay = self._supervisor.channel_closed(code, text, time.monotonic())
-        self._handoff.resolve(resolutions)
+        resolved, delay = self._supervisor.channel_closed(code, text, time.monotonic())
+        self._handoff.resolve(resolved)
         connection.ioloop.call_later(delay, functools.partial(self._open_channel, connection))
 
     def _on_connection_open_error(self, connection: SelectConnection, error: Any) -> None:
@@ -412,5 +412,5 @@ class IOThread:
         connection = self._connection
         if not self._handoff.requests or connection is None or not connection.is_open:
             return
-        requests = self._handoff.take_requests()
+        requests = self._handoff.pop_requests()
         apply_topology(connection, requests, on_applied=self._topology.record, then=lambda: None)

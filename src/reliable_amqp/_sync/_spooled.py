@@ -2,7 +2,7 @@
 
 ``publish()`` appends the message to the spool and hands it to the I/O thread as without a
 spool when nothing older waits on disk and the window has room; otherwise it leaves it on disk.
-While the broker confirms, it keeps the broker's pace (``_keep_pace``); it never waits for a
+While the broker confirms, it keeps the broker's pace (``_pace_until``); it never waits for a
 broker that is down or stalled, only for room in the spool and for the disk. The I/O thread
 reads the backlog
 back as the window frees room (:meth:`SpooledPublishing.refill`, called where it takes the
@@ -46,7 +46,7 @@ class SpooledPublishing:
         #: how a message read back is built: as its own future, like publish()'s
         self._build = future_factory(handoff.futures, handoff)
         #: set when the window stayed full for PACE_WAIT: publish() no longer waits for room
-        #: until something resolves (see _keep_pace)
+        #: until something resolves (see _pace_until)
         self.stalled = False
 
     @property
@@ -72,15 +72,16 @@ class SpooledPublishing:
         meta = b""  # the stored record, once the usual case did not take the message
         size = 0
         end = 0.0  # publish_timeout's deadline, once something waits
-        pace = 0.0  # the end of a wait for room in the window (see _keep_pace)
+        pace = 0.0  # the end of a wait for room in the window (see _pace_until)
         while True:
             waiter = None
             with handoff.lock:
                 if handoff.fatal is not None or not handoff.accepting:
                     check(future)
                 # the usual case, in one call: nothing on disk ahead, room in the window and
-                # in the spool (InvalidMessage for what cannot be stored)
-                index = seq = feed.append_direct(future, window)
+                # in the spool (InvalidMessage for what cannot be stored): its window index
+                index = feed.append_direct(future, window)
+                appended = index > 0  # (in the spool, whatever happens next)
                 if not index:
                     if not meta:
                         meta, size = spool.encode(future)
@@ -88,13 +89,14 @@ class SpooledPublishing:
                     if not self.stalled and (
                         spool.last_seq != feed.fed or not window.fits(body_size)
                     ):
-                        pace = self._keep_pace(body_size, pace)
+                        pace = self._pace_until(body_size, pace)
                         if pace:  # wait for room, off the lock (see Handoff), and look again
                             waiter = handoff.waiter()
                 if waiter is None and not index:
-                    seq = spool.try_append(meta, future.body, size)
+                    seq = spool.try_append(meta, future.body, size)  # its spool seq, or 0
+                    appended = seq > 0
                     if seq:
-                        index = window.try_take(body_size) if feed.direct(seq) else 0
+                        index = window.try_issue(body_size) if feed.direct(seq) else 0
                         if index:
                             feed.track(index, seq, size)
                         else:
@@ -107,12 +109,12 @@ class SpooledPublishing:
                 if index:
                     future.index = index
                     handoff.outbox.append(future)
-                if seq:
+                if appended:
                     wake = handoff.wake_call()
             if waiter is not None:
                 handoff.wait(waiter, pace - time.monotonic())
                 continue
-            if seq:
+            if appended:
                 if wake is not None:
                     wake()
                 return future
@@ -139,11 +141,11 @@ class SpooledPublishing:
         if spool.writer_behind:  # the disk is slower than the producer: wait for it
             spool.wait_for_writer(max(0.0, end - time.monotonic()))
 
-    def _keep_pace(self, size: int, end: float) -> float:
-        """Under the handoff lock: whether publish() waits (a little) because the window has no
-        room for this message and for those ahead of it on disk: the end of that wait (``end``
-        the one a wait before this one had, 0.0 at first), or 0.0 to go on now (and the broker
-        is taken for stalled when the wait is over).
+    def _pace_until(self, size: int, end: float) -> float:
+        """Under the handoff lock: until when publish() waits (a little) because the window has
+        no room for this message and for those ahead of it on disk: the end of that wait
+        (``end`` the one a wait before this one had, 0.0 at first), or 0.0 to go on now (and
+        the broker is taken for stalled when the wait is over).
 
         While the broker confirms, a spooled publish() keeps its pace as without a spool: the
         message goes straight to the engine and is never read back from disk (which costs more
@@ -249,7 +251,7 @@ class SpooledPublishing:
                 if entry.seq <= feed.fed or not window.fits(size):
                     break
                 future = feed.take(entry.seq)
-                index = window.take(size)
+                index = window.issue(size)
                 feed.track(index, entry.seq, entry.size)
                 if future is None:  # recovered, or the caller dropped its future
                     future = read
@@ -259,10 +261,10 @@ class SpooledPublishing:
                 items.append(future)
         return items
 
-    def resolved_locked(self, resolutions: list[PublishFuture]) -> list[PublishError]:
+    def resolved_locked(self, resolved: list[PublishFuture]) -> list[PublishError]:
         """Called by :meth:`Handoff.resolve` under its lock, before flushes are woken."""
         self.stalled = False  # confirms flow: publish() keeps pace again
-        return self.feed.resolved(resolutions)
+        return self.feed.resolved(resolved)
 
     def after_resolved(self, failed: list[PublishError]) -> None:
         """Called by :meth:`Handoff.resolve` after its lock: report, and read more back."""

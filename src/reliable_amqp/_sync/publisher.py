@@ -159,7 +159,7 @@ class _Parts:
         # The I/O thread settled everything it held; a publish that raced close() may remain.
         # The thread is gone, so the engine is this thread's to finish.
         supervisor = self.supervisor
-        supervisor.accept(handoff.take_outbox() or (), time.monotonic())
+        supervisor.accept(handoff.pop_outbox() or (), time.monotonic())
         handoff.resolve_closing(supervisor.shutdown())
         if self.spooled is not None:  # what is left stays in the spool for the next publisher
             self.spooled.close(wait)
@@ -203,6 +203,8 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         self._handoff = Handoff(self.options)
         self._window = self._handoff.window
         self._admission = self._handoff.admission
+        #: set once the I/O thread opened its first channel (its event is never cleared)
+        self._opened = False
         self._supervisor: Supervisor[PublishFuture] = Supervisor(self.options)
         #: checks and builds each message: as its own future (see PublishFuture)
         self._builder = self._init_builder(future_factory(self._handoff.futures, self._handoff))
@@ -358,9 +360,11 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         # The entry is its own future (see PublishFuture). Cancelling the future only means
         # the caller stopped caring: the message stays tracked.
         admission = self._admission
-        if not self._io.opened.is_set():
-            admission.check(entry)
-            self.connect()
+        if not self._opened:  # (the event's is_set() is a call a publish: it is set for good)
+            if not self._io.opened.is_set():
+                admission.check(entry)
+                self.connect()
+            self._opened = self._io.opened.is_set()
         if self._spooled is not None:
             return self._spooled.publish(entry, admission.check)
         with self._handoff.lock:
