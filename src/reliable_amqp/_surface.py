@@ -38,11 +38,11 @@ class PublisherSurface(Generic[D, Q, F, L]):
     def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
         raise NotImplementedError
 
-    def _publish(self, message: Any) -> F:
+    def _publish(self, entry: Any) -> F:
         """Send one message its builder made (a coroutine function on the AsyncPublisher)."""
         raise NotImplementedError
 
-    def _publish_many(self, messages: list[Any]) -> L:
+    def _publish_many(self, entries: list[Any]) -> L:
         """Send the messages of one ``publish_many()`` call, in order."""
         raise NotImplementedError
 

@@ -68,9 +68,9 @@ class AsyncSpooled:
 
     # --- publishing -----------------------------------------------------------------------------
 
-    def publish_now(self, message: _AsyncEntry, queued: bool) -> _Handle | None:
+    def publish_now(self, entry: _AsyncEntry, queued: bool) -> _Handle | None:
         """The usual case, with no coroutine: nothing on disk ahead, room in the window and in
-        the spool: append ``message`` and hand it to the engine; its future. None when
+        the spool: append ``entry`` and hand it to the engine; its future. None when
         :meth:`publish` has to wait (or park it): the caller awaits that instead. The caller
         checked that the publisher accepts messages; ``queued``: publishes wait for room in the
         window (they go first)."""
@@ -78,18 +78,18 @@ class AsyncSpooled:
         loop = self._loop
         if queued or feed.holding or loop is None:
             return None
-        index = feed.append_direct(message, self._window)  # InvalidMessage: cannot be stored
+        index = feed.append_direct(entry, self._window)  # InvalidMessage: cannot be stored
         if not index:
             return None
-        return self._hand_over_one(message, index, loop)
+        return self._hand_over_one(entry, index, loop)
 
     async def publish(
         self,
-        message: _AsyncEntry,
+        entry: _AsyncEntry,
         check: Callable[[_AsyncEntry], None],
         queued: Callable[[], bool],
     ) -> _Handle:
-        """Append ``message`` to the spool; its future (see the module docstring).
+        """Append ``entry`` to the spool; its future (see the module docstring).
 
         ``check`` raises when the publisher no longer accepts messages; ``queued`` says whether
         publishes wait for room in the window (they go first).
@@ -98,21 +98,21 @@ class AsyncSpooled:
         loop = asyncio.get_running_loop()
         if self.feed.holding:
             self.release()
-        meta, size = spool.encode(message)  # InvalidMessage for what cannot be stored
+        meta, size = spool.encode(entry)  # InvalidMessage for what cannot be stored
         timeout = self.options.publish_timeout
         end = loop.time() + timeout
-        body_size = len(message.body)
+        body_size = len(entry.body)
         window = self._window
         feed = self.feed
         # publish_now() did not take it: keep the broker's pace while something is ahead of it
         if (not window.fits(body_size) or spool.last_seq != feed.fed) and not self.stalled:
             await self._keep_pace(body_size, loop)
         while True:
-            check(message)
-            seq = spool.try_append(meta, message.body, size)
+            check(entry)
+            seq = spool.try_append(meta, entry.body, size)
             if seq:
                 break
-            spool.check_writable(message)  # SpoolFull, closed: no waiting helps
+            spool.check_writable(entry)  # SpoolFull, closed: no waiting helps
             if spool.writer_behind:  # the disk is slower than the producer: wait off the loop
                 await loop.run_in_executor(None, spool.wait_for_writer, 1.0)
                 continue
@@ -124,7 +124,7 @@ class AsyncSpooled:
         if feed.direct(seq) and not queued() and window.fits(body_size):
             index = window.issue(body_size)
             feed.track(index, seq, size)
-            future = self._hand_over_one(message, index, loop)
+            future = self._hand_over_one(entry, index, loop)
         else:  # left on disk: read back when confirms free room, its future kept till then
             future = loop.create_future()
             feed.park(future, seq)

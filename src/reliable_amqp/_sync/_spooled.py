@@ -57,9 +57,9 @@ class SpooledPublishing:
     # --- the caller's side ----------------------------------------------------------------------
 
     def publish(
-        self, future: PublishFuture, check: Callable[[PublishFuture], None]
+        self, entry: PublishFuture, check: Callable[[PublishFuture], None]
     ) -> PublishFuture:
-        """Append ``future``'s message to the spool and return it (see the module docstring).
+        """Append ``entry``'s message to the spool and return it (see the module docstring).
 
         ``check`` raises when the publisher no longer accepts messages (closed, gave up).
         """
@@ -77,15 +77,15 @@ class SpooledPublishing:
             waiter = None
             with handoff.lock:
                 if handoff.fatal is not None or not handoff.accepting:
-                    check(future)
+                    check(entry)
                 # the usual case, in one call: nothing on disk ahead, room in the window and
                 # in the spool (InvalidMessage for what cannot be stored): its window index
-                index = feed.append_direct(future, window)
+                index = feed.append_direct(entry, window)
                 appended = index > 0  # (in the spool, whatever happens next)
                 if not index:
                     if not meta:
-                        meta, size = spool.encode(future)
-                    body_size = len(future.body)
+                        meta, size = spool.encode(entry)
+                    body_size = len(entry.body)
                     if not self.stalled and (
                         spool.last_seq != feed.fed or not window.fits(body_size)
                     ):
@@ -93,22 +93,22 @@ class SpooledPublishing:
                         if pace:  # wait for room, off the lock (see Handoff), and look again
                             waiter = handoff.waiter()
                 if waiter is None and not index:
-                    seq = spool.try_append(meta, future.body, size)  # its spool seq, or 0
+                    seq = spool.try_append(meta, entry.body, size)  # its spool seq, or 0
                     appended = seq > 0
                     if seq:
                         index = window.try_issue(body_size) if feed.direct(seq) else 0
                         if index:
                             feed.track(index, seq, size)
                         else:
-                            feed.park(future, seq)  # read back when confirms free room
+                            feed.park(entry, seq)  # read back when confirms free room
                             if window.free_slots() <= 0:
-                                return future
+                                return entry
                             # room now: have the I/O thread read it back
                     else:
-                        spool.check_writable(future)  # SpoolFull, closed: no waiting helps
+                        spool.check_writable(entry)  # SpoolFull, closed: no waiting helps
                 if index:
-                    future.index = index
-                    handoff.outbox.append(future)
+                    entry.index = index
+                    handoff.outbox.append(entry)
                 if appended:
                     wake = handoff.wake_call()
             if waiter is not None:
@@ -117,16 +117,16 @@ class SpooledPublishing:
             if appended:
                 if wake is not None:
                     wake()
-                return future
+                return entry
             # no room in the spool, or its writer behind: wait, off the lock, and try again
             end = end or time.monotonic() + self.options.publish_timeout
             if time.monotonic() >= end:
                 raise spool.timeout_error(size, self.options.publish_timeout)
-            self._wait_for_spool(future, size, check, end)
+            self._wait_for_spool(entry, size, check, end)
 
     def _wait_for_spool(
         self,
-        future: PublishFuture,
+        entry: PublishFuture,
         size: int,
         check: Callable[[PublishFuture], None],
         end: float,
@@ -136,7 +136,7 @@ class SpooledPublishing:
         if not spool.has_room(size):
             # only confirms make room, and only the I/O thread reads them
             self._handoff.check_wait("publish() into a full spool")
-            check(future)
+            check(entry)
             spool.wait_for_room(size, max(0.0, end - time.monotonic()))
         if spool.writer_behind:  # the disk is slower than the producer: wait for it
             spool.wait_for_writer(max(0.0, end - time.monotonic()))
