@@ -10,10 +10,10 @@ import pytest
 
 from engine_support import entry_for
 from reliable_amqp._core.builder import build_message
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.tracker import (
     ATTEMPT_HEADER,
     ConfirmTracker,
-    Entry,
     attempt_tag,
     pack_key,
     parse_attempt_tag,

@@ -17,10 +17,10 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from engine_support import entry_for
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.message import MessageProperties, OutgoingMessage
 from reliable_amqp._core.tracker import (
     ConfirmTracker,
-    Entry,
     attempt_tag,
     pack_key,
     parse_attempt_tag,

@@ -18,9 +18,7 @@ from typing import Any, Generic, TypeVar
 
 from sortedcontainers import SortedDict
 
-# Entry re-exported for _spool/_feed, which imports it from here (that package is split
-# elsewhere at the time of writing; the entry's home is _core/entry)
-from reliable_amqp._core.entry import Entry as Entry  # noqa: PLC0414
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.frames import headers_match
 
 E = TypeVar("E", bound="Entry[Any]")

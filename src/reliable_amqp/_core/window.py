@@ -156,10 +156,6 @@ class Window:
         if barrier in self._barriers:
             self._barriers.remove(barrier)
 
-    # the names the durable spool's feed (_spool/_feed) calls them by, until it says issue too
-    try_take = try_issue
-    untake = unissue
-
     def full_error(self, waited: float) -> PublishTimeout:
         """The error ``publish()`` raises after waiting ``waited`` seconds for room."""
         return PublishTimeout(

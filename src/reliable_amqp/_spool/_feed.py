@@ -36,10 +36,10 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
+from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import PublisherClosed, PublishError
 from reliable_amqp._core.message import MessageParts
 from reliable_amqp._core.options import PublisherOptions
-from reliable_amqp._core.tracker import Entry
 from reliable_amqp._core.window import Window
 from reliable_amqp._spool._codec import Build
 from reliable_amqp._spool._read import SpoolEntry
@@ -137,8 +137,8 @@ class SpoolFeed(Generic[H]):
 
     def append_direct(self, message: MessageParts, window: Window) -> int:
         """The usual case of a publish, in one call: when nothing waits on disk ahead of it
-        and ``window`` and the spool have room at once, append ``message`` to the spool, take
-        its room in ``window`` and :meth:`track` it; its window index. 0 (and nothing taken)
+        and ``window`` and the spool have room at once, append ``message`` to the spool, issue
+        it in ``window`` and :meth:`track` it; its window index. 0 (and nothing issued)
         when it cannot go at once: the adapter's own path then waits, or parks it.
 
         Raises :class:`InvalidMessage` for a message the spool cannot store.
@@ -149,13 +149,13 @@ class SpoolFeed(Generic[H]):
         if spool.last_seq != self.fed:
             return 0
         body_size = len(body)
-        index = window.try_take(body_size)
+        index = window.try_issue(body_size)
         if not index:
             return 0
         size = len(meta) + body_size
         seq = spool.try_append(meta, body, size)
         if not seq:
-            window.untake(body_size)
+            window.unissue(body_size)
             return 0
         self._held[index] = size << SEQ_BITS | seq
         self.fed = seq
