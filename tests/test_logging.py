@@ -182,7 +182,7 @@ def test_only_a_connection_that_was_open_is_called_lost(
     caplog: pytest.LogCaptureFixture, make_proxy: Any
 ) -> None:
     caplog.set_level(logging.WARNING, logger="reliable_amqp")
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     policy = RetryPolicy(max_attempts=3, initial_delay=0.05, max_delay=0.05, jitter=0)
     publisher = Publisher(proxy.url(), connect_policy=policy)
     publisher.connect()
@@ -456,7 +456,7 @@ def test_recovered_messages_that_fail_are_logged_once_each(
 def test_a_spooled_message_the_close_fails_says_it_stays_in_the_spool(
     side: str, make_proxy: Any, tmp_path: Path
 ) -> None:
-    proxy = make_proxy(5672)
+    proxy = make_proxy()
     kind = Publisher if side == "sync" else SpooledAsync
     publisher = kind(proxy.url(), spool=tmp_path / "s")
     publisher.connect()

@@ -11,7 +11,7 @@ from typing import Any
 import pika
 import pytest
 
-from broker_support import BrokerAdmin, unique
+from broker_support import AMQP_DEFAULT_PORT, BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from reliable_amqp import (
     AuthenticationFailed,
@@ -507,8 +507,8 @@ def test_bad_input_fails_fast_and_disturbs_nothing(  # noqa: PLR0917 (fixtures +
 @pytest.mark.parametrize(
     "url",
     [
-        "http://guest:s3cret@127.0.0.1:5672/",
-        "127.0.0.1:5672",
+        f"http://guest:s3cret@127.0.0.1:{AMQP_DEFAULT_PORT}/",
+        f"127.0.0.1:{AMQP_DEFAULT_PORT}",
         "amqp://guest:s3cret@127.0.0.1:99999/",
         "amqp://guest:s3cret@/vhost",
         "",

@@ -15,7 +15,7 @@ import pika
 import pytest
 
 from aio_support import aio, outcomes
-from broker_support import BrokerAdmin, unique
+from broker_support import AMQP_DEFAULT_PORT, BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from reliable_amqp import (
     AuthenticationFailed,
@@ -290,8 +290,8 @@ async def test_bad_input_fails_fast_and_disturbs_nothing(
 @pytest.mark.parametrize(
     "url",
     [
-        "http://guest:s3cret@127.0.0.1:5672/",
-        "127.0.0.1:5672",
+        f"http://guest:s3cret@127.0.0.1:{AMQP_DEFAULT_PORT}/",
+        f"127.0.0.1:{AMQP_DEFAULT_PORT}",
         "amqp://guest:s3cret@127.0.0.1:99999/",
         "amqp://guest:s3cret@/vhost",
         "",

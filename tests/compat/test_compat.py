@@ -21,6 +21,7 @@ from pamqp.body import ContentBody
 from pamqp.exceptions import AMQPInternalError
 from pamqp.header import ContentHeader
 
+from broker_support import AMQP_DEFAULT_PORT
 from reliable_amqp import _compat
 from reliable_amqp._compat import (
     AIORMQ_RANGE,
@@ -256,7 +257,7 @@ def test_pika_errors_are_classified(error: BaseException, expected: type, retria
 
 
 def test_no_translated_message_holds_a_password() -> None:
-    text = "cannot reach <Connection: amqp://guest:s3cret@host:5672/>"
+    text = f"cannot reach <Connection: amqp://guest:s3cret@host:{AMQP_DEFAULT_PORT}/>"
     assert "s3cret" not in scrub_credentials(text)
     assert "amqp://***@host" in scrub_credentials(text)
     assert "s3cret" not in str(compat_aiormq.translate_connection_error(ConnectionError(text)))

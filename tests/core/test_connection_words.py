@@ -7,6 +7,7 @@ import errno
 
 import pytest
 
+from broker_support import AMQP_DEFAULT_PORT as PORT
 from reliable_amqp import AmqpConnectionError, AuthenticationFailed
 from reliable_amqp._core.errors import connection_failure, unreachable
 
@@ -15,16 +16,16 @@ from reliable_amqp._core.errors import connection_failure, unreachable
     ("args", "kwargs", "text"),
     [
         (("127.0.0.1", 5699, errno.ECONNREFUSED), {}, "connection refused at 127.0.0.1:5699"),
-        (("::1", 5672, errno.ECONNREFUSED), {}, "connection refused at [::1]:5672"),
-        (("h", 5672, errno.ETIMEDOUT), {}, "timed out connecting to h:5672"),
-        (("h", 5672, errno.EHOSTUNREACH), {}, "no route to h:5672 (host unreachable)"),
+        (("::1", PORT, errno.ECONNREFUSED), {}, f"connection refused at [::1]:{PORT}"),
+        (("h", PORT, errno.ETIMEDOUT), {}, f"timed out connecting to h:{PORT}"),
+        (("h", PORT, errno.EHOSTUNREACH), {}, f"no route to h:{PORT} (host unreachable)"),
         (
-            ("nope.invalid", 5672, -2, "Name or service not known"),
+            ("nope.invalid", PORT, -2, "Name or service not known"),
             {"resolving": True},
             "cannot resolve the host name 'nope.invalid' (Name or service not known)",
         ),
-        (("h", 5672, None, "odd"), {}, "cannot connect to h:5672: odd"),
-        (("h", 5672, 9999, "odd"), {}, "cannot connect to h:5672: odd"),
+        (("h", PORT, None, "odd"), {}, f"cannot connect to h:{PORT}: odd"),
+        (("h", PORT, 9999, "odd"), {}, f"cannot connect to h:{PORT}: odd"),
     ],
 )
 def test_unreachable_says_the_cause_and_where(

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from broker_support import AMQP_DEFAULT_PORT as PORT
 from reliable_amqp._core.errors import (
     ConfigurationError,
 )
@@ -28,7 +29,7 @@ from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.stats import PublisherEvent
 
 PASSWORD = "s3cretPW"
-URL = f"amqp://guest:{PASSWORD}@localhost:5672/%2F"
+URL = f"amqp://guest:{PASSWORD}@localhost:{PORT}/%2F"
 
 
 # --- options --------------------------------------------------------------------------------------
@@ -69,10 +70,10 @@ def test_malformed_urls_are_rejected_without_showing_the_password(url: str) -> N
 @pytest.mark.parametrize(
     "url",
     [
-        f"guest:{PASSWORD}@localhost:5672/%2F",
-        "amqp://guest:pass/word@localhost:5672/",
-        "amqp://guest:pass#word@localhost:5672/",
-        "amqp://guest:pass?word@localhost:5672/",
+        f"guest:{PASSWORD}@localhost:{PORT}/%2F",
+        f"amqp://guest:pass/word@localhost:{PORT}/",
+        f"amqp://guest:pass#word@localhost:{PORT}/",
+        f"amqp://guest:pass?word@localhost:{PORT}/",
     ],
 )
 def test_malformed_urls_never_show_the_password(url: str) -> None:
@@ -119,12 +120,12 @@ def test_policies_may_be_given_as_dicts_over_the_option_defaults() -> None:
 @pytest.mark.parametrize(
     "url, shown",
     [
-        (URL, "amqp://guest:***@localhost:5672/%2F"),
+        (URL, f"amqp://guest:***@localhost:{PORT}/%2F"),
         ("amqps://u:p%40ss@h/vh", "amqps://u:***@h/vh"),
-        ("amqp://u:p@ss@h:5672", "amqp://u:***@h:5672"),
+        (f"amqp://u:p@ss@h:{PORT}", f"amqp://u:***@h:{PORT}"),
         ("amqp://u:@h/", "amqp://u:***@h/"),
         ("amqp://u@h/", "amqp://u@h/"),
-        ("amqp://h:5672/", "amqp://h:5672/"),
+        (f"amqp://h:{PORT}/", f"amqp://h:{PORT}/"),
     ],
 )
 def test_redact_url_hides_passwords(url: str, shown: str) -> None:
@@ -270,11 +271,14 @@ def test_kwargs_is_a_fresh_dict_each_time() -> None:
 @pytest.mark.parametrize(
     "url, shown",
     [
-        ("guest:pw@h:5672/", "guest:***@h:5672/"),  # no scheme: the fallback still hides it
+        (
+            f"guest:pw@h:{PORT}/",
+            f"guest:***@h:{PORT}/",
+        ),  # no scheme: the fallback still hides it
         ("amqp://u:p:q@h/", "amqp://u:***@h/"),  # a colon inside the password
         ("amqps://:pw@h/", "amqps://:***@h/"),  # empty user name
-        ("amqp://u:p@[::1]:5672/vh", "amqp://u:***@[::1]:5672/vh"),
-        ("amqp://[::1]:5672/", "amqp://[::1]:5672/"),
+        (f"amqp://u:p@[::1]:{PORT}/vh", f"amqp://u:***@[::1]:{PORT}/vh"),
+        (f"amqp://[::1]:{PORT}/", f"amqp://[::1]:{PORT}/"),
         ("amqp://u:p@[h/", "amqp://u:***@[h/"),  # urlsplit raises ValueError: fallback
         ("amqp://u:p@h:port/", "amqp://u:***@h:port/"),  # a bad port is not redaction's job
         ("amqp://u:pa%2Fss@h", "amqp://u:***@h"),
@@ -302,7 +306,7 @@ def test_redact_url_of_a_non_str_shows_nothing_of_it(url: object) -> None:
         ("amqp://u:p@x/y@h/", "amqp://u:***@h/"),
         ("amqp://u:p@x?y@h/", "amqp://u:***@h/"),
         ("amqp://u:p@x#y@h/", "amqp://u:***@h/"),
-        ("amqp://u:p@x/y@h:5672/vh?heartbeat=5", "amqp://u:***@h:5672/vh?heartbeat=5"),
+        (f"amqp://u:p@x/y@h:{PORT}/vh?heartbeat=5", f"amqp://u:***@h:{PORT}/vh?heartbeat=5"),
         ("amqp://u:a/b@c@h/", "amqp://u:***@h/"),  # '/' before the first '@'
         ("amqp://u:p@h/v@x", "amqp://u:***@x"),  # ambiguous: hide more
         ("amqp://u@h/v:w@x", "amqp://u@h/v:***@x"),  # 'w' may be a password: hide it
@@ -327,11 +331,11 @@ def test_redact_url_hides_a_password_with_at_and_slash(url: str, shown: str) -> 
 @pytest.mark.parametrize(
     "url",
     [
-        "amqp://h:5672/v@x",
+        f"amqp://h:{PORT}/v@x",
         "amqp://h/v@x",
         "amqp://h/vh?heartbeat=5#a@b",
-        "amqp://h:5672/vh#a:b@c",
-        "amqp://[::1]:5672/v@x",
+        f"amqp://h:{PORT}/vh#a:b@c",
+        f"amqp://[::1]:{PORT}/v@x",
         "amqp://u@h/",
         "amqp://u@h/v@x",  # no ':' before the last '@': no password in any reading
     ],
@@ -356,12 +360,12 @@ def test_check_url_returns_good_urls_unchanged(url: str) -> None:
         (None, "a broker URL must be a non-empty str, got None"),
         (b"amqp://h/", "a broker URL must be a non-empty str, got b'amqp://h/'"),
         ("amqp://u:secret@h:0/", "broker URL amqp://u:***@h:0/ has an invalid port"),
-        ("amqp://u:secret@:5672/", "broker URL amqp://u:***@:5672/ has no host"),
+        (f"amqp://u:secret@:{PORT}/", f"broker URL amqp://u:***@:{PORT}/ has no host"),
         (
             "http://u:secret@h/",
             "broker URL http://u:***@h/ must start with amqp:// or amqps://, not http://",
         ),
-        ("h:5672", "broker URL h:5672 must start with amqp:// or amqps://, not h://"),
+        (f"h:{PORT}", f"broker URL h:{PORT} must start with amqp:// or amqps://, not h://"),
     ],
 )
 def test_check_url_errors_are_exact(url: object, problem: str) -> None:
@@ -375,7 +379,7 @@ def test_check_url_errors_are_exact(url: object, problem: str) -> None:
     [
         ("amqp://h", "/"),
         ("amqp://h/", "/"),
-        ("amqp://h:5672/%2F", "/"),
+        (f"amqp://h:{PORT}/%2F", "/"),
         ("amqp://u:p@h/prod", "prod"),
         ("amqp://h/a%20b", "a b"),
         ("amqp://h//x", "/x"),
@@ -387,7 +391,7 @@ def test_vhost_of(url: str, vhost: str) -> None:
 
 
 def test_default_url_escapes_the_vhost_and_round_trips() -> None:
-    assert default_url() == "amqp://guest:guest@127.0.0.1:5672/%2F"
+    assert default_url() == f"amqp://guest:guest@127.0.0.1:{PORT}/%2F"
     url = default_url("broker", 5673, "team/a b")
     assert url == "amqp://guest:guest@broker:5673/team%2Fa%20b"
     assert vhost_of(url) == "team/a b" and check_url(url) == url

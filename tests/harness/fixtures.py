@@ -73,7 +73,7 @@ def make_proxy() -> Iterator[ProxyFactory]:
     def factory(target_port: int | None = None, target_host: str = "127.0.0.1") -> TcpProxy:
         if target_port is None or (target_port, target_host) == (AMQP_DEFAULT_PORT, "127.0.0.1"):
             # The test broker, wherever it is (a RabbitMQ 4 node, another broker, on another
-            # port). An explicit 5672 still means it, for tests written before the default.
+            # port). An explicit AMQP_DEFAULT_PORT still means it.
             target_port, target_host = AMQP_PORT, AMQP_HOST
         proxy = TcpProxy(target_port, target_host).start()
         proxies.append(proxy)

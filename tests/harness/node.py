@@ -1,7 +1,7 @@
 """A disposable RabbitMQ node that fault-injection tests may kill -9 and restart.
 
 The node runs beside the shared broker with its own name, ports, data, logs and Erlang cookie, so
-nothing a test does to it can disturb the shared node (127.0.0.1:5672) or other test runs.
+nothing a test does to it can disturb the shared node (the machine's broker) or other test runs.
 
 Lifecycle and leak protection:
 
@@ -37,6 +37,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+
+from broker_support import AMQP_DEFAULT_PORT
 
 __all__ = [
     "DEFAULT_DISK_FREE_LIMIT",
@@ -543,8 +545,11 @@ def _pick_ports(count: int) -> list[int]:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     upper = min(low, 32768) - 1
     lower = 20000 if upper > 21000 else 1024
-    # Well-known RabbitMQ ports, and the range rabbitmqctl itself listens on.
-    reserved = {4369, 5671, 5672, 15672, 25672, 61613, *range(35672, 35683)}
+    # Well-known RabbitMQ ports: epmd, AMQP and AMQPS, management (AMQP + 10000), distribution
+    # (AMQP + 20000), STOMP, and the range rabbitmqctl itself listens on (distribution + 10000).
+    amqp = AMQP_DEFAULT_PORT
+    reserved = {4369, amqp - 1, amqp, amqp + 10000, amqp + 20000, 61613}
+    reserved.update(range(amqp + 30000, amqp + 30011))
     chosen: list[int] = []
     with _ports_lock:
         for _ in range(10_000):

@@ -5,7 +5,7 @@ The nodes run Debian's own rabbitmq-server package from a minimal Debian root th
 root is current). Each node runs under ``chroot`` in a private mount namespace (``unshare``: the
 root's ``/proc`` and ``/dev`` mounts vanish with the node), with its own node name, AMQP and
 distribution ports, data directory, Erlang cookie and its own epmd port (``ERL_EPMD_PORT``): the
-machine's RabbitMQ (5672, 25672, epmd on 4369) is never touched.
+machine's RabbitMQ (its AMQP, distribution and epmd ports) is never touched.
 
 :class:`Rabbitmq4Node` is :class:`~harness.node.DisposableBroker` with another launcher, so the
 fault fixtures can hand a 4.x node to the tests written for the 3.10 one (kill -9, restart,

@@ -29,6 +29,7 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from broker_support import AMQP_DEFAULT_PORT
 from engine_support import entry_for
 from otel_support import Otel, make_otel, points_by, stats
 from reliable_amqp import (
@@ -56,7 +57,7 @@ from reliable_amqp._otel._metrics import (
 )
 from reliable_amqp._otel._telemetry import Telemetry
 
-URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+URL = f"amqp://guest:guest@127.0.0.1:{AMQP_DEFAULT_PORT}/%2F"
 
 
 @pytest.fixture
@@ -181,7 +182,7 @@ def test_span_per_message_with_the_messaging_attributes(otel: Otel) -> None:
         "messaging.message.id": message.message_id,
         "messaging.message.body.size": 12,
         "server.address": "127.0.0.1",
-        "server.port": 5672,
+        "server.port": AMQP_DEFAULT_PORT,
     }
     assert span.status.status_code is StatusCode.UNSET
 

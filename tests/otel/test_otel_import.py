@@ -37,7 +37,7 @@ def test_deciding_telemetry_imports_no_opentelemetry_when_the_process_uses_none(
         """
         from reliable_amqp import PublisherOptions
         from reliable_amqp._otel import telemetry_for
-        options = PublisherOptions.create("amqp://guest:guest@127.0.0.1:5672/%2F")
+        options = PublisherOptions.create("amqp://guest:guest@127.0.0.1/%2F")
         assert telemetry_for(options, lambda: None) is None
         """
     )

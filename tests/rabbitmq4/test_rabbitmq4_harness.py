@@ -14,11 +14,12 @@ from pathlib import Path
 import pika
 import pytest
 
+from broker_support import AMQP_DEFAULT_PORT
 from harness.rabbitmq4 import Rabbitmq4Node, versions
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
 
-MACHINE_PORTS = {5672, 25672, 4369}
+MACHINE_PORTS = {AMQP_DEFAULT_PORT, AMQP_DEFAULT_PORT + 20000, 4369}  # AMQP, distribution, epmd
 
 
 def _epmd_names(root: Path | None, port: int) -> str:

@@ -23,6 +23,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from broker_support import AMQP_DEFAULT_PORT
 from reliable_amqp import (
     ConfigurationError,
     DeliveryTimeout,
@@ -39,13 +40,13 @@ from reliable_amqp.spark._publish import failure_reason
 
 pytestmark = pytest.mark.spark
 
-URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+URL = f"amqp://guest:guest@127.0.0.1:{AMQP_DEFAULT_PORT}/%2F"
 
 
 def test_string_options_build_sink_and_publisher_options() -> None:
     config = SinkConfig.from_strings(
         {
-            "url": f"{URL}, amqp://guest:guest@127.0.0.2:5672/%2F",
+            "url": f"{URL}, amqp://guest:guest@127.0.0.2:{AMQP_DEFAULT_PORT}/%2F",
             "exchange": "events",
             "routing_key": "orders",
             "mandatory": "False",

@@ -17,12 +17,13 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
+from broker_support import AMQP_DEFAULT_PORT
 from reliable_amqp import ConfigurationError
 from reliable_amqp.spark import AmqpSink, SinkConfig
 from reliable_amqp.spark._publish import SPARK_OPTIONS
 from spark_support import read_all, unique_name
 
-URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+URL = f"amqp://guest:guest@127.0.0.1:{AMQP_DEFAULT_PORT}/%2F"
 
 # What PySpark 4.3 passes to a Python data source besides the user's options, found by writing
 # through a probe data source that records them (DataFrameWriter.save(path),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from broker_support import AMQP_DEFAULT_PORT
 from reliable_amqp import ConfigurationError, PublisherOptions
 from reliable_amqp._core.options import (
     DEFAULT_CONNECT_POLICY,
@@ -13,7 +14,7 @@ from reliable_amqp._core.options import (
     SPOOL_DELIVERY_TIMEOUT,
 )
 
-URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+URL = f"amqp://guest:guest@127.0.0.1:{AMQP_DEFAULT_PORT}/%2F"
 
 
 def test_a_spool_waits_as_long_as_it_takes_unless_told_otherwise(tmp_path: Path) -> None:

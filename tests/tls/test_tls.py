@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from broker_support import AMQP_DEFAULT_PORT
 from harness.node import DisposableBroker, TlsListener
 from reliable_amqp import Confirmation, TlsError
 from tls_support import PUBLISHERS, Certificates, client_context, publish_one
@@ -20,7 +21,7 @@ pytestmark = [
 ]
 
 SELF_SIGNED = "certificate verify failed: self-signed certificate in certificate chain"
-NOT_TLS = "the port does not speak TLS (is it the plain AMQP port, 5672?)"
+NOT_TLS = f"the port does not speak TLS (is it the plain AMQP port, {AMQP_DEFAULT_PORT}?)"
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 SECRET_KEY = "outbox-tests"
 USE_TZ = True
 INSTALLED_APPS = ["reliable_amqp.outbox.django"]
-RELIABLE_AMQP_URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+RELIABLE_AMQP_URL = os.environ["AMQP_URL"]  # the test broker, set by tests/outbox/test_stacks.py
 
 _db = os.environ["OUTBOX_DJANGO_DB"]
 if _db.startswith("postgresql://"):
