@@ -11,7 +11,7 @@ from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import PublisherClosed, PublishTimeout
 from reliable_amqp._core.message import new_confirmation
-from reliable_amqp._core.window import Barrier, Window
+from reliable_amqp._core.window import Barrier, Flush, Window
 
 
 @dataclass
@@ -190,6 +190,26 @@ def test_barrier_slots() -> None:
 
 
 # --- the error ----------------------------------------------------------------------------------
+
+
+def test_a_flush_is_over_when_nothing_is_left_or_its_time_is_up() -> None:
+    window = Window(max_count=10, max_bytes=10**6)
+    fill(window, [1, 1])
+    barrier = window.barrier()
+    flush = Flush(lambda: barrier.remaining, end=100.0)
+    assert flush.wait_for(now=40.0) == 60.0 and flush.left == 2  # wait the rest of the time
+    window.release([resolved(1, 1)])
+    assert flush.wait_for(now=100.0) == 0.0 and flush.left == 1  # timed out, one left
+    window.release([resolved(2, 1)])
+    assert flush.wait_for(now=50.0) == 0.0 and flush.left == 0  # done
+
+
+def test_a_flush_without_a_timeout_waits_as_long_as_it_takes() -> None:
+    left = [3]
+    flush = Flush(lambda: left[0], end=None)
+    assert flush.wait_for(now=10**9) is None and flush.left == 3
+    left[0] = -1  # (a count never makes a flush report less than nothing)
+    assert flush.wait_for(now=10**9) == 0.0 and flush.left == 0
 
 
 def test_full_error_names_the_counts_and_the_limits() -> None:

@@ -24,9 +24,9 @@ from reliable_amqp._core.message import Confirmation, OutgoingMessage, as_messag
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
 from reliable_amqp._core.supervisor import Supervisor
-from reliable_amqp._core.window import Window
+from reliable_amqp._core.window import Flush, Window
 from reliable_amqp._logs import report_spool_failed
-from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
+from reliable_amqp._spool._feed import SpoolFeed
 
 # The async publisher's types (reliable_amqp._async.publisher.Handle and AsyncEntry, which
 # imports this module), spelled out
@@ -56,9 +56,6 @@ class AsyncSpooled:
         self._refill_due = False
         self._flush_waiters: list[asyncio.Future[None]] = []
         self._room_waiters: list[asyncio.Future[None]] = []
-        #: set when the window stayed full for PACE_WAIT: publish() no longer waits for room
-        #: until something resolves (see _keep_pace)
-        self.stalled = False
         self.spool.on_commit = self._on_commit
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -105,7 +102,7 @@ class AsyncSpooled:
         window = self._window
         feed = self.feed
         # publish_now() did not take it: keep the broker's pace while something is ahead of it
-        if (not window.fits(body_size) or spool.last_seq != feed.fed) and not self.stalled:
+        if not feed.stalled:
             await self._keep_pace(body_size, loop)
         while True:
             check(entry)
@@ -121,15 +118,14 @@ class AsyncSpooled:
                 raise spool.timeout_error(size, timeout)
             # only confirms make room: wait for them off the loop (which settles them)
             await loop.run_in_executor(None, spool.wait_for_room, size, min(left, 1.0))
-        if feed.direct(seq) and not queued() and window.fits(body_size):
-            index = window.issue(body_size)
-            feed.track(index, seq, size)
-            future = self._hand_over_one(entry, index, loop)
-        else:  # left on disk: read back when confirms free room, its future kept till then
-            future = loop.create_future()
-            feed.park(future, seq)
-            if window.free_slots() > 0:
-                self.schedule_refill()
+        index = feed.issue_appended(seq, size, window, body_size, queued())
+        if index:
+            return self._hand_over_one(entry, index, loop)
+        # left on disk: read back when confirms free room (or now, if there is room), its
+        # future kept till then
+        future = loop.create_future()
+        if feed.park(future, seq, window):
+            self.schedule_refill()
         return future
 
     def _hand_over_one(
@@ -146,21 +142,14 @@ class AsyncSpooled:
 
     async def _keep_pace(self, size: int, loop: asyncio.AbstractEventLoop) -> None:
         """Wait (a little) while the window has no room for this message and those ahead of it
-        on disk: while the broker confirms, publish() keeps its pace, and its messages go
-        straight to the engine rather than being read back (as the sync publisher's
-        ``SpooledPublishing._pace_until``, which says why). A window that frees no room within
-        PACE_WAIT makes it stop waiting until something resolves (:attr:`stalled`)."""
+        on disk, as :meth:`SpoolFeed.pace_until` decides (and says why)."""
         window = self._window
         feed = self.feed
         end = 0.0
-        while not (window.fits(size) and window.free_slots() > feed.ahead(window.max_count)):
-            if self.stalled:
-                return
+        while True:
             now = loop.time()
+            end = feed.pace_until(window, size, end, now)
             if not end:
-                end = now + PACE_WAIT
-            elif now >= end:
-                self.stalled = True
                 return
             waiter: asyncio.Future[None] = loop.create_future()
             self._room_waiters.append(waiter)
@@ -178,18 +167,17 @@ class AsyncSpooled:
         if self.feed.holding:
             self.release()
         mark = self.spool.last_seq
-        while (left := self.feed.unresolved(mark)) > 0:
-            remaining = None if end is None else end - loop.time()
-            if remaining is not None and remaining <= 0:
-                break
+        unresolved = self.feed.unresolved
+        flush = Flush(lambda: unresolved(mark), end)
+        while (wait := flush.wait_for(loop.time())) != 0.0:
             waiter: asyncio.Future[None] = loop.create_future()
-            self._flush_waiters.append(waiter)
+            self._flush_waiters.append(waiter)  # set by resolved()
             try:
-                await asyncio.wait({waiter}, timeout=remaining)
+                await asyncio.wait({waiter}, timeout=wait)
             finally:
                 if waiter in self._flush_waiters:
                     self._flush_waiters.remove(waiter)
-        return left
+        return flush.left
 
     def release(self) -> None:
         """Let recovered messages go out (the caller's declarations are in place)."""
@@ -251,13 +239,11 @@ class AsyncSpooled:
         if not entries:
             return
         items: list[_AsyncEntry] = []
-        for entry in entries:
+        # (issue_read's handles: one for each of the first entries, as many as go now)
+        for entry, kept in zip(entries, feed.issue_read(entries, window), strict=False):
             read = entry.message
             assert isinstance(read, Entry)  # what new_entry makes
-            size = len(read.body)
-            if entry.seq <= feed.fed or not window.fits(size):
-                break
-            future = feed.take(entry.seq)
+            future = kept
             if future is None:  # recovered, or the caller dropped it
                 future = loop.create_future()
                 if entry.seq <= feed.recovered_top:
@@ -266,8 +252,6 @@ class AsyncSpooled:
                     # future dropped unretrieved.
                     future.add_done_callback(_discard_outcome)
             read.handle = future
-            read.index = window.issue(size)
-            feed.track(read.index, entry.seq, entry.size)
             items.append(read)
         if items:
             wake = self._hand_over(items)
@@ -282,7 +266,6 @@ class AsyncSpooled:
             # no caller holds them: one WARNING each (docs/observability.md)
             detail = report_spool_failed(error, error.message.message_id)
             self._supervisor.events.emit(EventKind.SPOOL_FAILED, detail, error=error)
-        self.stalled = False  # confirms flow: publish() keeps pace again
         waiters, self._flush_waiters = self._flush_waiters, []
         if self._room_waiters:
             waiters += self._room_waiters

@@ -41,7 +41,7 @@ from reliable_amqp._core.message import Confirmation, new_confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
-from reliable_amqp._core.window import Window
+from reliable_amqp._core.window import Flush, Window
 from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
 from reliable_amqp._unclosed import report_unclosed
@@ -370,15 +370,18 @@ class AsyncPublisher(
         """
         if self._spooled is not None:  # what waits on disk counts too
             return await self._spooled.flush(timeout)
-        barrier = self._window.barrier()
-        if barrier.remaining > 0:
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            barrier.waiter = waiter
-            try:
-                await asyncio.wait({waiter}, timeout=timeout)
-            finally:
-                self._window.end_barrier(barrier)
-        return max(0, barrier.remaining)
+        loop = asyncio.get_running_loop()
+        window = self._window
+        barrier = window.barrier()
+        flush = Flush(lambda: barrier.remaining, None if timeout is None else loop.time() + timeout)
+        try:
+            while (wait := flush.wait_for(loop.time())) != 0.0:
+                waiter: asyncio.Future[None] = loop.create_future()
+                barrier.waiter = waiter  # set by _resolve when the barrier clears
+                await asyncio.wait({waiter}, timeout=wait)
+        finally:
+            window.end_barrier(barrier)
+        return flush.left
 
     async def persist(self, timeout: float | None = None) -> int:
         """As :meth:`Publisher.persist <reliable_amqp.Publisher.persist>`: with a spool, wait

@@ -12,7 +12,7 @@ on one event loop.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from reliable_amqp._core.errors import PublishTimeout
@@ -50,6 +50,35 @@ class Barrier:
         self.remaining = remaining
         #: the adapter's wake-up for this flush (an asyncio future); unused by the core
         self.waiter: object = None
+
+
+class Flush:
+    """One ``flush()`` under way, decided once for both publishers and for both counts (a
+    :class:`Barrier`'s, the spool's): how many of the messages it waits for are unresolved,
+    and whether it is over (none left, or its timeout passed). The publishers differ only in
+    how they wait between two looks (a thread on a waiter off its lock; a task on a future).
+
+    ``unresolved()`` counts what is left; ``end`` is the deadline on the publisher's clock
+    (None: none)."""
+
+    __slots__ = ("end", "left", "unresolved")
+
+    def __init__(self, unresolved: Callable[[], int], end: float | None) -> None:
+        self.unresolved = unresolved
+        self.end = end
+        #: what was left at the last :meth:`wait_for`: what ``flush()`` returns once it is over
+        self.left = 0
+
+    def wait_for(self, now: float) -> float | None:
+        """How long to wait before looking again (None: as long as it takes), or 0.0 when
+        the flush is over: :attr:`left` is then what ``flush()`` returns."""
+        left = self.left = max(0, self.unresolved())
+        end = self.end
+        if left == 0:
+            return 0.0
+        if end is None:
+            return None
+        return max(0.0, end - now)
 
 
 class Window:

@@ -7,7 +7,7 @@ place in the append order) and goes to the engine in that order:
   the message never has to be read back);
 - otherwise it stays on disk only (the *backlog*: messages recovered from an earlier process, and
   whatever did not fit in the window during an outage), and the adapter reads it back, in order,
-  as the window frees room (:meth:`SpoolFeed.take`). Memory holds at most a window of messages
+  as the window frees room (:meth:`SpoolFeed.issue_read`). Memory holds at most a window of messages
   however long the outage. A backlog message published here keeps its future in memory only
   while someone else does (:attr:`SpoolFeed.waiting`, pruned as it grows): a future the caller
   keeps, awaits or gave a done-callback still resolves; one the caller dropped costs nothing
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from reliable_amqp._core.entry import Entry
@@ -52,7 +52,7 @@ log = logging.getLogger("reliable_amqp")
 #: entries read back from the spool at a time, at most
 READ_CHUNK = 1000
 #: how long a spooled publish() waits for room in a full window before it takes the broker for
-#: stalled and leaves messages on disk without waiting (the adapters' ``_keep_pace``)
+#: stalled and leaves messages on disk without waiting (:meth:`SpoolFeed.pace_until`)
 PACE_WAIT = 1.0
 #: the bits of a packed (size, seq) that hold the seq (seqs stay far below 2**48)
 SEQ_BITS = 48
@@ -113,6 +113,9 @@ class SpoolFeed(Generic[H]):
         self.want_commit = False
         #: recovered messages wait for :meth:`release` (the caller's declarations first)
         self.holding = spool.pending > 0
+        #: set when the window stayed full for :data:`PACE_WAIT`: a publish no longer waits
+        #: for room until something resolves (see :meth:`pace_until`)
+        self.stalled = False
 
     def release(self) -> bool:
         """The caller published, flushed or closed: recovered messages may go out now.
@@ -124,21 +127,10 @@ class SpoolFeed(Generic[H]):
 
     # --- publishing -----------------------------------------------------------------------------
 
-    def direct(self, seq: int) -> bool:
-        """Whether the message just appended as ``seq`` may go to the engine at once (nothing
-        older waits on disk); the caller also checks the window has room."""
-        return seq == self.fed + 1
-
-    def track(self, index: int, seq: int, size: int) -> None:
-        """The message ``seq`` (``size`` bytes against the spool's limit, as
-        :meth:`Spool.encode` counts them) goes to the engine now, with window index ``index``."""
-        self._held[index] = size << SEQ_BITS | seq
-        self.fed = max(self.fed, seq)
-
     def append_direct(self, message: MessageParts, window: Window) -> int:
         """The usual case of a publish, in one call: when nothing waits on disk ahead of it
         and ``window`` and the spool have room at once, append ``message`` to the spool, issue
-        it in ``window`` and :meth:`track` it; its window index. 0 (and nothing issued)
+        it in ``window`` and track it; its window index. 0 (and nothing issued)
         when it cannot go at once: the adapter's own path then waits, or parks it.
 
         Raises :class:`InvalidMessage` for a message the spool cannot store.
@@ -161,12 +153,58 @@ class SpoolFeed(Generic[H]):
         self.fed = seq
         return index
 
-    def park(self, handle: H, seq: int) -> None:
-        """``handle``'s message (``seq``) stays on disk until there is room for it."""
+    def pace_until(self, window: Window, size: int, end: float, now: float) -> float:
+        """When :meth:`append_direct` did not take a message (``size`` body bytes): until when
+        its publish waits (a little) for room in ``window`` for it and those ahead of it on
+        disk before it goes on: the end of that wait (``end`` the one a wait before this one
+        had, 0.0 at first; ``now`` on the same clock), or 0.0 to go on now (and the broker is
+        taken for :attr:`stalled` when the wait is over). The adapters differ only in how they
+        wait (sync ``SpooledPublishing.publish``, async ``AsyncSpooled._keep_pace``).
+
+        While the broker confirms, a spooled publish() keeps its pace as without a spool: the
+        message goes straight to the engine and is never read back from disk (which costs more
+        than the append). A backlog the window can take at once (the start, a short stall)
+        counts against the room, so that it drains; a larger one (an outage's) does not: it is
+        read back as fast as the broker takes it while publish() leaves new messages behind it.
+        A window that frees no room within :data:`PACE_WAIT` means the broker is not confirming
+        (down, blocked, frozen): from then on, until a confirm frees room, messages go to disk
+        without waiting (:attr:`stalled`).
+        """
+        if self.stalled:
+            return 0.0
+        if window.fits(size) and window.free_slots() > self.ahead(window.max_count):
+            return 0.0
+        if not end:
+            return now + PACE_WAIT
+        if now >= end:
+            self.stalled = True
+            return 0.0
+        return end
+
+    def issue_appended(
+        self, seq: int, size: int, window: Window, body_size: int, queued: bool = False
+    ) -> int:
+        """A message :meth:`append_direct` did not take, appended since as ``seq`` (``size``
+        bytes against the spool's limit, ``body_size`` in the window): its window index when
+        it goes to the engine at once (nothing older waits on disk, no publish is ``queued``
+        for room ahead of it, the window has room), tracked; else 0, and the caller
+        parks its handle (:meth:`park`)."""
+        if queued or seq != self.fed + 1:
+            return 0
+        index = window.try_issue(body_size)
+        if index:
+            self._held[index] = size << SEQ_BITS | seq
+            self.fed = seq
+        return index
+
+    def park(self, handle: H, seq: int, window: Window) -> bool:
+        """``handle``'s message (``seq``) stays on disk until there is room for it. Returns
+        whether ``window`` has room now: the adapter then has the backlog read back."""
         waiting = self.waiting
         waiting[seq] = handle
         if len(waiting) >= self._prune_at:
             self.prune()
+        return window.free_slots() > 0
 
     def prune(self) -> None:
         """Forget the waiting futures nobody else references and nobody watches: their
@@ -229,10 +267,24 @@ class SpoolFeed(Generic[H]):
                     message.mandatory = True
         return entries
 
-    def take(self, seq: int) -> H | None:
-        """The caller's future of backlog message ``seq``, if the caller still keeps it (None:
-        recovered, or dropped); the adapter then tracks the message."""
-        return self.waiting.pop(seq, None)
+    def issue_read(self, entries: Sequence[SpoolEntry], window: Window) -> list[H | None]:
+        """Of ``entries`` (:meth:`read`), those that go to the engine now, in order, as many as
+        ``window`` has room for: each message (the adapter's engine entry) gets its window
+        index and is tracked. Returns, for each, the caller's handle if the caller still keeps
+        it (None: recovered, or dropped: the adapter makes one)."""
+        handles: list[H | None] = []
+        held = self._held
+        take = self.waiting.pop
+        for seq, message, size in entries:
+            body_size = len(message.body)
+            if seq <= self.fed or not window.fits(body_size):
+                break  # (a publish went ahead meanwhile; the window is full)
+            assert isinstance(message, Entry)  # what the adapter's build makes
+            message.index = index = window.issue(body_size)
+            held[index] = size << SEQ_BITS | seq
+            self.fed = seq
+            handles.append(take(seq, None))
+        return handles
 
     # --- resolving ------------------------------------------------------------------------------
 
@@ -242,6 +294,7 @@ class SpoolFeed(Generic[H]):
         Returns the errors of the recovered messages that went to the failed table (the adapter
         reports them through ``on_event``, outside its lock).
         """
+        self.stalled = False  # confirms flow: publishes keep pace again
         pop = self._held.pop
         mask = SEQ_MASK
         runs: list[tuple[int, int]] = []  # what leaves the spool, as runs of seqs

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -33,7 +34,7 @@ from reliable_amqp._core.errors import (
     WouldDeadlock,
 )
 from reliable_amqp._core.options import PublisherOptions
-from reliable_amqp._core.window import Window
+from reliable_amqp._core.window import Flush, Window
 from reliable_amqp._sync._future import PublishFuture, retrieved
 from reliable_amqp._sync._future import failed as report_if_unretrieved
 from reliable_amqp._sync.topology import Request
@@ -133,6 +134,19 @@ class Handoff:
             return
         with self.lock, contextlib.suppress(ValueError):
             self._waiters.remove(waiter)  # timed out: not notified
+
+    def wait_out(self, flush: Flush, poll: float | None = None) -> int:
+        """Wait until ``flush`` is over, looking under :attr:`lock` and waiting off it (at
+        least every ``poll`` s, if given); how many of its messages are left unresolved."""
+        while True:
+            with self.lock:
+                wait = flush.wait_for(time.monotonic())
+                if wait == 0.0:
+                    return flush.left
+                waiter = self.waiter()
+            if poll is not None and (wait is None or wait > poll):
+                wait = poll
+            self.wait(waiter, wait)
 
     def notify_all(self) -> None:
         """Under :attr:`lock`: wake every caller waiting for a change."""

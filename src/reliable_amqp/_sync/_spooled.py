@@ -2,14 +2,14 @@
 
 ``publish()`` appends the message to the spool and hands it to the I/O thread as without a
 spool when nothing older waits on disk and the window has room; otherwise it leaves it on disk.
-While the broker confirms, it keeps the broker's pace (``_pace_until``); it never waits for a
-broker that is down or stalled, only for room in the spool and for the disk. The I/O thread
-reads the backlog
-back as the window frees room (:meth:`SpooledPublishing.refill`, called where it takes the
-outbox), and every resolution goes through :meth:`SpoolFeed.resolved` (from
-:meth:`Handoff.resolve`). Messages recovered from an earlier process wait for the caller's first
-``publish()``, ``flush()`` or ``close()`` (:meth:`SpoolFeed.release`), so that the declarations
-made before it are in place when they go out. The bookkeeping is
+While the broker confirms, it keeps the broker's pace (``SpoolFeed.pace_until``); it never
+waits for a broker that is down or stalled, only for room in the spool and for the disk. The
+I/O thread reads the backlog back as the window frees room (:meth:`SpooledPublishing.refill`,
+called where it takes the outbox), and every resolution goes through
+:meth:`SpoolFeed.resolved` (from :meth:`Handoff.resolve`). Messages recovered from an earlier
+process wait for the caller's first ``publish()``, ``flush()`` or ``close()``
+(:meth:`SpoolFeed.release`), so that the declarations made before it are in place when they go
+out. The bookkeeping, and what a spooled publish decides, is
 :class:`~reliable_amqp._spool._feed.SpoolFeed`, shared with the async publisher.
 """
 
@@ -23,8 +23,9 @@ from reliable_amqp._compat.futures import watched
 from reliable_amqp._core.errors import PublisherClosed, PublishError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.stats import EventKind
+from reliable_amqp._core.window import Flush
 from reliable_amqp._logs import report_spool_failed
-from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
+from reliable_amqp._spool._feed import SpoolFeed
 from reliable_amqp._sync._future import PublishFuture, future_factory
 
 if TYPE_CHECKING:
@@ -45,9 +46,6 @@ class SpooledPublishing:
         self.spool.on_commit = self._on_commit
         #: how a message read back is built: as its own future, like publish()'s
         self._build = future_factory(handoff.futures, handoff)
-        #: set when the window stayed full for PACE_WAIT: publish() no longer waits for room
-        #: until something resolves (see _pace_until)
-        self.stalled = False
 
     @property
     def directory(self) -> str:
@@ -72,7 +70,7 @@ class SpooledPublishing:
         meta = b""  # the stored record, once the usual case did not take the message
         size = 0
         end = 0.0  # publish_timeout's deadline, once something waits
-        pace = 0.0  # the end of a wait for room in the window (see _pace_until)
+        pace = 0.0  # the end of a wait for room in the window (see SpoolFeed.pace_until)
         while True:
             waiter = None
             with handoff.lock:
@@ -86,24 +84,21 @@ class SpooledPublishing:
                     if not meta:
                         meta, size = spool.encode(entry)
                     body_size = len(entry.body)
-                    if not self.stalled and (
-                        spool.last_seq != feed.fed or not window.fits(body_size)
-                    ):
-                        pace = self._pace_until(body_size, pace)
+                    # keep the broker's pace (a callback on the I/O thread cannot: only that
+                    # thread frees room)
+                    if not feed.stalled and not handoff.on_io_thread():
+                        pace = feed.pace_until(window, body_size, pace, time.monotonic())
                         if pace:  # wait for room, off the lock (see Handoff), and look again
                             waiter = handoff.waiter()
                 if waiter is None and not index:
                     seq = spool.try_append(meta, entry.body, size)  # its spool seq, or 0
                     appended = seq > 0
                     if seq:
-                        index = window.try_issue(body_size) if feed.direct(seq) else 0
-                        if index:
-                            feed.track(index, seq, size)
-                        else:
-                            feed.park(entry, seq)  # read back when confirms free room
-                            if window.free_slots() <= 0:
-                                return entry
-                            # room now: have the I/O thread read it back
+                        index = feed.issue_appended(seq, size, window, body_size)
+                        # else it waits on disk, read back when confirms free room; when
+                        # there is room now, the I/O thread is woken to read it back
+                        if not index and not feed.park(entry, seq, window):
+                            return entry
                     else:
                         spool.check_writable(entry)  # SpoolFull, closed: no waiting helps
                 if index:
@@ -141,37 +136,6 @@ class SpooledPublishing:
         if spool.writer_behind:  # the disk is slower than the producer: wait for it
             spool.wait_for_writer(max(0.0, end - time.monotonic()))
 
-    def _pace_until(self, size: int, end: float) -> float:
-        """Under the handoff lock: until when publish() waits (a little) because the window has
-        no room for this message and for those ahead of it on disk: the end of that wait
-        (``end`` the one a wait before this one had, 0.0 at first), or 0.0 to go on now (and
-        the broker is taken for stalled when the wait is over).
-
-        While the broker confirms, a spooled publish() keeps its pace as without a spool: the
-        message goes straight to the engine and is never read back from disk (which costs more
-        than the append). A backlog the window can take at once (the start, a short stall)
-        counts against the room, so that it drains; a larger one (an outage's) does not: it is
-        read back as fast as the broker takes it while publish() leaves new messages behind it.
-        A window that frees no room within :data:`PACE_WAIT` means the broker is not confirming
-        (down, blocked, frozen): from then on, until a confirm frees room, messages go to disk
-        without waiting (:attr:`stalled`).
-        """
-        handoff = self._handoff
-        if handoff.on_io_thread():
-            return 0.0  # a callback: only this thread frees room
-        window = handoff.window
-        if window.fits(size) and window.free_slots() > self.feed.ahead(window.max_count):
-            return 0.0
-        if self.stalled or handoff.fatal is not None or not handoff.accepting:
-            return 0.0
-        now = time.monotonic()
-        if not end:
-            return now + PACE_WAIT
-        if now >= end:
-            self.stalled = True
-            return 0.0
-        return end
-
     def flush(self, timeout: float | None) -> int:
         """Wait until every message published so far (and every recovered one) is resolved;
         return how many are not."""
@@ -181,14 +145,8 @@ class SpooledPublishing:
             self.release()
         with handoff.lock:
             mark = self.spool.last_seq
-        while True:  # waits off the lock (see Handoff)
-            with handoff.lock:
-                left = self.feed.unresolved(mark)
-                remaining = None if end is None else end - time.monotonic()
-                if left <= 0 or (remaining is not None and remaining <= 0):
-                    return left
-                waiter = handoff.waiter()
-            handoff.wait(waiter, 1.0 if remaining is None else min(remaining, 1.0))
+        unresolved = self.feed.unresolved
+        return handoff.wait_out(Flush(lambda: unresolved(mark), end), poll=1.0)
 
     def release(self) -> None:
         """Let recovered messages go out (the caller's declarations are in place)."""
@@ -244,26 +202,22 @@ class SpooledPublishing:
             return []
         items: list[PublishFuture] = []
         with handoff.lock:
-            for entry in entries:
+            # (issue_read's handles: one for each of the first entries, as many as go now)
+            for entry, kept in zip(entries, feed.issue_read(entries, window), strict=False):
                 read = entry.message
                 assert isinstance(read, PublishFuture)  # what self._build makes
-                size = len(read.body)
-                if entry.seq <= feed.fed or not window.fits(size):
-                    break
-                future = feed.take(entry.seq)
-                index = window.issue(size)
-                feed.track(index, entry.seq, entry.size)
+                future = kept
                 if future is None:  # recovered, or the caller dropped its future
                     future = read
                     if entry.seq <= feed.recovered_top:
                         future._report = False  # a failure is the spool's to report
-                future.index = index
+                else:
+                    future.index = read.index
                 items.append(future)
         return items
 
     def resolved_locked(self, resolved: list[PublishFuture]) -> list[PublishError]:
         """Called by :meth:`Handoff.resolve` under its lock, before flushes are woken."""
-        self.stalled = False  # confirms flow: publish() keeps pace again
         return self.feed.resolved(resolved)
 
     def after_resolved(self, failed: list[PublishError]) -> None:

@@ -33,6 +33,7 @@ from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.supervisor import Supervisor
 from reliable_amqp._core.topology import Topology, TopologyOp
+from reliable_amqp._core.window import Flush
 from reliable_amqp._logs import report_interrupted
 from reliable_amqp._otel import TelemetrySlot
 from reliable_amqp._surface import PublisherSurface
@@ -115,13 +116,7 @@ class _Parts:
         with handoff.lock:
             barrier = window.barrier()
         try:
-            while True:
-                with handoff.lock:
-                    remaining = None if end is None else end - time.monotonic()
-                    if barrier.remaining <= 0 or (remaining is not None and remaining <= 0):
-                        return barrier.remaining
-                    waiter = handoff.waiter()
-                handoff.wait(waiter, remaining)
+            return handoff.wait_out(Flush(lambda: barrier.remaining, end))
         finally:
             with handoff.lock:
                 window.end_barrier(barrier)
