@@ -129,15 +129,37 @@ def test_runs_cut_from_rows_leave_exactly_the_rest(seed: int) -> None:
     assert kept == [b"%d" % seq for seq in range(first, first + len(rows)) if seq not in seqs]
 
 
-def test_messages_confirmed_before_the_writer_ran_are_never_written(open_spool: OpenSpool) -> None:
+def test_messages_confirmed_before_the_writer_ran_are_never_written(
+    open_spool: OpenSpool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spool = open_spool()
-    with spool._shared.lock:  # hold the writer off: append and remove land in the same batch
-        pass
-    seqs = []
+    writer = spool._writer
+    # Hold the writer thread off (it finds no work until the gate opens; appends still nudge
+    # it, so the lock stays free), so that the appends and the removal of most of them land in
+    # one batch; and see every record it writes.
+    gate = threading.Event()
+    has_work = writer._has_work
+    monkeypatch.setattr(writer, "_has_work", lambda: gate.is_set() and has_work())
+    written: list[int] = []
+    write_rows = writer._write_rows
+
+    def record(rows: list[bytes]) -> None:
+        written.extend(_files.RECORD.unpack_from(row)[1] for row in rows)
+        write_rows(rows)
+
+    monkeypatch.setattr(writer, "_write_rows", record)
     sent = messages(200)
-    for m in sent:
-        seqs.append(spool.append(m))
-    spool.remove(seqs, _size(sent, seqs))
+    seqs = [spool.append(m) for m in sent]
+    confirmed, unconfirmed = seqs[:150], seqs[150:]
+    spool.remove(confirmed, _size(sent, confirmed))
+    time.sleep(0.1)  # (many LINGERs: a writer not held off would have taken the appends)
+    assert spool.committed_seq == 0 and not written  # held off: nothing taken yet
+    gate.set()
+    assert spool.persist(timeout=10) == 0
+    _wait(lambda: spool.pending == len(unconfirmed))
+    assert written == unconfirmed  # the confirmed ones never reached a segment
+    assert _all(spool) == sent[150:]
+    spool.remove(unconfirmed, _size(sent, unconfirmed))
     spool.persist()
     _wait(lambda: spool.pending == 0)
     assert spool.pending_bytes == 0
