@@ -44,7 +44,6 @@ class AsyncSpooled:
         window: Window,
         hand_over: HandOverRun[_AsyncEntry],
     ) -> None:
-        assert options.spool is not None
         self.options = options
         self.feed: SpoolFeed[_Handle] = SpoolFeed.open(options, watched_async)
         self.spool = self.feed.spool

@@ -19,6 +19,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -58,19 +59,17 @@ Handle = asyncio.Future[Confirmation]
 AsyncEntry = Entry[Handle]
 
 
+@dataclass(slots=True, eq=False)
 class _Open:
     """Whether an AsyncPublisher was closed, and what reporting it needs: its finalizer holds
     this, not the publisher."""
 
-    __slots__ = ("closed", "name", "reported", "spool", "started", "window")
-
-    def __init__(self, name: str, window: Window, spool: str | None) -> None:
-        self.name = name
-        self.window = window
-        self.spool = spool
-        self.started = False
-        self.closed = False
-        self.reported = False
+    name: str
+    window: Window
+    spool: str | None
+    started: bool = False
+    closed: bool = False
+    reported: bool = False
 
     def report(self, what: str, fate: str) -> None:
         """Report the publisher as not closed (once)."""

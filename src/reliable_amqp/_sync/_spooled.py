@@ -37,7 +37,6 @@ class SpooledPublishing:
     """A sync publisher's spool, its feed, and the calls its publisher and I/O thread make."""
 
     def __init__(self, options: PublisherOptions, handoff: Handoff, events: Lifecycle) -> None:
-        assert options.spool is not None
         self.options = options
         self.feed: SpoolFeed[PublishFuture] = SpoolFeed.open(options, watched)
         self.spool = self.feed.spool
