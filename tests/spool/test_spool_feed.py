@@ -30,6 +30,12 @@ def _append(feed: SpoolFeed[str], count: int) -> list[int]:
     return seqs
 
 
+def _three_unfed(open_spool: OpenSpool) -> tuple[SpoolFeed[str], Window, list[int]]:
+    """A feed whose spool holds three messages not fed yet, a window of two, their seqs."""
+    feed = _feed(open_spool)
+    return feed, Window(max_count=2, max_bytes=10**6), _append(feed, 3)
+
+
 def test_a_publish_keeps_pace_a_while_then_takes_the_broker_for_stalled(
     open_spool: OpenSpool,
 ) -> None:
@@ -64,9 +70,7 @@ def test_a_backlog_the_window_takes_at_once_counts_against_the_room(
 def test_a_message_appended_the_slow_way_goes_at_once_only_with_nothing_ahead_and_room(
     open_spool: OpenSpool,
 ) -> None:
-    feed = _feed(open_spool)
-    window = Window(max_count=2, max_bytes=10**6)
-    first, second, third = _append(feed, 3)
+    feed, window, (first, second, third) = _three_unfed(open_spool)
     assert feed.issue_appended(second, 10, window, 1) == 0  # the first is ahead on disk
     assert feed.issue_appended(first, 10, window, 1, queued=True) == 0  # others wait first
     assert window.count == 0 and feed.held == 0
@@ -81,9 +85,7 @@ def test_a_message_appended_the_slow_way_goes_at_once_only_with_nothing_ahead_an
 def test_a_read_back_issues_in_order_what_the_window_takes_with_the_kept_handles(
     open_spool: OpenSpool,
 ) -> None:
-    feed = _feed(open_spool)
-    window = Window(max_count=2, max_bytes=10**6)
-    first, second, third = _append(feed, 3)
+    feed, window, (first, second, third) = _three_unfed(open_spool)
     feed.park("second's handle", second, window)  # its caller keeps it; the others' dropped
     assert feed.spool.persist(10) == 0
     entries = feed.read(3, new_entry)
