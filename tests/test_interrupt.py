@@ -227,8 +227,13 @@ SWEEP: dict[str, list[tuple[str, float]]] = {
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["flush", "publish", "close"])
 def test_ctrl_c_reaches_a_script_blocked_in_the_publisher(
-    amqp_url: str, broker: BrokerAdmin, busy_core: None, where: str
+    amqp_url: str,
+    broker: BrokerAdmin,
+    busy_core: None,
+    record_property: Callable[[str, object], None],
+    where: str,
 ) -> None:
+    slowest = 0.0
     for step, (event, delay) in enumerate(SWEEP[where]):
         queue = broker.queue(x_max_length=2, x_overflow="reject-publish")
         script = _Script(amqp_url, queue, where)
@@ -247,6 +252,8 @@ def test_ctrl_c_reaches_a_script_blocked_in_the_publisher(
         except subprocess.TimeoutExpired:
             pytest.fail(f"{at}: still running 30 s after Ctrl-C\n{script.stderr}")
         took = time.monotonic() - signalled
+        slowest = max(slowest, took)
+        record_property("slowest_exit_s", round(slowest, 2))  # (in --junitxml's report)
         err = script.stderr
         assert took < 5.0, f"{at}: {took:.1f} s to exit\n{err}"
         words = script.out[-1].split()
