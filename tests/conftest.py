@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # `import harness` from any test
 
 from broker_support import AMQP_HOST, AMQP_PORT, AMQP_URL, BrokerAdmin
 from harness.fixtures import *  # noqa: F403  (fault-injection fixtures)
+from run_summary import summary_sections
 
 
 def _broker_answers() -> bool:
@@ -54,12 +55,68 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
         report.outcome = "failed"
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test marked ``rabbitmq_only`` says why: ``rabbitmq_only(reason="...")``."""
+#: Work units for pytest-xdist (``scripts/dev.sh test`` runs ``-n 2 --dist loadgroup``): a test
+#: module is one unit (its module fixtures are set up once), but these directories are one unit
+#: each, for the session fixture their tests share (one SparkSession and one Spark cluster).
+SHARED_SESSION = {"spark": "spark"}
+#: The longest units, handed out first so that no worker is left with a long one at the end
+#: (longest first; measured with --durations on a loaded machine). Every other unit follows in
+#: collection order.
+LONGEST_FIRST = (
+    "spark",
+    "matrix/test_versions.py",
+    "rabbitmq4/test_rabbitmq4_leg.py",
+    "cluster/test_cluster_faults.py",
+    "outbox/test_relay.py",
+    "outbox/test_mysql.py",
+    "outbox/test_stacks.py",
+    "spool/test_spool_outage.py",
+    "test_interrupt.py",
+    "cli/test_cli_interrupt.py",
+    "faults/test_sync_faults.py",
+    "async/test_async_faults.py",
+    "outbox/test_outbox_benchmark.py",
+    "test_benchmarks.py",
+)
+TESTS = Path(__file__).parent
+
+
+def work_unit(item: pytest.Item) -> str:
+    """The pytest-xdist group of ``item``: its module, or its directory's shared session."""
+    relative = item.path.relative_to(TESTS).as_posix()
+    return SHARED_SESSION.get(relative.split("/", 1)[0], relative)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test marked ``rabbitmq_only`` says why: ``rabbitmq_only(reason="...")``. Under
+    pytest-xdist, each test is given its work unit, and the longest units come first."""
     for item in items:
         for mark in item.iter_markers("rabbitmq_only"):
             if not str(mark.kwargs.get("reason", "")).strip():
                 raise pytest.UsageError(f'{item.nodeid}: rabbitmq_only needs reason="..."')
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    units = {item: work_unit(item) for item in items}
+    items.sort(key=lambda item: rank.get(units[item], len(rank)))  # stable: collection order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(units[item]))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The sections tests added (``run_summary.add_summary``): the version matrix's legs, the
+    RabbitMQ 4 headlines; from this process's tests or from xdist workers' reports alike."""
+    reports = [
+        report
+        for category in terminalreporter.stats.values()
+        for report in category
+        if isinstance(report, pytest.TestReport)
+    ]
+    for section, lines in summary_sections(reports).items():
+        terminalreporter.section(section)
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,7 @@
-"""Shared between the matrix tests and their conftest: where leg headlines are collected."""
+"""Shared between the matrix tests and the main venv's own check: the optional stacks, and the
+script that shows the library works without them."""
 
 from __future__ import annotations
-
-import pytest
-
-#: one line per leg run ("matrix py3.10: python 3.10.13, pika 1.4.4, ...: 136 passed in 75 s")
-SUMMARY = pytest.StashKey[list[str]]()
 
 #: The outbox's optional stacks (issue 30): no matrix leg installs them (``.[aio,dev]``), so
 #: every leg shows that the library, its CLI and the outbox on sqlite3 work, and the contract

@@ -32,8 +32,8 @@ import pytest
 
 from broker_support import unique
 from harness.rabbitmq4 import Rabbitmq4Cluster, Rabbitmq4Node
-from harness.rabbitmq4_fixtures import add_summary
 from harness.rabbitmq4_load import PublishLoad, Tally, drain_ids
+from run_summary import add_summary
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults, pytest.mark.slow]
 
@@ -113,7 +113,7 @@ class Case:
             present = drain_ids(node.url, queue)
             _delete(node.url, queue)
             tallies[kind] = tally = self.loads[kind].tally(present)
-            add_summary(request.config, tally.line(case))
+            add_summary(request, "rabbitmq 4", tally.line(case))
         for kind, tally in tallies.items():
             assert tally.published > 0, kind
             assert tally.unresolved == 0 and self.loads[kind].unresolved == 0, tally.line(case)

@@ -39,7 +39,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from matrix_support import OPTIONAL, SUMMARY, WITHOUT_OPTIONAL
+from matrix_support import OPTIONAL, WITHOUT_OPTIONAL
+from run_summary import add_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX_DIR = Path(
@@ -270,8 +271,7 @@ def test_contract_subset_passes(
     leg: str, legs: dict[str, Future[LegResult]], request: pytest.FixtureRequest
 ) -> None:
     result = legs[leg].result()
-    request.config.stash.setdefault(SUMMARY, []).append(result.headline())
-    print(result.headline())
+    add_summary(request, "version matrix", result.headline())
     tail = result.output[-8000:]
     assert result.versions, tail
     installed = {n: result.versions[n] for n in OPTIONAL if result.versions[n] != "missing"}

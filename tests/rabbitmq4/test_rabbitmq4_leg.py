@@ -21,8 +21,9 @@ import pytest
 
 from harness.fixtures import DISPOSABLE_BROKER_ENV
 from harness.rabbitmq4 import ROOT_ENV, Rabbitmq4Node, ensure_root, versions
-from harness.rabbitmq4_fixtures import add_summary, broker_versions
+from harness.rabbitmq4_fixtures import broker_versions
 from matrix.test_versions import _VERSIONS, PACKAGES, LegResult, _clean_env, run_subset
+from run_summary import add_summary
 
 pytestmark = [
     pytest.mark.broker,
@@ -70,7 +71,7 @@ def test_contract_subset_passes_on_rabbitmq4(
         junit = tmp_path / "rabbitmq4.xml"
         run_subset(sys.executable, env, junit, TIMEOUT, result)
     result.seconds = time.monotonic() - started
-    add_summary(request.config, result.headline().replace("matrix ", "", 1))
+    add_summary(request, "rabbitmq 4", result.headline().replace("matrix ", "", 1))
     tail = result.output[-8000:]
     assert result.counts.get("passed", 0) > 0, f"no test passed on RabbitMQ 4\n{tail}"
     assert result.returncode == 0, f"the contract subset failed on RabbitMQ 4:\n{tail}"
