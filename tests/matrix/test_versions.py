@@ -120,12 +120,13 @@ class LegResult:
 
 
 def _clean_env() -> dict[str, str]:
-    """This process's environment without what would leak into the leg (venv, Spark, pytest)."""
-    drop = ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH", "PYTEST_CURRENT_TEST", "PYTEST_XDIST")
+    """This process's environment without what would leak into the leg: the venv, Spark, and
+    pytest's own (PYTEST_ADDOPTS, an xdist worker's PYTEST_XDIST_*: the leg runs its own pytest)."""
+    drop = ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH")
     return {
         k: v
         for k, v in os.environ.items()
-        if k not in drop and not k.startswith(("SPARK_", "PYSPARK_", "COV_CORE"))
+        if k not in drop and not k.startswith(("SPARK_", "PYSPARK_", "COV_CORE", "PYTEST_"))
     }
 
 
