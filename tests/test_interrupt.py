@@ -153,6 +153,21 @@ def busy_core() -> Iterator[None]:
         spinner.wait()
 
 
+@pytest.fixture
+def sigint_obeyed() -> Iterator[None]:
+    """Children that Python's KeyboardInterrupt handler is installed in, also when this run's
+    SIGINT is ignored (a runner started in the background, or by nohup, ignores it, and a
+    child inherits that: Python then installs no handler, and Ctrl-C does nothing)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler: children get SIG_DFL
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _Script:
     """SCRIPT in a child process, its output read as it comes (so the test can wait for a
     line: an event, not a guess at how long the child takes on a loaded machine)."""
@@ -225,6 +240,7 @@ SWEEP: dict[str, list[tuple[str, float]]] = {
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("sigint_obeyed")
 @pytest.mark.parametrize("where", ["flush", "publish", "close"])
 def test_ctrl_c_reaches_a_script_blocked_in_the_publisher(
     amqp_url: str,

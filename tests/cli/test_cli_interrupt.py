@@ -44,6 +44,21 @@ def busy_core() -> Iterator[None]:
         spinner.wait()
 
 
+@pytest.fixture
+def sigint_obeyed() -> Iterator[None]:
+    """Children that Python's KeyboardInterrupt handler is installed in, also when this run's
+    SIGINT is ignored (a runner started in the background, or by nohup, ignores it, and a
+    child inherits that: Python then installs no handler, and Ctrl-C does nothing)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler: children get SIG_DFL
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _start(
     url: str, queue: str, source: Path, failed: Path, window: int | None
 ) -> subprocess.Popen[str]:
@@ -79,6 +94,7 @@ def _first_message_after(broker: BrokerAdmin, url: str, tmp_path: Path) -> float
         process.communicate()
 
 
+@pytest.mark.usefixtures("sigint_obeyed")
 @pytest.mark.parametrize(
     ("count", "window"),
     [(20, None), (200, 5)],  # the second keeps publish() blocked on a full window
