@@ -188,12 +188,12 @@ case "$cmd" in
         set +e
         # No test may skip here (tests/conftest.py turns a skip into a failure): a broker that
         # does not answer, a missing tool or interpreter must fail CI, not thin it out quietly.
-        # The suite runs on RELIABLE_AMQP_TEST_WORKERS pytest-xdist workers (2; 0 runs it in this
-        # process): most of its time is spent waiting on brokers, databases and subprocesses, so
-        # two workers share the two cores well. Each test module is one unit of work (Spark's
-        # directory is one, for its session), the longest first (tests/conftest.py).
+        # RELIABLE_AMQP_TEST_WORKERS=N runs the suite on N pytest-xdist workers, each test module
+        # one unit of work (Spark's directory one), the longest first (tests/conftest.py). The
+        # default is 0, one process: on a loaded 2-core machine two workers failed two tests
+        # (the long outage over its 300 s timeout, a rabbitmqctl crash) and saved little.
         RELIABLE_AMQP_NO_SKIP=1 "$VENV/bin/python" -m pytest \
-            -n "${RELIABLE_AMQP_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
+            -n "${RELIABLE_AMQP_TEST_WORKERS:-0}" --dist loadgroup --no-loadscope-reorder "$@"
         rc=$?
         set -e
         # pytest exits 5 when no test ran: that is a failure here.
