@@ -10,7 +10,9 @@ that needs RabbitMQ itself is marked ``rabbitmq_only(reason=...)``, and
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +119,32 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section(section)
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def busy_core() -> Iterator[None]:
+    """One core kept busy for the test's duration."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+@pytest.fixture
+def sigint_obeyed() -> Iterator[None]:
+    """Children that Python's KeyboardInterrupt handler is installed in, also when this run's
+    SIGINT is ignored (a runner started in the background, or by nohup, ignores it, and a
+    child inherits that: Python then installs no handler, and Ctrl-C does nothing)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler: children get SIG_DFL
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(scope="session")

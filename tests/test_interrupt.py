@@ -29,7 +29,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import IO, Any
 
 import pytest
@@ -140,32 +140,6 @@ SCRIPT = """
             flush=True,
         )
 """
-
-
-@pytest.fixture
-def busy_core() -> Iterator[None]:
-    """One core kept busy for the test's duration."""
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield
-    finally:
-        spinner.kill()
-        spinner.wait()
-
-
-@pytest.fixture
-def sigint_obeyed() -> Iterator[None]:
-    """Children that Python's KeyboardInterrupt handler is installed in, also when this run's
-    SIGINT is ignored (a runner started in the background, or by nohup, ignores it, and a
-    child inherits that: Python then installs no handler, and Ctrl-C does nothing)."""
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        yield
-        return
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler: children get SIG_DFL
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _Script:

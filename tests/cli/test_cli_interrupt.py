@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,32 +31,6 @@ pytestmark = [pytest.mark.broker, pytest.mark.slow]
 
 #: how long a run may take to end after the (first) signal
 OBEYED_WITHIN = 5.0
-
-
-@pytest.fixture
-def busy_core() -> Iterator[None]:
-    """One core kept busy for the test's duration."""
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    try:
-        yield
-    finally:
-        spinner.kill()
-        spinner.wait()
-
-
-@pytest.fixture
-def sigint_obeyed() -> Iterator[None]:
-    """Children that Python's KeyboardInterrupt handler is installed in, also when this run's
-    SIGINT is ignored (a runner started in the background, or by nohup, ignores it, and a
-    child inherits that: Python then installs no handler, and Ctrl-C does nothing)."""
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        yield
-        return
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler: children get SIG_DFL
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _start(
