@@ -57,9 +57,10 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
         report.outcome = "failed"
 
 
-#: Work units for pytest-xdist (``scripts/dev.sh test`` runs ``-n 2 --dist loadgroup``): a test
-#: module is one unit (its module fixtures are set up once), but these directories are one unit
-#: each, for the session fixture their tests share (one SparkSession and one Spark cluster).
+#: Work units for pytest-xdist (``RELIABLE_AMQP_TEST_WORKERS=2 scripts/dev.sh test`` runs
+#: ``-n 2 --dist loadgroup``): a test module is one unit (its module fixtures are set up once),
+#: but these directories are one unit each, for the session fixture their tests share (one
+#: SparkSession and one Spark cluster).
 SHARED_SESSION = {"spark": "spark"}
 #: The longest units, handed out first so that no worker is left with a long one at the end
 #: (longest first; --durations of one run in a single process on a loaded machine, 2,496 s of
@@ -92,12 +93,13 @@ def work_unit(item: pytest.Item) -> str:
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test marked ``rabbitmq_only`` says why: ``rabbitmq_only(reason="...")``. Under
-    pytest-xdist, each test is given its work unit, and the longest units come first."""
+    pytest-xdist workers (``-n`` above 0), each test is given its work unit, and the longest
+    units come first; a run in one process keeps the collection order."""
     for item in items:
         for mark in item.iter_markers("rabbitmq_only"):
             if not str(mark.kwargs.get("reason", "")).strip():
                 raise pytest.UsageError(f'{item.nodeid}: rabbitmq_only needs reason="..."')
-    if not config.pluginmanager.hasplugin("xdist"):
+    if not hasattr(config, "workerinput"):  # not an xdist worker (which alone collects there)
         return
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
     units = {item: work_unit(item) for item in items}
