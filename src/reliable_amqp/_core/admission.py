@@ -15,6 +15,14 @@ released; the async one gives the entries to the engine and wakes its writer tas
 
 Not locked: the sync publisher holds its handoff's lock around every call, the async one runs
 on one event loop.
+
+Interrupted: a ``KeyboardInterrupt`` (Ctrl-C in the main thread) can be raised wherever the
+interpreter takes signals: since Python 3.11, at the entry of a Python function and after a C
+function returns. One raised between counting a message in the window and the hand-over would
+keep its room for good (``flush()`` would never return): the steps here give it back
+(:meth:`Admission.interrupted`) unless the hand-over already took the message, which
+:attr:`Admission.took` tells. Only the sync publisher needs this: ``asyncio.run`` turns Ctrl-C
+into a cancellation at an ``await``, and admission awaits nothing.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ class Admission(Generic[E]):
         "hand_over",
         "hand_over_run",
         "telemetry",
+        "took",
         "waiting",
         "window",
     )
@@ -92,6 +101,9 @@ class Admission(Generic[E]):
         self.fatal: ReliableAmqpError | None = None
         #: OpenTelemetry, set at connect (None: off)
         self.telemetry: SpanStart[E] | None = None
+        #: whether the hand-over holds an entry already (the sync publisher's outbox; None:
+        #: an interrupted admission is not undone, see the module docstring)
+        self.took: Callable[[E], bool] | None = None
 
     def check(self, entry: E) -> None:
         """Raise :class:`PublisherClosed` for ``entry`` when the publisher no longer accepts
@@ -112,11 +124,28 @@ class Admission(Generic[E]):
         index = self.window.try_issue(entry.size)
         if not index:
             return NO_ROOM
-        entry.index = index
-        telemetry = self.telemetry
-        if telemetry is not None:  # the span starts once nothing can refuse it
-            telemetry.on_publish(entry, index)
-        return self.hand_over(entry)
+        try:  # (free of cost on Python 3.11+ until something is raised)
+            entry.index = index
+            telemetry = self.telemetry
+            if telemetry is not None:  # the span starts once nothing can refuse it
+                telemetry.on_publish(entry, index)
+            return self.hand_over(entry)
+        except BaseException:
+            self.interrupted((entry,))
+            raise
+
+    def interrupted(self, entries: Sequence[E]) -> bool:
+        """An interrupt ended an admission after ``entries`` (the latest issued, in order) were
+        counted in the window: give their room back, unless the hand-over took them (see the
+        module docstring). True when it was given back."""
+        took = self.took
+        if took is None or took(entries[-1]):
+            return False
+        window = self.window
+        for entry in reversed(entries):
+            window.unissue(entry.size)
+            entry.index = 0
+        return True
 
     def admit_many(self, entries: Sequence[E]) -> AdmitMany[E]:
         """``publish_many()``'s loop over ``entries`` (:class:`AdmitMany`)."""
@@ -166,12 +195,17 @@ class AdmitMany(Generic[E]):
             return entry
         self._turn = False
         taken = entries[done : done + window.issue_run(entries, done)]
-        telemetry = admission.telemetry
-        if telemetry is not None:  # the spans start once nothing can refuse them
-            for each in taken:
-                telemetry.on_publish(each, each.index)
-        self.done = done + len(taken)
-        return admission.hand_over_run(taken)
+        try:
+            telemetry = admission.telemetry
+            if telemetry is not None:  # the spans start once nothing can refuse them
+                for each in taken:
+                    telemetry.on_publish(each, each.index)
+            self.done = done + len(taken)
+            return admission.hand_over_run(taken)
+        except BaseException:
+            if admission.interrupted(taken):
+                self.done = done  # none of the run went out
+            raise
 
     def give_up(self, timeout: PublishTimeout) -> None:
         """The wait for room ended with ``timeout``: raised again when nothing was admitted

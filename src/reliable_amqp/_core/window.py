@@ -165,12 +165,12 @@ class Window:
             return []
         cleared: list[Barrier] = []
         for barrier in self._barriers:
-            if barrier.remaining <= 0:
-                continue
             mark = barrier.mark
             barrier.remaining -= sum(1 for r in resolved if r.index <= mark)
             if barrier.remaining <= 0:
                 cleared.append(barrier)
+        if cleared:  # they count nothing more (one a Ctrl-C kept from its end_barrier goes too)
+            self._barriers = [b for b in self._barriers if b.remaining > 0]
         return cleared
 
     def barrier(self) -> Barrier:
@@ -181,7 +181,8 @@ class Window:
         return barrier
 
     def end_barrier(self, barrier: Barrier) -> None:
-        """The flush is over (done or timed out); stop counting for it."""
+        """The flush is over (done or timed out); stop counting for it (a barrier that reached
+        zero went already: :meth:`release`)."""
         if barrier in self._barriers:
             self._barriers.remove(barrier)
 

@@ -68,6 +68,48 @@ class Backlog(Protocol):
         ...
 
 
+class Wakeup:
+    """A wake-up the caller's threads give and the I/O thread waits for (between connections),
+    Ctrl-C-safe where ``threading.Event`` is not: its ``set()`` takes a Condition's lock in
+    Python code, so a ``KeyboardInterrupt`` raised just after the lock was taken leaves it held,
+    and the next ``set()`` or ``wait()`` blocks forever. Here a wake-up is one C call, a C
+    lock's release (a binary semaphore: wake-ups given while one waits are one wake-up)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()  # held: no wake-up given yet
+
+    def set(self) -> None:
+        """Give the wake-up (once given, more are the same one until it is taken)."""
+        with contextlib.suppress(RuntimeError):  # given already (the lock is free)
+            self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for a wake-up, and take it; True if one came."""
+        return self._lock.acquire(True, min(max(0.0, timeout), 1e9))
+
+
+class Flag:
+    """A flag set once from any thread and read from any (:attr:`IOThread.stopping`): a plain
+    attribute, where ``threading.Event.set()`` could be left holding its lock by a Ctrl-C
+    (see :class:`Wakeup`)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        """Set the flag (for good)."""
+        self._set = True
+
+    def is_set(self) -> bool:
+        """Whether :meth:`set` was called."""
+        return self._set
+
+
 class Handoff:
     """The shared state of one sync publisher (see the module docstring)."""
 
@@ -80,6 +122,7 @@ class Handoff:
         self.admission: Admission[PublishFuture] = Admission(
             self.window, self.hand_over, self.hand_over_run
         )
+        self.admission.took = self.took  # an interrupted admission gives its room back
         self.outbox: deque[PublishFuture] = deque()
         self.requests: deque[Request] = deque()
         #: the condition (over one lock) this publisher's futures share
@@ -89,7 +132,7 @@ class Handoff:
         #: how to wake the I/O thread while its loop runs (None: it is between connections)
         self.wake_loop: Callable[[], None] | None = None
         #: wakes the I/O thread while it waits between connections
-        self.idle = threading.Event()
+        self.idle = Wakeup()
         #: the I/O thread's ident: waiting on a future there would deadlock
         self.io_ident: int | None = None
         #: the process this publisher belongs to (a forked child inherits a copy, not the thread)
@@ -101,6 +144,8 @@ class Handoff:
         #: set when the publisher closes at interpreter exit or after it was dropped: what it
         #: fails then is reported in one line (report_unclosed), not once per future
         self.closing_unclosed = False
+        #: how many messages closing failed with ``PublisherClosed`` (:meth:`resolve_closing`)
+        self.closed_unconfirmed = 0
 
     @property
     def accepting(self) -> bool:
@@ -196,6 +241,27 @@ class Handoff:
         self.outbox.extend(entries)
         return self.wake_call()
 
+    def took(self, entry: PublishFuture) -> bool:
+        """Under :attr:`lock`, in an admission an interrupt ended: whether the hand-over put
+        ``entry`` in the outbox (last) before it was raised."""
+        outbox = self.outbox
+        return bool(outbox) and outbox[-1] is entry
+
+    def interrupted(self) -> None:
+        """Off :attr:`lock`: a publish was interrupted (Ctrl-C) where the wake-up it owed the I/O
+        thread may be lost (between the hand-over and the wake-up, or inside it), with the "on
+        its way" flag set, which keeps every later publish from waking the thread: wake it
+        again if the outbox holds anything. (Nothing else can go wrong for the caller there:
+        the message is out of its hands.)"""
+        with self.lock:
+            if not self.outbox:
+                return
+            self.wake_pending = False
+            wake = self.wake_call()
+        if wake is not None:
+            with contextlib.suppress(Exception):  # (call_threadsafe reports its own)
+                wake()
+
     def pop_outbox(self) -> deque[PublishFuture] | None:
         """Everything published since the last call (None when nothing was)."""
         with self.lock:
@@ -240,6 +306,7 @@ class Handoff:
         publisher reports them in one line (:attr:`closing_unclosed`), not once each."""
         if not resolved:
             return
+        self.closed_unconfirmed += len(resolved)
         spooled = self.spooled
         if spooled is not None:
             for entry in resolved:

@@ -27,7 +27,7 @@ from reliable_amqp._core.topology import Topology
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
 from reliable_amqp._logs import own_context, own_loop
 from reliable_amqp._sync._future import PublishFuture
-from reliable_amqp._sync._handoff import Handoff
+from reliable_amqp._sync._handoff import Flag, Handoff
 from reliable_amqp._sync._pika import call_threadsafe, translate_connection_error
 from reliable_amqp._sync.topology import apply_topology
 
@@ -48,7 +48,8 @@ class IOThread:
         self._handoff = handoff
         self._supervisor = supervisor
         self._topology = topology
-        self.stopping = threading.Event()
+        #: set by close() (a Ctrl-C-safe flag: see Flag)
+        self.stopping = Flag()
         self.opened = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -165,8 +166,7 @@ class IOThread:
                 return
             due = self._supervisor.next_wakeup()
             until = end if due is None else min(end, due)
-            idle.wait(max(0.0, until - now))
-            idle.clear()
+            idle.wait(until - now)
 
     def _give_up(self, error: ReliableAmqpError) -> None:
         self._handoff.fail(self._supervisor.give_up(error))

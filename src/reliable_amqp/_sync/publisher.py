@@ -112,7 +112,9 @@ class _Parts:
         if self.spooled is not None:  # what waits on disk counts too
             return self.spooled.flush(timeout)
         window = handoff.window
-        # Waits off the lock (see Handoff): a Ctrl-C here leaves nothing held.
+        # Waits off the lock (see Handoff): a Ctrl-C here leaves nothing held. One that lands
+        # between the barrier's start and the try leaves it counting until it reaches zero,
+        # then the window drops it (Window.release).
         with handoff.lock:
             barrier = window.barrier()
         try:
@@ -138,16 +140,18 @@ class _Parts:
         except KeyboardInterrupt:
             # Ctrl-C while waiting for confirms: stop waiting, close now (what is unconfirmed
             # fails, or stays in the spool), say so once, and let the interrupt go on.
-            left = handoff.window.count
             handoff.closing_unclosed = True
-            self._finish(wait, join, left)
+            left = self._finish(wait, join, handoff.window.count)
             report_interrupted(self.name, left, self.options.spool)
             raise
         return self._finish(wait, join, left)
 
     def _finish(self, wait: float, join: float | None, left: int) -> int:
-        """The rest of :meth:`close`, once the flush is over with ``left`` unconfirmed."""
+        """The rest of :meth:`close`, once the flush is over with ``left`` unconfirmed; returns
+        how many closing failed (without a spool: confirms that arrive while the I/O thread
+        stops count as confirmed, not as ``left`` said), or stayed in the spool (``left``)."""
         handoff = self.handoff
+        closed_before = handoff.closed_unconfirmed  # (a second close fails nothing more)
         self.io.stop(wait=join is None)
         if join is not None and not self.io.join(join):
             return max(left, handoff.window.count)  # still stopping: the engine is its own
@@ -160,7 +164,7 @@ class _Parts:
             self.spooled.close(wait)
         if self.telemetry is not None:
             self.telemetry.close()
-        return left
+        return left if self.spooled is not None else handoff.closed_unconfirmed - closed_before
 
 
 def _collected(parts: _Parts) -> None:
@@ -362,12 +366,16 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
             self._opened = self._io.opened.is_set()
         if self._spooled is not None:
             return self._spooled.publish(entry, admission.check)
-        with self._handoff.lock:
-            wake = admission.admit(entry)
-        if wake is not None:
-            if wake is NO_ROOM:
-                return self._publish_when_room(entry)
-            wake()
+        try:  # (free of cost on Python 3.11+ until something is raised)
+            with self._handoff.lock:
+                wake = admission.admit(entry)
+            if wake is not None:
+                if wake is NO_ROOM:
+                    return self._publish_when_room(entry)
+                wake()
+        except BaseException:
+            self._handoff.interrupted()  # a Ctrl-C may have lost the wake-up this owed
+            raise
         return entry
 
     def _publish_when_room(self, entry: PublishFuture) -> PublishFuture:
@@ -402,7 +410,18 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         if self._spooled is not None:
             return [self._spooled.publish(entry, admission.check) for entry in entries]
         handoff = self._handoff
-        many = admission.admit_many(entries)  # each step under the lock; waits off it
+        try:
+            self._admit_many(entries)
+        except BaseException:
+            handoff.interrupted()  # a Ctrl-C may have lost the wake-up a step owed
+            raise
+        return list(entries)
+
+    def _admit_many(self, entries: list[PublishFuture]) -> None:
+        """:meth:`_publish_many`'s admission: runs as the window takes them, waiting for room
+        between them (off the lock: see Handoff) for up to ``publish_timeout``."""
+        handoff = self._handoff
+        many = self._admission.admit_many(entries)  # each step under the lock; waits off it
         end = 0.0  # publish_timeout's deadline, once the window is full
         while not many.finished:
             waiter = wake = None
@@ -426,7 +445,6 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
                 wake()
         for entry in many.unadmitted():  # the window stayed full: these were not admitted
             entry.set_exception(many.timeout)
-        return list(entries)
 
     def publish_and_wait(
         self, exchange: str, routing_key: str, body: bytes, **options: Any
