@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,9 +42,9 @@ pytestmark = [pytest.mark.broker]
 FLUSH = 10.0
 
 
-def _interrupted(call: Callable[[], Any], point: int) -> bool:
+def _interrupted(call: Callable[[], Any], point: int) -> str:
     """Run ``call``, raising ``KeyboardInterrupt`` at its ``point``-th point (1-based) where
-    the interpreter would take a signal; True if it was raised, False if ``call`` ended first."""
+    the interpreter would take a signal; where it was raised, or "" if ``call`` ended first."""
     seen = 0
 
     def profile(frame: Any, event: str, arg: Any) -> None:
@@ -52,16 +53,20 @@ def _interrupted(call: Callable[[], Any], point: int) -> bool:
             seen += 1
             if seen == point:
                 sys.setprofile(None)
-                raise KeyboardInterrupt(f"point {point}: {event} in {frame.f_code.co_name}")
+                where = getattr(arg, "__qualname__", "") if event == "c_return" else ""
+                raise KeyboardInterrupt(
+                    f"point {point}: {event} {where} in {frame.f_code.co_name}, "
+                    f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
+                )
 
     sys.setprofile(profile)
     try:
         call()
-    except KeyboardInterrupt:
-        return True
+    except KeyboardInterrupt as interrupt:
+        return str(interrupt)
     finally:
         sys.setprofile(None)
-    return False
+    return ""
 
 
 @pytest.fixture
@@ -76,14 +81,15 @@ def _sweep(publisher: Publisher, call: Callable[[], Any], queue: str) -> Iterato
     while True:
         point += 1
         assert point < 5_000, "the call never completed uninterrupted"
-        if not _interrupted(call, point):
+        where = _interrupted(call, point)
+        if not where:
             return
         # the next publish goes out without a timer's help, and nothing is left counted
         after = publisher.publish("", queue, b"after")
         left = publisher.flush(FLUSH)
-        assert left == 0, f"point {point}: flush() left {left} (window {_window(publisher)})"
+        assert left == 0, f"{where}: flush() left {left} (window {_window(publisher)})"
         assert after.done() and after.exception() is None
-        assert _window(publisher) == (0, 0), f"point {point}"
+        assert _window(publisher) == (0, 0), where
         yield point
 
 
@@ -112,6 +118,20 @@ def test_an_interrupt_anywhere_in_publish_leaks_and_delays_nothing(
     count = broker.count(queue)
     assert len(points) + 1 <= count <= 2 * len(points) + 1, (count, len(points))
     assert returned == 1
+
+
+def test_an_interrupt_anywhere_in_a_spooled_publish_leaks_and_delays_nothing(
+    url: str, broker: BrokerAdmin, tmp_path: Path
+) -> None:
+    # spool=DIR: the message is appended to the spool and issued in the window in one step
+    # (SpoolFeed.append_direct), then handed to the I/O thread as without a spool
+    queue = broker.queue()
+    with Publisher(url, spool=str(tmp_path / "spool")) as publisher:
+        points = list(_sweep(publisher, lambda: publisher.publish("", queue, b"s"), queue))
+    assert len(points) > 10
+    # every message went out: none was left behind on disk (each point's "after", the last
+    # publish, and the interrupted ones the spool had taken)
+    assert len(points) + 1 <= broker.count(queue) <= 2 * len(points) + 1
 
 
 def test_an_interrupt_anywhere_in_publish_into_a_full_window_leaks_nothing(

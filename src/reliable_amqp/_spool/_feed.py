@@ -144,8 +144,14 @@ class SpoolFeed(Generic[H]):
         index = window.try_issue(body_size)
         if not index:
             return 0
-        size = len(meta) + body_size
-        seq = spool.try_append(meta, body, size)
+        try:
+            size = len(meta) + body_size
+            seq = spool.try_append(meta, body, size)
+        except BaseException:
+            # (a Ctrl-C, in the sync publisher's thread): the room goes back; a record the
+            # append wrote before it is read back from disk, like any behind fed
+            window.unissue(body_size)
+            raise
         if not seq:
             window.unissue(body_size)
             return 0

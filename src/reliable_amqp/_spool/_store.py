@@ -229,13 +229,16 @@ class Spool:
         ):
             return 0
         seq = shared.next_seq
-        shared.next_seq = seq + 1
-        shared.in_bytes = in_bytes + size
         # the whole record, here: the writer only joins records (_files.record, inline)
         meta_size = len(meta)
         data = meta + body  # one crc over both: the crc of meta then body (_files.record_crc)
         crc = _crc32(data) ^ (seq ^ seq >> 32) & 0xFFFFFFFF
-        shared.queue.append(_pack_record(crc, seq, meta_size, size - meta_size) + data)
+        record = _pack_record(crc, seq, meta_size, size - meta_size) + data
+        # no call from here to the append: a Ctrl-C (taken where a call returns) lands before
+        # the seq is taken or after the record is queued, never between (a seq with no record)
+        shared.next_seq = seq + 1
+        shared.in_bytes = in_bytes + size
+        shared.queue.append(record)
         if shared.writer_idle:
             with shared.lock:
                 shared.nudge()

@@ -364,9 +364,9 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
                 admission.check(entry)
                 self.connect()
             self._opened = self._io.opened.is_set()
-        if self._spooled is not None:
-            return self._spooled.publish(entry, admission.check)
         try:  # (free of cost on Python 3.11+ until something is raised)
+            if self._spooled is not None:
+                return self._spooled.publish(entry, admission.check)
             with self._handoff.lock:
                 wake = admission.admit(entry)
             if wake is not None:
@@ -407,10 +407,10 @@ class Publisher(PublisherSurface[None, str, Future[Confirmation], list[Future[Co
         if not self._io.opened.is_set():
             admission.check(entries[0])
             self.connect()
-        if self._spooled is not None:
-            return [self._spooled.publish(entry, admission.check) for entry in entries]
         handoff = self._handoff
         try:
+            if self._spooled is not None:
+                return [self._spooled.publish(entry, admission.check) for entry in entries]
             self._admit_many(entries)
         except BaseException:
             handoff.interrupted()  # a Ctrl-C may have lost the wake-up a step owed
