@@ -112,6 +112,12 @@ SCRIPT = """
     import sys
     from reliable_amqp import Publisher
 
+    def say(*words):
+        # one write a line: print() writes each word and separator apart, and a Ctrl-C
+        # landing between two of them cut a line ("publishedinterrupted 6 6 2 4")
+        sys.stdout.write(" ".join(map(str, words)) + "\\n")
+        sys.stdout.flush()
+
     url, queue, where = sys.argv[1:]
     futures = []
     patient = {"max_attempts": 10_000, "initial_delay": 0.2, "max_delay": 0.2}
@@ -121,23 +127,22 @@ SCRIPT = """
         with Publisher(url, nack_policy=patient, max_in_flight=window, close_timeout=60) as p:
             for i in range(20):
                 futures.append(p.publish("", queue, b"%d" % i))  # "publish": blocks on the 6th
-                print("published", len(futures), flush=True)
-            print("blocked", flush=True)
+                say("published", len(futures))
+            say("blocked")
             if where == "flush":
                 p.flush()
             elif where == "close":
                 p.close()
-        print("not interrupted", flush=True)
+        say("not interrupted")
     except KeyboardInterrupt:
         # (the futures' outcomes are not asked for: asking retrieves them; the counters say it)
         stats = p.stats() if p is not None else None
-        print(
+        say(
             "interrupted",
             len(futures),
             sum(f.done() for f in futures),
             stats and stats.confirmed,
             stats and stats.closed,
-            flush=True,
         )
 """
 
