@@ -24,6 +24,7 @@ points are the 3.11+ ones, which the library's hand-over is built to survive.)
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from typing import Any
 import pytest
 
 from broker_support import BrokerAdmin
-from reliable_amqp import Publisher, PublisherClosed
+from reliable_amqp import AsyncPublisher, Publisher, PublisherClosed
 
 pytestmark = [pytest.mark.broker]
 
@@ -208,3 +209,59 @@ def test_an_interrupt_anywhere_in_close_reports_exactly_what_failed(
         if not interrupted:
             break
     assert point > 10
+
+
+def test_an_interrupt_anywhere_in_the_async_publishers_code_leaks_and_delays_nothing(
+    url: str, broker: BrokerAdmin
+) -> None:
+    # The same sweep over AsyncPublisher.publish(), at the points in the library's code and
+    # the client's, not inside asyncio's own: a KeyboardInterrupt inside Future.set_result()
+    # (between marking it done and scheduling its callbacks) leaves the task awaiting it asleep
+    # for good, which no library can repair (asyncio.run turns the first Ctrl-C into a
+    # cancellation for that reason).
+    queue = broker.queue()
+
+    async def main() -> int:
+        points = 0
+        me = asyncio.current_task()
+        async with AsyncPublisher(url) as publisher:
+            await publisher.flush()
+            while True:
+                points += 1
+                assert points < 5_000, "publish() never completed uninterrupted"
+                seen = 0
+
+                def profile(frame: Any, event: str, arg: Any, point: int = points) -> None:
+                    # the points of this task's publish() (not the loop's, nor other tasks')
+                    nonlocal seen
+                    if (
+                        event in {"call", "c_return"}
+                        and asyncio.current_task() is me
+                        and "asyncio" not in frame.f_code.co_filename
+                        and frame.f_code.co_filename != __file__
+                    ):
+                        seen += 1
+                        if seen == point:
+                            sys.setprofile(None)
+                            name = frame.f_code.co_name
+                            raise KeyboardInterrupt(f"point {point}: {event} in {name}")
+
+                sys.setprofile(profile)
+                try:
+                    swept = await publisher.publish("", queue, b"swept")
+                except KeyboardInterrupt as interrupt:
+                    where = str(interrupt)
+                else:
+                    sys.setprofile(None)
+                    await swept
+                    return points
+                finally:
+                    sys.setprofile(None)
+                after = await publisher.publish("", queue, b"after")
+                left = await publisher.flush(FLUSH)
+                window = publisher._window
+                assert left == 0, f"{where}: flush() left {left}"
+                assert after.done() and after.exception() is None
+                assert (window.count, window.bytes) == (0, 0), where
+
+    assert asyncio.run(main()) > 10

@@ -123,6 +123,13 @@ class Pump(Generic[E]):
         if self._timer is None:
             self.schedule()
 
+    def rewake(self) -> None:
+        """:meth:`wake` after a KeyboardInterrupt cut a publish short: set the wake-up afresh
+        (an ``asyncio.Event.set()`` interrupted half-way stays set with its waiter asleep, and
+        :meth:`wake` would not set it again)."""
+        self._wakeup.clear()
+        self.wake()
+
     def stop(self) -> None:
         """Ask the connection task to tear down (the caller has settled or will settle
         messages)."""

@@ -140,6 +140,8 @@ class AsyncPublisher(
         self._admission: Admission[AsyncEntry] = Admission(
             self._window, self._hand_over, self._hand_over_run, self._room_waiters
         )
+        # a KeyboardInterrupt in an admission gives the room back unless the engine took it
+        self._admission.took = self._supervisor.engine.holds
         urls = ", ".join(redact_url(u) for u in self.options.urls)
         self._open = _Open(f"AsyncPublisher [{urls}]", self._window, self.options.spool)
         state = self._open
@@ -299,13 +301,17 @@ class AsyncPublisher(
             admission.check(entry)  # (closed before it ever started, say)
             loop = pump.loop
         entry.handle = future = loop.create_future()
-        # first come, first served: behind those waiting for room, even if it would fit
-        wake = NO_ROOM if self._room_waiters else admission.admit(entry)
-        while wake is NO_ROOM:  # (once: the wait ends when it fits and its turn came)
-            await self._wait_for_room(entry)
-            wake = admission.admit(entry)
-        if wake is not None:
-            wake()
+        try:  # (free of cost on Python 3.11+ until something is raised)
+            # first come, first served: behind those waiting for room, even if it would fit
+            wake = NO_ROOM if self._room_waiters else admission.admit(entry)
+            while wake is NO_ROOM:  # (once: the wait ends when it fits and its turn came)
+                await self._wait_for_room(entry)
+                wake = admission.admit(entry)
+            if wake is not None:
+                wake()
+        except KeyboardInterrupt:
+            pump.rewake()  # it may have cut the wake-up this owed the writer
+            raise
         return future
 
     async def _publish_many(self, entries: list[AsyncEntry]) -> list[Handle]:
@@ -324,15 +330,19 @@ class AsyncPublisher(
         for entry in entries:
             entry.handle = loop.create_future()
         many = self._admission.admit_many(entries)
-        while not many.finished:
-            step = many.step()
-            if isinstance(step, Entry):
-                try:
-                    await self._wait_for_room(step)
-                except PublishTimeout as exc:
-                    many.give_up(exc)
-            elif step is not None:
-                step()
+        try:
+            while not many.finished:
+                step = many.step()
+                if isinstance(step, Entry):
+                    try:
+                        await self._wait_for_room(step)
+                    except PublishTimeout as exc:
+                        many.give_up(exc)
+                elif step is not None:
+                    step()
+        except KeyboardInterrupt:
+            self._pump.rewake()  # it may have cut the wake-up a step owed
+            raise
         timeout = many.timeout
         if timeout is not None:  # the window stayed full: the rest were not admitted
             for entry in many.unadmitted():

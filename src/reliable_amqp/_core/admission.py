@@ -21,8 +21,10 @@ interpreter takes signals: since Python 3.11, at the entry of a Python function 
 function returns. One raised between counting a message in the window and the hand-over would
 keep its room for good (``flush()`` would never return): the steps here give it back
 (:meth:`Admission.interrupted`) unless the hand-over already took the message, which
-:attr:`Admission.took` tells. Only the sync publisher needs this: ``asyncio.run`` turns Ctrl-C
-into a cancellation at an ``await``, and admission awaits nothing.
+:attr:`Admission.took` tells (the sync publisher's outbox, the async one's engine). An
+``AsyncPublisher`` meets one too: ``asyncio.run`` turns the first Ctrl-C into a cancellation at
+an ``await``, but the second, and every one under Python 3.10 or a bare ``run_until_complete``,
+is raised wherever the loop's thread is.
 """
 
 from __future__ import annotations

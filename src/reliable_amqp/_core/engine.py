@@ -106,13 +106,25 @@ class PublishEngine(Generic[E]):
         with its ``index`` (its issue number in the window) and ``handle`` set by the adapter.
         """
         deadline = now + self.delivery_timeout
+        count = len(entries)
         for entry in entries:
             entry.deadline = deadline
             entry.accepted = now
-        self._sendq.extend(entries)
-        self._fifo.extend(entries)
-        self._live += len(entries)
-        self.counters.published += len(entries)
+        # For a KeyboardInterrupt (taken where a C call returns, in the async publisher's
+        # thread): the counts, then both queues, the send queue even when one is taken at the
+        # first's return: the message is whole in the engine or not in it (:meth:`holds`).
+        self._live += count
+        self.counters.published += count
+        try:
+            self._fifo.extend(entries)
+        finally:  # (taken at the extend's return, it still sends them)
+            self._sendq.extend(entries)
+
+    def holds(self, entry: E) -> bool:
+        """Whether ``entry`` is the latest message :meth:`accept` took (an interrupted
+        admission asks: see ``_core.admission``)."""
+        fifo = self._fifo
+        return bool(fifo) and fifo[-1] is entry
 
     def has_sendable(self) -> bool:
         """Whether :meth:`next_run` may have something (possibly an already-resolved entry)."""
