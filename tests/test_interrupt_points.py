@@ -29,6 +29,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -43,14 +44,17 @@ pytestmark = [pytest.mark.broker]
 FLUSH = 10.0
 
 
-def _interrupted(call: Callable[[], Any], point: int) -> str:
-    """Run ``call``, raising ``KeyboardInterrupt`` at its ``point``-th point (1-based) where
-    the interpreter would take a signal; where it was raised, or "" if ``call`` ended first."""
+def _raise_at(
+    point: int, counted: Callable[[FrameType], bool] = lambda frame: True
+) -> Callable[[FrameType, str, Any], None]:
+    """A profile function (``sys.setprofile``) that raises ``KeyboardInterrupt`` at the
+    ``point``-th point (1-based) where the interpreter would take a signal, among the frames
+    ``counted`` admits."""
     seen = 0
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
         nonlocal seen
-        if event in {"call", "c_return"}:
+        if event in {"call", "c_return"} and counted(frame):
             seen += 1
             if seen == point:
                 sys.setprofile(None)
@@ -60,7 +64,13 @@ def _interrupted(call: Callable[[], Any], point: int) -> str:
                     f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno}"
                 )
 
-    sys.setprofile(profile)
+    return profile
+
+
+def _interrupted(call: Callable[[], Any], point: int) -> str:
+    """Run ``call``, raising ``KeyboardInterrupt`` at its ``point``-th point (see
+    :func:`_raise_at`); where it was raised, or "" if ``call`` ended first."""
+    sys.setprofile(_raise_at(point))
     try:
         call()
     except KeyboardInterrupt as interrupt:
@@ -229,24 +239,17 @@ def test_an_interrupt_anywhere_in_the_async_publishers_code_leaks_and_delays_not
             while True:
                 points += 1
                 assert points < 5_000, "publish() never completed uninterrupted"
-                seen = 0
-
-                def profile(frame: Any, event: str, arg: Any, point: int = points) -> None:
-                    # the points of this task's publish() (not the loop's, nor other tasks')
-                    nonlocal seen
-                    if (
-                        event in {"call", "c_return"}
-                        and asyncio.current_task() is me
-                        and "asyncio" not in frame.f_code.co_filename
-                        and frame.f_code.co_filename != __file__
-                    ):
-                        seen += 1
-                        if seen == point:
-                            sys.setprofile(None)
-                            name = frame.f_code.co_name
-                            raise KeyboardInterrupt(f"point {point}: {event} in {name}")
-
-                sys.setprofile(profile)
+                # the points of this task's publish() (not the loop's, nor other tasks')
+                sys.setprofile(
+                    _raise_at(
+                        points,
+                        lambda frame: (
+                            asyncio.current_task() is me
+                            and "asyncio" not in frame.f_code.co_filename
+                            and frame.f_code.co_filename != __file__
+                        ),
+                    )
+                )
                 try:
                     swept = await publisher.publish("", queue, b"swept")
                 except KeyboardInterrupt as interrupt:

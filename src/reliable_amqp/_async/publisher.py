@@ -137,11 +137,14 @@ class AsyncPublisher(
         #: the event loop, once the pump is ready (publish() need not connect)
         self._loop: asyncio.AbstractEventLoop | None = None
         #: whether a publish goes in now (the core's)
+        #: (a KeyboardInterrupt in an admission gives the room back unless the engine took it)
         self._admission: Admission[AsyncEntry] = Admission(
-            self._window, self._hand_over, self._hand_over_run, self._room_waiters
+            self._window,
+            self._hand_over,
+            self._hand_over_run,
+            self._room_waiters,
+            took=self._supervisor.engine.holds,
         )
-        # a KeyboardInterrupt in an admission gives the room back unless the engine took it
-        self._admission.took = self._supervisor.engine.holds
         urls = ", ".join(redact_url(u) for u in self.options.urls)
         self._open = _Open(f"AsyncPublisher [{urls}]", self._window, self.options.spool)
         state = self._open

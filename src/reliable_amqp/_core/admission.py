@@ -88,6 +88,7 @@ class Admission(Generic[E]):
         hand_over: HandOver[E],
         hand_over_run: HandOverRun[E],
         waiting: Sized = (),
+        took: Callable[[E], bool] | None = None,
     ) -> None:
         self.window = window
         # two hand-overs: a tuple of one, extended into a deque, costs a publish 2.5% more
@@ -103,9 +104,9 @@ class Admission(Generic[E]):
         self.fatal: ReliableAmqpError | None = None
         #: OpenTelemetry, set at connect (None: off)
         self.telemetry: SpanStart[E] | None = None
-        #: whether the hand-over holds an entry already (the sync publisher's outbox; None:
-        #: an interrupted admission is not undone, see the module docstring)
-        self.took: Callable[[E], bool] | None = None
+        #: whether the hand-over holds an entry already (the sync publisher's outbox, the async
+        #: one's engine; None: an interrupted admission is not undone, see the module docstring)
+        self.took = took
 
     def check(self, entry: E) -> None:
         """Raise :class:`PublisherClosed` for ``entry`` when the publisher no longer accepts

@@ -119,10 +119,10 @@ class Handoff:
         self._waiters: list[threading.Lock] = []
         self.window = Window(options.max_in_flight, options.max_in_flight_bytes)
         #: whether a publish goes in now (the core's; every call under :attr:`lock`)
+        #: (an interrupted admission gives its room back unless the outbox took the message)
         self.admission: Admission[PublishFuture] = Admission(
-            self.window, self.hand_over, self.hand_over_run
+            self.window, self.hand_over, self.hand_over_run, took=self.took
         )
-        self.admission.took = self.took  # an interrupted admission gives its room back
         self.outbox: deque[PublishFuture] = deque()
         self.requests: deque[Request] = deque()
         #: the condition (over one lock) this publisher's futures share
@@ -251,16 +251,10 @@ class Handoff:
         """Off :attr:`lock`: a publish was interrupted (Ctrl-C) where the wake-up it owed the I/O
         thread may be lost (between the hand-over and the wake-up, or inside it), with the "on
         its way" flag set, which keeps every later publish from waking the thread: wake it
-        again if the outbox holds anything. (Nothing else can go wrong for the caller there:
-        the message is out of its hands.)"""
-        with self.lock:
-            if not self.outbox:
-                return
-            self.wake_pending = False
-            wake = self.wake_call()
-        if wake is not None:
-            with contextlib.suppress(Exception):  # (call_threadsafe reports its own)
-                wake()
+        again if the outbox holds anything. (Read off the lock: what this thread put there is
+        either still there or taken by the I/O thread, which needs no wake-up then.)"""
+        if self.outbox:
+            self.wake(force=True)
 
     def pop_outbox(self) -> deque[PublishFuture] | None:
         """Everything published since the last call (None when nothing was)."""
