@@ -143,7 +143,7 @@ class AsyncPublisher(
             self._hand_over,
             self._hand_over_run,
             self._room_waiters,
-            took=self._supervisor.engine.holds,
+            took=self._supervisor.holds,
         )
         urls = ", ".join(redact_url(u) for u in self.options.urls)
         self._open = _Open(f"AsyncPublisher [{urls}]", self._window, self.options.spool)

@@ -96,6 +96,8 @@ class Supervisor(Generic[E]):
         self.has_sendable = engine.has_sendable
         #: a ``basic.return`` (:meth:`PublishEngine.on_return`)
         self.on_return = engine.on_return
+        #: whether an interrupted admission's message is in the engine (:meth:`PublishEngine.holds`)
+        self.holds = engine.holds
         #: True when the connection is lent by the caller and reconnects by itself
         self.borrowed = borrowed
         #: why the publisher gave up for good (wrong credentials, connect policy spent)
