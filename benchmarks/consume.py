@@ -1,0 +1,439 @@
+"""The consume benchmark: every way of consuming with an ack per message, side by side in one run.
+
+    bash scripts/dev.sh run python benchmarks/consume.py                 # 30,000 messages a row
+    bash scripts/dev.sh run python benchmarks/consume.py --count 5000 --repeat 3
+    npm ci --prefix benchmarks/node                                      # for the Node row
+
+Each row consumes ``--count`` messages (12 B bodies by default) from a fresh durable queue of its
+own, filled beforehand (untimed) with ``reliable_amqp.Publisher.publish_many`` and confirmed, with
+``--prefetch`` (200) unacknowledged at most, and nothing done per message but the ack:
+
+- ``pika BlockingConnection``: ``basic_consume`` + ``start_consuming``, ``basic_ack`` per message;
+- ``pika SelectConnection``: the same on pika's callback-driven connection;
+- ``aio-pika``: ``queue.consume()`` with ``async with message.process()`` per message;
+- ``Node amqplib``: ``channel.consume`` with ``channel.ack`` per message, in a child process
+  (``benchmarks/node/consume_cpu.js``); without node or amqplib the row is reported MISSING,
+  loudly, never dropped in silence;
+- ``reliable_amqp.Consumer``: a no-op handler, ``stop()`` at the count (acks batched by the
+  library); ``reliable_amqp.AsyncConsumer``: a no-op async handler. These rows appear once the
+  package has the classes (``--only`` picks rows).
+
+The clock runs from the subscription until the count is reached and the row's consume loop has
+returned (the consumer's own stop, for this library's consumers); connection set-up and closing
+are not timed. Client CPU per message is this process's CPU time (``time.process_time()``,
+every thread) over the same span; for Node, its own ``process.cpuUsage()`` over its timed span
+(the whole child process, start-up included, is also shown in --json as ``child_cpu_us``).
+Every row starts only once the broker is idle (``broker_idle.py``), and checks afterwards that
+its queue is empty, i.e. every message was acked. The last lines are the ratios the issue asks
+for: ``Consumer`` against the faster of pika and aio-pika (target 2x), and against Node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import pika
+import pika.channel
+import pika.spec
+from broker_idle import wait_idle
+
+import reliable_amqp
+from reliable_amqp import Publisher
+
+URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
+COUNT = 30_000
+PREFETCH = 200
+NODE_DIR = Path(__file__).parent / "node"
+NODE_SCRIPT = NODE_DIR / "consume_cpu.js"
+
+Row = dict[str, Any]
+#: a row: (url, queue, count, prefetch) -> (wall seconds, CPU seconds, extra fields)
+Measure = Callable[[str, str, int, int], tuple[float, float, dict[str, Any]]]
+
+PIKA_BLOCKING = "pika BlockingConnection basic_consume, ack each"
+PIKA_SELECT = "pika SelectConnection basic_consume, ack each"
+AIO_PIKA = "aio-pika queue.consume + message.process()"
+NODE = "Node amqplib channel.consume, ack each"
+CONSUMER = "reliable_amqp.Consumer (no-op handler)"
+ASYNC_CONSUMER = "reliable_amqp.AsyncConsumer (no-op async handler)"
+
+
+class RowMissing(Exception):
+    """A row that cannot run here (say why, loudly: a comparison row is never skipped in
+    silence)."""
+
+
+@contextmanager
+def filled_queue(url: str, count: int, body: bytes) -> Iterator[str]:
+    """A fresh durable queue holding ``count`` confirmed messages; deleted afterwards."""
+    queue = f"ra-bench-consume-{uuid.uuid4().hex[:10]}"
+    with Publisher(url) as publisher:
+        publisher.declare_queue(queue, durable=True)
+        futures = []
+        for start in range(0, count, 1_000):
+            futures += publisher.publish_many("", queue, [body] * min(1_000, count - start))
+        left = publisher.flush(timeout=120)
+    failed = sum(1 for f in futures if f.exception() is not None)
+    if left or failed:
+        raise RuntimeError(f"filling {queue}: {failed} failed, {left} unconfirmed of {count}")
+    try:
+        yield queue
+    finally:
+        connection = pika.BlockingConnection(pika.URLParameters(url))
+        try:
+            connection.channel().queue_delete(queue)
+        finally:
+            connection.close()
+
+
+def ready(url: str, queue: str) -> int:
+    """Messages ready in ``queue`` (unacked ones of a closed connection are ready again)."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
+    finally:
+        connection.close()
+
+
+# --- the rows --------------------------------------------------------------------------------
+
+
+def pika_blocking(url: str, queue: str, count: int, prefetch: int) -> tuple[float, float, Row]:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=prefetch)
+    seen = 0
+
+    def on_message(
+        ch: Any, method: pika.spec.Basic.Deliver, _props: pika.BasicProperties, _body: bytes
+    ) -> None:
+        nonlocal seen
+        ch.basic_ack(method.delivery_tag)
+        seen += 1
+        if seen == count:
+            ch.stop_consuming()
+
+    started, cpu = time.perf_counter(), time.process_time()
+    channel.basic_consume(queue, on_message)
+    channel.start_consuming()
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    connection.close()
+    return seconds, cpu, {}
+
+
+def pika_select(url: str, queue: str, count: int, prefetch: int) -> tuple[float, float, Row]:
+    times: dict[str, float] = {}
+    seen = 0
+    failure: list[BaseException | str] = []
+
+    def on_open(connection: pika.SelectConnection) -> None:
+        connection.channel(on_open_callback=on_channel)
+
+    def on_channel(channel: pika.channel.Channel) -> None:
+        channel.basic_qos(prefetch_count=prefetch, callback=lambda _frame: start(channel))
+
+    def start(channel: pika.channel.Channel) -> None:
+        times["wall"], times["cpu"] = time.perf_counter(), time.process_time()
+        channel.basic_consume(queue, on_message)
+
+    def on_message(
+        channel: pika.channel.Channel,
+        method: pika.spec.Basic.Deliver,
+        _props: pika.BasicProperties,
+        _body: bytes,
+    ) -> None:
+        nonlocal seen
+        channel.basic_ack(method.delivery_tag)
+        seen += 1
+        if seen == count:
+            times["wall"] = time.perf_counter() - times["wall"]
+            times["cpu"] = time.process_time() - times["cpu"]
+            channel.connection.close()
+
+    def on_failed(_connection: Any, error: BaseException) -> None:
+        failure.append(error)
+        _connection.ioloop.stop()
+
+    connection = pika.SelectConnection(
+        pika.URLParameters(url),
+        on_open_callback=on_open,
+        on_open_error_callback=on_failed,
+        on_close_callback=lambda conn, _reason: conn.ioloop.stop(),
+    )
+    connection.ioloop.start()
+    if failure or seen != count:
+        raise RuntimeError(f"pika SelectConnection consumed {seen} of {count}: {failure}")
+    return times["wall"], times["cpu"], {}
+
+
+def aio_pika_process(url: str, queue: str, count: int, prefetch: int) -> tuple[float, float, Row]:
+    import aio_pika
+    import aio_pika.abc
+
+    async def run() -> tuple[float, float]:
+        connection = await aio_pika.connect(url)
+        async with connection:
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=prefetch)
+            source = await channel.get_queue(queue, ensure=False)
+            done = asyncio.Event()
+            seen = 0
+
+            async def on_message(message: aio_pika.abc.AbstractIncomingMessage) -> None:
+                nonlocal seen
+                async with message.process():
+                    pass
+                seen += 1
+                if seen == count:
+                    done.set()
+
+            started, cpu = time.perf_counter(), time.process_time()
+            tag = await source.consume(on_message)
+            await done.wait()
+            await source.cancel(tag)
+            return time.perf_counter() - started, time.process_time() - cpu
+
+    seconds, cpu = asyncio.run(run())
+    return seconds, cpu, {}
+
+
+def node_amqplib(url: str, queue: str, count: int, prefetch: int) -> tuple[float, float, Row]:
+    node = _node()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result = subprocess.run(
+        [node, str(NODE_SCRIPT), url, queue, str(count), str(prefetch)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if result.returncode != 0:
+        raise RuntimeError(f"node consume_cpu.js failed ({result.returncode}): {result.stderr}")
+    figures = json.loads(result.stdout)
+    if figures["consumed"] != count:
+        raise RuntimeError(f"node consumed {figures['consumed']} of {count}")
+    child = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return figures["wall_seconds"], figures["cpu_seconds"], {"child_cpu_us": child / count * 1e6}
+
+
+def _node() -> str:
+    """The node executable, if node and amqplib are installed; else RowMissing saying so."""
+    node = shutil.which("node")
+    if node is None:
+        raise RowMissing("node is not installed (apt-get install nodejs)")
+    if not (NODE_DIR / "node_modules" / "amqplib").is_dir():
+        raise RowMissing(f"amqplib is not installed: npm ci --prefix {NODE_DIR}")
+    return node
+
+
+def _consumer_class(name: str) -> Any:
+    cls = getattr(reliable_amqp, name, None)
+    if cls is None:
+        raise RowMissing(f"reliable_amqp.{name} does not exist in this tree")
+    return cls
+
+
+def reliable_consumer(url: str, queue: str, count: int, prefetch: int) -> tuple[float, float, Row]:
+    consumer = _consumer_class("Consumer")(url, queue, prefetch=prefetch)
+    seen = 0
+
+    def handler(_delivery: Any) -> None:
+        nonlocal seen
+        seen += 1
+        if seen == count:
+            consumer.stop()
+
+    with consumer:
+        started, cpu = time.perf_counter(), time.process_time()
+        consumer.run(handler)
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    if seen != count:
+        raise RuntimeError(f"Consumer handled {seen} of {count}")
+    return seconds, cpu, {}
+
+
+def reliable_async_consumer(
+    url: str, queue: str, count: int, prefetch: int
+) -> tuple[float, float, Row]:
+    cls = _consumer_class("AsyncConsumer")
+
+    async def run() -> tuple[float, float, int]:
+        consumer = cls(url, queue, prefetch=prefetch)
+        seen = 0
+
+        async def handler(_delivery: Any) -> None:
+            nonlocal seen
+            seen += 1
+            if seen == count:
+                consumer.stop()
+
+        started, cpu = time.perf_counter(), time.process_time()
+        await consumer.run(handler)
+        return time.perf_counter() - started, time.process_time() - cpu, seen
+
+    seconds, cpu, seen = asyncio.run(run())
+    if seen != count:
+        raise RuntimeError(f"AsyncConsumer handled {seen} of {count}")
+    return seconds, cpu, {}
+
+
+#: --only key -> (row name, measure), in table order
+ROWS: dict[str, tuple[str, Measure]] = {
+    "pika-blocking": (PIKA_BLOCKING, pika_blocking),
+    "pika-select": (PIKA_SELECT, pika_select),
+    "aio-pika": (AIO_PIKA, aio_pika_process),
+    "node": (NODE, node_amqplib),
+    "consumer": (CONSUMER, reliable_consumer),
+    "async-consumer": (ASYNC_CONSUMER, reliable_async_consumer),
+}
+
+
+def measure(url: str, key: str, count: int, body: bytes, prefetch: int) -> Row | tuple[str, str]:
+    """One row: fill its queue, wait for an idle broker, consume; a row, or (name, why not)."""
+    name, fn = ROWS[key]
+    try:
+        if key in ("consumer", "async-consumer"):
+            _consumer_class("Consumer" if key == "consumer" else "AsyncConsumer")
+        if key == "node":  # checked before filling a queue it cannot consume
+            _node()
+        with filled_queue(url, count, body) as queue:
+            wait_idle()
+            seconds, cpu, extra = fn(url, queue, count, prefetch)
+            left = ready(url, queue)
+    except RowMissing as exc:
+        return name, str(exc)
+    if left:
+        raise RuntimeError(f"{name}: {left} messages left in the queue (not acked)")
+    return {
+        "name": name,
+        "msgs": count,
+        "body_bytes": len(body),
+        "prefetch": prefetch,
+        "seconds": seconds,
+        "rate": count / seconds,
+        "cpu_us": cpu / count * 1e6,
+        **extra,
+    }
+
+
+def ratios(rows: list[Row]) -> list[str]:
+    """The comparisons the issue asks for, computed within this run."""
+    by_name = {r["name"]: r for r in rows}
+    lines = []
+    python_rows = [by_name[n] for n in (PIKA_BLOCKING, PIKA_SELECT, AIO_PIKA) if n in by_name]
+    best = max(python_rows, key=lambda r: r["rate"], default=None)
+    for ours in (CONSUMER, ASYNC_CONSUMER):
+        if ours not in by_name:
+            continue
+        mine = by_name[ours]
+        short = ours.split(" ")[0]
+        if best is not None:
+            lines.append(
+                f"  {short}: {mine['rate'] / best['rate']:.2f}x the faster of pika and aio-pika "
+                f"({best['name']}){'  (target >= 2x)' if ours == CONSUMER else ''}"
+            )
+        if ours == ASYNC_CONSUMER and AIO_PIKA in by_name:
+            lines.append(f"  {short}: {mine['rate'] / by_name[AIO_PIKA]['rate']:.2f}x aio-pika")
+        if NODE in by_name:
+            node = by_name[NODE]
+            lines.append(
+                f"  {short}: {mine['rate'] / node['rate']:.2f}x Node amqplib's rate, "
+                f"{mine['cpu_us'] / node['cpu_us']:.2f}x its CPU per message"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--count", type=int, default=COUNT, help="messages per row")
+    parser.add_argument("--size", type=int, default=12, help="body size in bytes")
+    parser.add_argument("--prefetch", type=int, default=PREFETCH)
+    parser.add_argument("--repeat", type=int, default=1, help="passes; rows report the median")
+    parser.add_argument("--only", default=",".join(ROWS), help=f"rows: {','.join(ROWS)}")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--url", default=URL)
+    args = parser.parse_args(argv)
+    keys = args.only.split(",")
+    unknown = [k for k in keys if k not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown} (known: {','.join(ROWS)})")
+    rows = run(args.url, keys, args.count, args.size, prefetch=args.prefetch, repeat=args.repeat)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(table(rows, args))
+    return 0
+
+
+MISSING: dict[str, str] = {}
+
+
+def run(
+    url: str, keys: list[str], count: int, size: int, *, prefetch: int, repeat: int
+) -> list[Row]:
+    """``repeat`` passes over the rows ``keys`` (interleaved); each row's median."""
+    body = b"x" * size
+    runs: dict[str, list[Row]] = {}
+    for n in range(repeat):
+        print(f" pass {n + 1} of {repeat}", file=sys.stderr)
+        for key in keys:
+            got = measure(url, key, count, body, prefetch)
+            if isinstance(got, tuple):
+                name, why = got
+                MISSING[name] = why
+                print(f"  MISSING ROW {name}: {why}", file=sys.stderr)
+                continue
+            runs.setdefault(got["name"], []).append(got)
+            print(
+                f"  {got['name']:<52} {got['rate']:>9,.0f} msgs/s {got['cpu_us']:7.1f} us/msg",
+                file=sys.stderr,
+            )
+    rows = []
+    for results in runs.values():
+        rates = sorted(r["rate"] for r in results)
+        row = dict(results[0])
+        row["rate"] = statistics.median(rates)
+        row["runs"] = rates
+        row["cpu_us"] = statistics.median(r["cpu_us"] for r in results)
+        if "child_cpu_us" in row:
+            row["child_cpu_us"] = statistics.median(r["child_cpu_us"] for r in results)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[Row], args: argparse.Namespace) -> str:
+    lines = [
+        f"== consume {args.count:,} messages of {args.size} B, prefetch {args.prefetch}, "
+        f"ack after each, median of {args.repeat} ==",
+        f"{'row':<52} {'msgs/s':>9} {'(min-max)':>15} {'client CPU':>12}",
+    ]
+    for r in rows:
+        spread = f"{min(r['runs']) / 1000:.1f}k-{max(r['runs']) / 1000:.1f}k"
+        lines.append(f"{r['name']:<52} {r['rate']:>9,.0f} {spread:>15} {r['cpu_us']:>8.1f} us")
+    for name, why in MISSING.items():
+        lines.append(f"{name:<52} MISSING: {why}")
+    lines += ratios(rows)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
