@@ -6,12 +6,19 @@ An adapter module offers ``sync_writer(conn)`` and/or ``async_writer(conn)``, ea
 writer for ``conn`` or None when the connection is not of its kind (psycopg's ``Connection``
 against ``AsyncConnection``, say). A writer moves rows and decides nothing: the rows are checked
 and built before it is called.
+
+Besides the outbox's rows, a writer runs plain statements for the other tables kept in the
+caller's database (the inbox's): ``run``/``fetch`` one statement written with ``%s`` marks (each
+adapter turns them into its driver's), ``in_transaction``, and ``transaction`` (a block that
+begins, commits or rolls back on an idle connection).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Protocol
 
 from reliable_amqp._core.errors import ConfigurationError
@@ -28,6 +35,24 @@ class SyncWriter(Protocol):
     def write(self, conn: Any, tables: Tables, rows: Sequence[RowValues], notify: bool) -> None:
         """Insert ``rows`` (refusing a connection whose write would commit on its own)."""
 
+    def dialect(self, conn: Any) -> str:
+        """``postgresql``, ``sqlite`` or ``mysql`` (MariaDB too): which SQL ``conn`` speaks."""
+
+    def run(self, conn: Any, sql: str, params: Sequence[Any] = (), check: str | None = None) -> int:
+        """Execute one statement (``%s`` marks) as the connection stands; the rows it changed.
+        With ``check`` (the caller's name, as ``"claim()"``), first refuse a connection whose
+        write would commit on its own, as ``write`` does."""
+
+    def fetch(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Execute one query (``%s`` marks) as the connection stands; its rows."""
+
+    def in_transaction(self, conn: Any) -> bool:
+        """Whether a transaction is open on ``conn``."""
+
+    def transaction(self, conn: Any) -> AbstractContextManager[Any]:
+        """A transaction on an idle ``conn``: begun on entry, committed on a clean exit, rolled
+        back when the block raises."""
+
 
 class AsyncWriter(Protocol):
     """:class:`SyncWriter`, awaited."""
@@ -39,6 +64,47 @@ class AsyncWriter(Protocol):
         self, conn: Any, tables: Tables, rows: Sequence[RowValues], notify: bool
     ) -> None:
         """Insert ``rows`` (refusing a connection whose write would commit on its own)."""
+
+    def dialect(self, conn: Any) -> str:
+        """As :meth:`SyncWriter.dialect`."""
+
+    async def run(
+        self, conn: Any, sql: str, params: Sequence[Any] = (), check: str | None = None
+    ) -> int:
+        """As :meth:`SyncWriter.run`, awaited."""
+
+    async def fetch(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """As :meth:`SyncWriter.fetch`, awaited."""
+
+    def in_transaction(self, conn: Any) -> bool:
+        """As :meth:`SyncWriter.in_transaction`."""
+
+    def transaction(self, conn: Any) -> AbstractAsyncContextManager[Any]:
+        """As :meth:`SyncWriter.transaction`, entered with ``async with``."""
+
+
+@functools.lru_cache(maxsize=256)
+def marks(sql: str, style: str) -> str:
+    """``sql`` written with ``%s`` marks, in a driver's paramstyle: ``format`` (as is),
+    ``qmark`` (``?``), ``numeric_dollar`` (``$1``...) or ``named`` (``:p0``...)."""
+    if style in {"format", "pyformat"}:
+        return sql
+    pieces = sql.split("%s")
+    if style == "qmark":
+        return "?".join(pieces)
+    if style == "numeric_dollar":
+        mark = "${}"
+        first = 1
+    elif style == "named":
+        mark = ":p{}"
+        first = 0
+    else:
+        raise ConfigurationError(f"no statement marks for the paramstyle {style!r}")
+    out = [pieces[0]]
+    for i, piece in enumerate(pieces[1:]):
+        out.append(mark.format(i + first))
+        out.append(piece)
+    return "".join(out)
 
 
 #: the top-level package of a connection's class -> the adapter module for it

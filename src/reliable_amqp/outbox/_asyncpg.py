@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp.outbox._adapters import marks
 from reliable_amqp.outbox._rows import RowValues
 from reliable_amqp.outbox._schema import WRITE_COLUMNS, Tables, postgresql_ddl
 
@@ -43,13 +44,13 @@ def insert_sql(tables: Tables, count: int, notify: bool) -> str:
     return f"WITH _ AS ({insert}) SELECT pg_notify('{tables.channel}', '')"
 
 
-def check_writable(conn: Any) -> None:
+def check_writable(conn: Any, what: str = "add()") -> None:
     """Refuse a connection outside a transaction (each statement would commit on its own)."""
     if conn.is_closed():
-        raise ConfigurationError("add(): the connection is closed")
+        raise ConfigurationError(f"{what}: the connection is closed")
     if not conn.is_in_transaction():
         raise ConfigurationError(
-            "add(): this asyncpg connection has no transaction open, so the row would commit "
+            f"{what}: this asyncpg connection has no transaction open, so the row would commit "
             "on its own, not with your transaction: write inside `async with conn.transaction():`"
         )
 
@@ -57,6 +58,28 @@ def check_writable(conn: Any) -> None:
 class _AsyncWriter:
     """asyncpg ``Connection``: one statement a row (inserting and notifying), one per 1,000 rows
     for ``add_many()``."""
+
+    def dialect(self, conn: Any) -> str:
+        return "postgresql"
+
+    async def run(
+        self, conn: Any, sql: str, params: Sequence[Any] = (), check: str | None = None
+    ) -> int:
+        if check:
+            check_writable(conn, check)
+        # asyncpg answers with the command tag ("INSERT 0 1", "DELETE 5", "CREATE TABLE")
+        tag = await conn.execute(marks(sql, "numeric_dollar"), *params)
+        count = str(tag).rsplit(" ", 1)[-1]
+        return int(count) if count.isdigit() else 0
+
+    async def fetch(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return [tuple(row) for row in await conn.fetch(marks(sql, "numeric_dollar"), *params)]
+
+    def in_transaction(self, conn: Any) -> bool:
+        return bool(conn.is_in_transaction())
+
+    def transaction(self, conn: Any) -> Any:
+        return conn.transaction()
 
     async def install(self, conn: Any, tables: Tables) -> None:
         for statement in postgresql_ddl(tables):

@@ -53,12 +53,12 @@ def ddl_for(vendor: str, tables: Tables) -> list[str]:
     return make(tables)
 
 
-def check_writable(conn: Any) -> None:
+def check_writable(conn: Any, what: str = "add()") -> None:
     """Refuse a connection whose write would commit on its own: autocommit on (Django's
     default) and no ``transaction.atomic()`` open."""
     if conn.get_autocommit() and not conn.in_atomic_block:
         raise ConfigurationError(
-            "add(): Django's connection is in autocommit mode with no transaction.atomic() "
+            f"{what}: Django's connection is in autocommit mode with no transaction.atomic() "
             "open, so the row would commit on its own, not with your transaction: write inside "
             "`with transaction.atomic():` (or a view run with ATOMIC_REQUESTS)"
         )
@@ -67,6 +67,29 @@ def check_writable(conn: Any) -> None:
 class _Writer:
     """Django's ``connection``: one statement a row through a cursor of the connection
     (``executemany`` for ``add_many()``)."""
+
+    def dialect(self, conn: Any) -> str:
+        return str(conn.vendor)  # "postgresql", "sqlite", "mysql" (MariaDB too), ...
+
+    def run(self, conn: Any, sql: str, params: Sequence[Any] = (), check: str | None = None) -> int:
+        if check:
+            check_writable(conn, check)
+        with conn.cursor() as cursor:
+            cursor.execute(sql, tuple(params) or None)
+            return int(cursor.rowcount)
+
+    def fetch(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with conn.cursor() as cursor:
+            cursor.execute(sql, tuple(params) or None)
+            return [tuple(row) for row in cursor.fetchall()]
+
+    def in_transaction(self, conn: Any) -> bool:
+        return bool(conn.in_atomic_block or not conn.get_autocommit())
+
+    def transaction(self, conn: Any) -> Any:
+        from django.db import transaction
+
+        return transaction.atomic(using=conn.alias)
 
     def install(self, conn: Any, tables: Tables) -> None:
         with conn.cursor() as cursor:

@@ -112,16 +112,16 @@ def insert_sql(tables: Tables) -> str:
     )
 
 
-def check_writable(conn: Any) -> None:
+def check_writable(conn: Any, what: str = "add()") -> None:
     """Refuse a PyMySQL connection whose write would commit on its own: autocommit with no
     transaction open (the server's SERVER_STATUS_IN_TRANS flag, as of its last reply)."""
     mysql = require_pymysql()
     if not conn.open:
-        raise ConfigurationError("add(): the connection is closed")
+        raise ConfigurationError(f"{what}: the connection is closed")
     in_trans = conn.server_status & mysql.constants.SERVER_STATUS.SERVER_STATUS_IN_TRANS
     if conn.get_autocommit() and not in_trans:
         raise ConfigurationError(
-            "add(): this PyMySQL connection is in autocommit mode with no transaction open, so "
+            f"{what}: this PyMySQL connection is in autocommit mode with no transaction open, so "
             "the row would commit on its own, not with your transaction: call conn.begin() "
             "first, or use a connection without autocommit (PyMySQL's default)"
         )
@@ -130,6 +130,34 @@ def check_writable(conn: Any) -> None:
 class _Writer:
     """PyMySQL ``Connection``: ``execute`` for one row, ``executemany`` (multi-row INSERTs of
     up to 1 MB each) for ``add_many()``; wakes this process's relays."""
+
+    def dialect(self, conn: Any) -> str:
+        return "mysql"
+
+    def run(self, conn: Any, sql: str, params: Sequence[Any] = (), check: str | None = None) -> int:
+        if check:
+            check_writable(conn, check)
+        with conn.cursor() as cur:
+            return int(cur.execute(sql, tuple(params) or None))
+
+    def fetch(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with conn.cursor() as cur:
+            cur.execute(sql, tuple(params) or None)
+            return [tuple(row) for row in cur.fetchall()]
+
+    def in_transaction(self, conn: Any) -> bool:
+        status = require_pymysql().constants.SERVER_STATUS.SERVER_STATUS_IN_TRANS
+        return bool(conn.server_status & status)
+
+    @contextlib.contextmanager
+    def transaction(self, conn: Any) -> Iterator[Any]:
+        conn.begin()
+        try:
+            yield conn
+        except BaseException:
+            conn.rollback()
+            raise
+        conn.commit()
 
     def install(self, conn: Any, tables: Tables) -> None:
         install(conn, tables)

@@ -94,23 +94,50 @@ def columns_of(rows: Sequence[RowValues]) -> list[list[Any]]:
     return [list(column) for column in zip(*rows, strict=True)]
 
 
-def check_writable(conn: Any) -> None:
+def check_writable(conn: Any, what: str = "add()") -> None:
     """Refuse a psycopg connection whose write would commit on its own: autocommit and no
     transaction open (``with conn.transaction():`` opens one)."""
     pq = require_psycopg().pq
     if conn.closed:
-        raise ConfigurationError("add(): the connection is closed")
+        raise ConfigurationError(f"{what}: the connection is closed")
     if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
         raise ConfigurationError(
-            "add(): this psycopg connection is in autocommit mode with no transaction open, so "
+            f"{what}: this psycopg connection is in autocommit mode with no transaction open, so "
             "the row would commit on its own, not with your transaction: write inside "
             "`with conn.transaction():`, or use a connection without autocommit"
         )
 
 
-class _Writer:
+def in_transaction(conn: Any) -> bool:
+    """Whether a transaction is open on a psycopg connection (sync or async)."""
+    return bool(conn.info.transaction_status != require_psycopg().pq.TransactionStatus.IDLE)
+
+
+class _Statements:
+    """What both psycopg writers answer without I/O."""
+
+    def dialect(self, conn: Any) -> str:
+        return "postgresql"
+
+    def in_transaction(self, conn: Any) -> bool:
+        return in_transaction(conn)
+
+    def transaction(self, conn: Any) -> Any:
+        # on a connection without autocommit and idle, psycopg begins and commits this block
+        return conn.transaction()
+
+
+class _Writer(_Statements):
     """psycopg 3 ``Connection``: one statement a row (inserting and notifying), one per 1,000
     rows for ``add_many()``."""
+
+    def run(self, conn: Any, sql: str, params: Sequence[Any] = (), check: str | None = None) -> int:
+        if check:
+            check_writable(conn, check)
+        return int(conn.execute(sql, params or None).rowcount)
+
+    def fetch(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return list(conn.execute(sql, params or None).fetchall())
 
     def install(self, conn: Any, tables: Tables) -> None:
         install(conn, tables)
@@ -125,8 +152,18 @@ class _Writer:
             conn.execute(insert_many_sql(tables, notify), columns_of(chunk), prepare=True)
 
 
-class _AsyncWriter:
+class _AsyncWriter(_Statements):
     """psycopg 3 ``AsyncConnection``: as :class:`_Writer`, awaited."""
+
+    async def run(
+        self, conn: Any, sql: str, params: Sequence[Any] = (), check: str | None = None
+    ) -> int:
+        if check:
+            check_writable(conn, check)
+        return int((await conn.execute(sql, params or None)).rowcount)
+
+    async def fetch(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return list(await (await conn.execute(sql, params or None)).fetchall())
 
     async def install(self, conn: Any, tables: Tables) -> None:
         for statement in postgresql_ddl(tables):

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp.outbox._adapters import marks
 from reliable_amqp.outbox._rows import RowValues
 from reliable_amqp.outbox._schema import (
     WRITE_COLUMNS,
@@ -69,15 +70,15 @@ def _dicts(rows: Sequence[RowValues]) -> list[dict[str, Any]]:
     return [dict(zip(WRITE_COLUMNS, row, strict=True)) for row in rows]
 
 
-def check_writable(conn: Connection) -> None:
+def check_writable(conn: Connection, what: str = "add()") -> None:
     """Refuse a connection whose write would commit on its own: isolation level AUTOCOMMIT (on
     the engine or the connection), where ``begin()`` and ``commit()`` do nothing."""
     if conn.closed or conn.invalidated:
-        raise ConfigurationError("add(): the connection is closed")
+        raise ConfigurationError(f"{what}: the connection is closed")
     autocommit = getattr(conn, "_is_autocommit_isolation", None)
     if autocommit is not None and autocommit():
         raise ConfigurationError(
-            "add(): this SQLAlchemy connection runs with isolation_level='AUTOCOMMIT', so the "
+            f"{what}: this SQLAlchemy connection runs with isolation_level='AUTOCOMMIT', so the "
             "row would commit on its own, not with your transaction: write through a session or "
             "connection with a transactional isolation level"
         )
@@ -135,8 +136,50 @@ def _connection(conn: Any) -> Connection:
     return conn.connection() if isinstance(conn, Session) else conn
 
 
+@functools.lru_cache(maxsize=256)
+def _text(sql: str) -> sa.TextClause:
+    """A statement written with ``%s`` marks as SQLAlchemy text (``:p0``...), compiled for
+    each dialect's driver by SQLAlchemy."""
+    return sa.text(marks(sql, "named"))
+
+
+def run(conn: Connection, sql: str, params: Sequence[Any], check: str | None = None) -> int:
+    """Execute one statement on ``conn`` (in its transaction, begun if it had none)."""
+    if check:
+        check_writable(conn, check)
+    result = conn.execute(_text(sql), {f"p{i}": v for i, v in enumerate(params)})
+    return int(result.rowcount)
+
+
+def fetch(conn: Connection, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    result = conn.execute(_text(sql), {f"p{i}": v for i, v in enumerate(params)})
+    return [tuple(row) for row in result.fetchall()]
+
+
+def _dialect_of(conn: Any) -> str:
+    """The dialect's name, without beginning a Session's transaction (MariaDB as mysql)."""
+    bind = conn.get_bind() if hasattr(conn, "get_bind") else conn
+    name = str(bind.dialect.name)
+    return "mysql" if name == "mariadb" else name
+
+
 class _Writer:
     """SQLAlchemy ``Session`` (its connection, in its transaction) or ``Connection``."""
+
+    def dialect(self, conn: Any) -> str:
+        return _dialect_of(conn)
+
+    def run(self, conn: Any, sql: str, params: Sequence[Any] = (), check: str | None = None) -> int:
+        return run(_connection(conn), sql, params, check)
+
+    def fetch(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return fetch(_connection(conn), sql, params)
+
+    def in_transaction(self, conn: Any) -> bool:
+        return bool(conn.in_transaction())
+
+    def transaction(self, conn: Any) -> Any:
+        return conn.begin()  # a Session's or a Connection's: commits at a clean exit
 
     def install(self, conn: Any, tables: Tables) -> None:
         install(_connection(conn), tables)
@@ -148,6 +191,26 @@ class _Writer:
 class _AsyncWriter:
     """SQLAlchemy ``AsyncSession`` or ``AsyncConnection``: the sync writer, run on the
     connection's greenlet (as SQLAlchemy runs every statement of its asyncio API)."""
+
+    def dialect(self, conn: Any) -> str:
+        sync = conn.sync_session if hasattr(conn, "sync_session") else conn.sync_engine
+        return _dialect_of(sync)
+
+    async def run(
+        self, conn: Any, sql: str, params: Sequence[Any] = (), check: str | None = None
+    ) -> int:
+        connection = await _async_connection(conn)
+        return int(await connection.run_sync(run, sql, params, check))
+
+    async def fetch(self, conn: Any, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        connection = await _async_connection(conn)
+        return list(await connection.run_sync(fetch, sql, params))
+
+    def in_transaction(self, conn: Any) -> bool:
+        return bool(conn.in_transaction())
+
+    def transaction(self, conn: Any) -> Any:
+        return conn.begin()  # an AsyncSession's or an AsyncConnection's, entered with async with
 
     async def install(self, conn: Any, tables: Tables) -> None:
         connection = await _async_connection(conn)

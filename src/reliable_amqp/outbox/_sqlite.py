@@ -17,10 +17,11 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp.outbox._adapters import marks
 from reliable_amqp.outbox._rows import PendingRow, RowValues
 from reliable_amqp.outbox._schema import (
     PARTITIONS,
@@ -53,7 +54,7 @@ def insert_sql(tables: Tables) -> str:
     return f"INSERT INTO {tables.name} ({', '.join(WRITE_COLUMNS)}) VALUES ({marks})"
 
 
-def check_writable(conn: sqlite3.Connection) -> None:
+def check_writable(conn: sqlite3.Connection, what: str = "add()") -> None:
     """Refuse a connection whose write would commit on its own (autocommit, no transaction)."""
     autocommit = getattr(conn, "autocommit", None)  # Python 3.12+
     in_txn = conn.in_transaction
@@ -61,7 +62,7 @@ def check_writable(conn: sqlite3.Connection) -> None:
         autocommit is True or (autocommit is not False and conn.isolation_level is None)
     ):
         raise ConfigurationError(
-            "add(): this sqlite3 connection is in autocommit mode with no transaction open, so "
+            f"{what}: this sqlite3 connection is in autocommit mode with no transaction open, so "
             "the row would commit on its own, not with your transaction: run BEGIN first, or "
             "use a connection with the default isolation_level"
         )
@@ -70,6 +71,49 @@ def check_writable(conn: sqlite3.Connection) -> None:
 class _Writer:
     """``sqlite3.Connection``: ``executemany`` in the caller's transaction; wakes this
     process's relays."""
+
+    def dialect(self, conn: sqlite3.Connection) -> str:
+        return "sqlite"
+
+    def run(
+        self,
+        conn: sqlite3.Connection,
+        sql: str,
+        params: Sequence[Any] = (),
+        check: str | None = None,
+    ) -> int:
+        if check:
+            check_writable(conn, check)
+        return conn.execute(marks(sql, "qmark"), tuple(params)).rowcount
+
+    def fetch(
+        self, conn: sqlite3.Connection, sql: str, params: Sequence[Any] = ()
+    ) -> list[tuple[Any, ...]]:
+        return conn.execute(marks(sql, "qmark"), tuple(params)).fetchall()
+
+    def in_transaction(self, conn: sqlite3.Connection) -> bool:
+        return conn.in_transaction
+
+    @contextlib.contextmanager
+    def transaction(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+        if getattr(conn, "autocommit", None) is False:  # Python 3.12+: always in a transaction
+            try:
+                yield conn
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()
+            return
+        # IMMEDIATE: take the write lock now (waiting up to the busy timeout), rather than
+        # failing at the first write of a block that read first while another writer committed
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
 
     def install(self, conn: sqlite3.Connection, tables: Tables) -> None:
         install(conn, tables)
