@@ -1,0 +1,413 @@
+"""Inbox and AsyncInbox: each message's effects exactly once, in the handler's own transaction.
+
+``claim()`` inserts ``(scope, message_id)`` on the caller's connection, inside the caller's open
+transaction, and never commits: the claim exists if and only if the handler's work commits with
+it. The primary key does the rest: a second claim of a committed key changes no row (a
+duplicate), and a claim of a key that another transaction holds uncommitted waits for that
+transaction, then answers as it ended. Statements go through the outbox's connection adapters
+(:mod:`reliable_amqp.outbox._adapters`): the same connections, the same checks.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError
+from reliable_amqp.inbox import _schema
+from reliable_amqp.inbox._schema import (
+    DEFAULT_RETENTION,
+    DEFAULT_TABLE,
+    MAX_KEY,
+    PRUNE_BATCH,
+    InboxTables,
+)
+from reliable_amqp.outbox._adapters import async_writer, sync_writer
+
+#: the header that carries the consumer's attempt number (1 the first time)
+ATTEMPT_HEADER = "x-consume-attempt"
+
+
+class MissingMessageId(ReliableAmqpError, ValueError):
+    """A delivery without a ``message_id`` was claimed without ``key=``: it cannot be told from
+    its duplicates, and treating it as new every time would handle each copy again."""
+
+
+class DeliveryLike(Protocol):
+    """What the inbox reads of a delivery (``reliable_amqp.Delivery`` has it all)."""
+
+    @property
+    def message_id(self) -> str | None: ...
+    @property
+    def redelivered(self) -> bool: ...
+    @property
+    def headers(self) -> Mapping[str, Any]: ...
+
+
+@dataclass
+class InboxStats:
+    """Counts of this process's inbox: new claims, duplicates skipped, rows pruned, and
+    redeliveries written to the attempts ledger."""
+
+    claimed: int = 0
+    duplicates: int = 0
+    pruned: int = 0
+    redeliveries_recorded: int = 0
+
+
+def attempt_of(delivery: Any) -> int:
+    """The consumer's attempt number of ``delivery`` (``.attempt``, else the
+    ``x-consume-attempt`` header, else 1)."""
+    attempt = getattr(delivery, "attempt", None)
+    if not isinstance(attempt, int) or isinstance(attempt, bool):
+        headers = getattr(delivery, "headers", None) or {}
+        attempt = headers.get(ATTEMPT_HEADER, 1)
+    try:
+        return max(1, int(attempt))
+    except (TypeError, ValueError):
+        return 1
+
+
+class _Base:
+    def __init__(self, scope: str, table: str = DEFAULT_TABLE) -> None:
+        if not isinstance(scope, str) or not scope or len(scope) > MAX_KEY:
+            raise ConfigurationError(
+                f"scope: expected a non-empty str of at most {MAX_KEY} characters (the name of "
+                f"the consuming service or handler), got {scope!r}"
+            )
+        self.scope = scope
+        self.tables = InboxTables.named(table)
+        self.stats = InboxStats()
+        self._lock = threading.Lock()
+
+    @property
+    def table(self) -> str:
+        """The claims table's name (the attempts ledger is ``<table>_attempts``)."""
+        return self.tables.name
+
+    def ddl(self, dialect: str = "postgresql") -> str:
+        """The statements ``install()`` runs (``postgresql``, ``sqlite`` or ``mysql``), for
+        migration tools."""
+        return ";\n\n".join(_schema.ddl(dialect, self.tables)) + ";\n"
+
+    def key_of(self, delivery: Any, key: str | None = None) -> str:
+        """The claim's key: ``key`` when given, else the delivery's ``message_id``; raises
+        :class:`MissingMessageId` when there is neither."""
+        if key is None:
+            key = getattr(delivery, "message_id", None)
+            if key is None or key == "":
+                raise MissingMessageId(
+                    "this delivery has no message_id, so its duplicates cannot be recognised: "
+                    "pass key= (a value derived from the message that is the same on every "
+                    "copy, such as a business id from its body)"
+                )
+        if not isinstance(key, str) or not key or len(key) > MAX_KEY:
+            raise ConfigurationError(
+                f"key: expected a non-empty str of at most {MAX_KEY} characters, got {key!r}"
+            )
+        return key
+
+    def _counted(self, claimed: bool) -> bool:
+        with self._lock:
+            if claimed:
+                self.stats.claimed += 1
+            else:
+                self.stats.duplicates += 1
+        return claimed
+
+    def _pruned(self, count: int) -> None:
+        with self._lock:
+            self.stats.pruned += count
+
+    def _prune_plan(
+        self, dialect: str, older_than: float, batch: int, all_scopes: bool
+    ) -> list[tuple[str, tuple[Any, ...]]]:
+        if not isinstance(older_than, (int, float)) or older_than < 0:
+            raise ConfigurationError(f"older_than: expected seconds >= 0, got {older_than!r}")
+        if not isinstance(batch, int) or batch < 1:
+            raise ConfigurationError(f"batch: expected a positive int, got {batch!r}")
+        cutoff = time.time() - float(older_than)
+        scoped = not all_scopes
+        scope: tuple[Any, ...] = (self.scope,) if scoped else ()
+        return [
+            (_schema.prune_sql(dialect, table, column, scoped), (cutoff, *scope, batch))
+            for table, column in (
+                (self.tables.name, "claimed_at"),
+                (self.tables.attempts, "last_at"),
+            )
+        ]
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.scope!r} {self.tables.name!r}>"
+
+
+@functools.lru_cache(maxsize=64)
+def _claim_sql(dialect: str, tables: InboxTables) -> str:
+    return _schema.claim_sql(_known(dialect), tables)
+
+
+def _known(dialect: str) -> str:
+    if dialect not in _schema.DIALECTS:
+        raise ConfigurationError(
+            f"the inbox runs on PostgreSQL, SQLite, MariaDB and MySQL; got a {dialect!r} database"
+        )
+    return dialect
+
+
+def _is_factory(conn: Any, writer_of: Callable[[Any], object]) -> bool:
+    """Whether ``conn`` opens connections rather than being one (a ``sqlite3.Connection`` is
+    callable too)."""
+    try:
+        writer_of(conn)
+    except ConfigurationError:
+        if callable(conn):
+            return True
+        raise
+    return False
+
+
+def _closing(conn: Any) -> Any:
+    close = getattr(conn, "close", None)
+    return close() if close is not None else None
+
+
+class Inbox(_Base):
+    """Claims messages in the caller's transaction, on the connection the caller holds: a
+    psycopg 3 ``Connection``, a ``sqlite3.Connection``, a SQLAlchemy ``Session`` or
+    ``Connection``, Django's ``connection`` (in ``transaction.atomic()``) or a PyMySQL
+    connection.
+
+    ``Inbox(scope, table="amqp_inbox")``: ``scope`` names the consuming service or handler, so
+    that two services that consume the same message each handle it once.
+    """
+
+    def install(self, conn: Any) -> None:
+        """Create the inbox's tables if missing (idempotent); the caller commits (DDL commits
+        on its own on MariaDB and MySQL)."""
+        writer = sync_writer(conn)
+        for statement in _schema.ddl(writer.dialect(conn), self.tables):
+            writer.run(conn, statement)
+
+    def claim(self, conn: Any, delivery: Any, *, key: str | None = None) -> bool:
+        """Claim ``delivery`` in the caller's open transaction: True the first time (handle it),
+        False when a committed transaction claimed it already (skip it; ack it).
+
+        When another transaction holds the same claim uncommitted, this waits for it to end and
+        answers as it ended (True if it rolled back). ``key`` replaces the message id as the
+        claim's key; a delivery with no ``message_id`` and no ``key`` raises
+        :class:`MissingMessageId`. Never commits; raises
+        :class:`~reliable_amqp.ConfigurationError` for a connection on which the claim would
+        commit on its own (autocommit with no transaction open).
+        """
+        claim_key = self.key_of(delivery, key)
+        writer = sync_writer(conn)
+        sql = _claim_sql(writer.dialect(conn), self.tables)
+        changed = writer.run(conn, sql, (self.scope, claim_key, time.time()), "claim()")
+        return self._counted(changed == 1)
+
+    def prune(
+        self,
+        conn: Any,
+        older_than: float = DEFAULT_RETENTION,
+        *,
+        batch: int = PRUNE_BATCH,
+        all_scopes: bool = False,
+    ) -> int:
+        """Delete this scope's claims (and attempts-ledger rows) older than ``older_than``
+        seconds, at most ``batch`` rows per statement; how many claims and ledger rows went.
+
+        On a connection with no transaction open, each batch runs in a transaction of its own,
+        committed before the next (prune owns those transactions: other writers wait for one
+        short batch at most). Inside the caller's open transaction, the batches run in it and
+        the caller commits. ``all_scopes=True`` prunes every scope's rows.
+        """
+        writer = sync_writer(conn)
+        dialect = _known(writer.dialect(conn))
+        owned = not writer.in_transaction(conn)
+        total = 0
+        for sql, params in self._prune_plan(dialect, older_than, batch, all_scopes):
+            while True:
+                if owned:
+                    with writer.transaction(conn):
+                        deleted = writer.run(conn, sql, params)
+                else:
+                    deleted = writer.run(conn, sql, params)
+                total += max(deleted, 0)
+                self._pruned(max(deleted, 0))
+                if deleted < batch:
+                    break
+        return total
+
+    def record_attempt(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
+        """This delivery's attempt number, counting the crashes the broker's redeliveries
+        reveal: call it before the handler runs. Returns the consumer's attempt number
+        (``delivery.attempt``, 1 the first time) plus the redeliveries of that attempt recorded
+        so far, this one included.
+
+        A first delivery (``redelivered`` false) costs nothing: no statement runs. A redelivered
+        one is counted durably in the attempts ledger in a short transaction of its own,
+        committed before this returns, so the count survives the handler's transaction
+        rolling back and the process dying. ``conn`` must therefore not be the handler's
+        connection: pass a connection with no transaction open, or a callable that opens a
+        new connection (closed after use).
+        """
+        attempt = attempt_of(delivery)
+        if not getattr(delivery, "redelivered", False):
+            return attempt
+        claim_key = self.key_of(delivery, key)
+        if _is_factory(conn, sync_writer):
+            opened = conn()
+            try:
+                return self._record(opened, claim_key, attempt)
+            finally:
+                _closing(opened)
+        return self._record(conn, claim_key, attempt)
+
+    def _record(self, conn: Any, claim_key: str, attempt: int) -> int:
+        writer = sync_writer(conn)
+        dialect = _known(writer.dialect(conn))
+        if writer.in_transaction(conn):
+            raise _ledger_in_transaction()
+        key = (self.scope, claim_key, attempt)
+        with writer.transaction(conn):
+            writer.run(conn, _schema.attempt_upsert_sql(dialect, self.tables), (*key, time.time()))
+            rows = writer.fetch(conn, _schema.attempt_select_sql(dialect, self.tables), key)
+        with self._lock:
+            self.stats.redeliveries_recorded += 1
+        return attempt + int(rows[0][0])
+
+    def forget_attempts(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
+        """Delete the ledger rows of ``delivery``'s message, in the caller's transaction (the
+        handler's, once it handled the message: they are not needed any more). How many."""
+        writer = sync_writer(conn)
+        dialect = _known(writer.dialect(conn))
+        params = (self.scope, self.key_of(delivery, key))
+        return writer.run(conn, _schema.attempt_delete_sql(dialect, self.tables), params)
+
+    def handler(
+        self,
+        connect: Callable[[], Any],
+        handle: Callable[[Any, Any], object],
+        *,
+        key: Callable[[Any], str] | None = None,
+    ) -> Callable[[Any], None]:
+        """A ``handler(delivery)`` for ``Consumer.run``: on a connection from ``connect()``, it
+        opens a transaction, claims the delivery, calls ``handle(delivery, conn)`` when the claim
+        is new, and commits; the consumer acks once it returned. When ``handle`` raises, the
+        transaction (the claim with it) rolls back and the exception goes on to the consumer.
+        ``key(delivery)``, when given, derives the claim's key. What ``connect`` may return:
+        docs/inbox.md."""
+        from reliable_amqp.inbox._handler import sync_handler
+
+        return sync_handler(self, connect, handle, key)
+
+
+class AsyncInbox(_Base):
+    """:class:`Inbox` for asyncio connections (psycopg 3's ``AsyncConnection``, SQLAlchemy's
+    ``AsyncSession`` and ``AsyncConnection``, asyncpg): the same methods, awaited."""
+
+    async def install(self, conn: Any) -> None:
+        """:meth:`Inbox.install`, awaited."""
+        writer = async_writer(conn)
+        for statement in _schema.ddl(writer.dialect(conn), self.tables):
+            await writer.run(conn, statement)
+
+    async def claim(self, conn: Any, delivery: Any, *, key: str | None = None) -> bool:
+        """:meth:`Inbox.claim`, awaited."""
+        claim_key = self.key_of(delivery, key)
+        writer = async_writer(conn)
+        sql = _claim_sql(writer.dialect(conn), self.tables)
+        changed = await writer.run(conn, sql, (self.scope, claim_key, time.time()), "claim()")
+        return self._counted(changed == 1)
+
+    async def prune(
+        self,
+        conn: Any,
+        older_than: float = DEFAULT_RETENTION,
+        *,
+        batch: int = PRUNE_BATCH,
+        all_scopes: bool = False,
+    ) -> int:
+        """:meth:`Inbox.prune`, awaited."""
+        writer = async_writer(conn)
+        dialect = _known(writer.dialect(conn))
+        owned = not writer.in_transaction(conn)
+        total = 0
+        for sql, params in self._prune_plan(dialect, older_than, batch, all_scopes):
+            while True:
+                if owned:
+                    async with writer.transaction(conn):
+                        deleted = await writer.run(conn, sql, params)
+                else:
+                    deleted = await writer.run(conn, sql, params)
+                total += max(deleted, 0)
+                self._pruned(max(deleted, 0))
+                if deleted < batch:
+                    break
+        return total
+
+    async def record_attempt(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
+        """:meth:`Inbox.record_attempt`, awaited (``conn`` may be a callable returning a
+        connection or an awaitable of one)."""
+        attempt = attempt_of(delivery)
+        if not getattr(delivery, "redelivered", False):
+            return attempt
+        claim_key = self.key_of(delivery, key)
+        if _is_factory(conn, async_writer):
+            opened = conn()
+            if inspect.isawaitable(opened):
+                opened = await opened
+            try:
+                return await self._record(opened, claim_key, attempt)
+            finally:
+                closed = _closing(opened)
+                if inspect.isawaitable(closed):
+                    await closed
+        return await self._record(conn, claim_key, attempt)
+
+    async def _record(self, conn: Any, claim_key: str, attempt: int) -> int:
+        writer = async_writer(conn)
+        dialect = _known(writer.dialect(conn))
+        if writer.in_transaction(conn):
+            raise _ledger_in_transaction()
+        key = (self.scope, claim_key, attempt)
+        async with writer.transaction(conn):
+            upsert = _schema.attempt_upsert_sql(dialect, self.tables)
+            await writer.run(conn, upsert, (*key, time.time()))
+            rows = await writer.fetch(conn, _schema.attempt_select_sql(dialect, self.tables), key)
+        with self._lock:
+            self.stats.redeliveries_recorded += 1
+        return attempt + int(rows[0][0])
+
+    async def forget_attempts(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
+        """:meth:`Inbox.forget_attempts`, awaited."""
+        writer = async_writer(conn)
+        dialect = _known(writer.dialect(conn))
+        params = (self.scope, self.key_of(delivery, key))
+        return await writer.run(conn, _schema.attempt_delete_sql(dialect, self.tables), params)
+
+    def handler(
+        self,
+        connect: Callable[[], Any],
+        handle: Callable[[Any, Any], Any],
+        *,
+        key: Callable[[Any], str] | None = None,
+    ) -> Callable[[Any], Any]:
+        """An ``async handler(delivery)`` for ``AsyncConsumer.run``: :meth:`Inbox.handler`,
+        awaited."""
+        from reliable_amqp.inbox._handler import async_handler
+
+        return async_handler(self, connect, handle, key)
+
+
+def _ledger_in_transaction() -> ConfigurationError:
+    return ConfigurationError(
+        "record_attempt(): this connection has a transaction open; the attempts ledger is "
+        "written in a transaction of its own (the handler's rolls back when it crashes, and "
+        "the count would go with it): pass another connection, or a callable that opens one"
+    )

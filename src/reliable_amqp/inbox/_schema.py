@@ -1,0 +1,242 @@
+"""The inbox's tables, their DDL and every statement the inbox runs, for each database. Values
+only, no I/O.
+
+Two tables:
+
+- ``<table>``: one row per message handled, keyed ``(scope, message_id)``, with the time it was
+  claimed (``claimed_at``, seconds since the epoch, the application's clock) and an index on it
+  for pruning. A claim is an INSERT that does nothing when the key exists; the primary key makes
+  a second transaction that claims the same key wait for the first one to end.
+- ``<table>_attempts``: the attempts ledger, one row per redelivered message (and copy of it:
+  the consumer's attempt number), written outside the handler's transaction.
+
+Statements are written with ``%s`` marks; each connection adapter turns them into its driver's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from reliable_amqp._core.errors import ConfigurationError
+
+DEFAULT_TABLE = "amqp_inbox"
+
+#: Seven days. A duplicate is caught only while the first copy's row is kept, so rows must
+#: outlive the longest time a message can spend being republished: a publisher's spool and an
+#: outbox both hold messages through a broker outage, and a consumer's retries add their delays.
+#: A week covers an outage over a long weekend with margin (NServiceBus keeps 7 days as well;
+#: MassTransit's 30 minutes lets late duplicates through).
+DEFAULT_RETENTION = 7 * 24 * 3600.0
+
+#: rows a prune statement deletes at most: each batch is a short transaction of its own, so
+#: pruning never holds many locks nor runs one long DELETE
+PRUNE_BATCH = 1000
+
+#: the longest scope and message id (an AMQP short string is at most 255 bytes)
+MAX_KEY = 255
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}$")
+
+DIALECTS = ("postgresql", "sqlite", "mysql")
+
+
+@dataclass(frozen=True)
+class InboxTables:
+    """The names of one inbox: its claims table and its attempts ledger (schema-qualified names
+    keep their schema)."""
+
+    name: str
+    attempts: str
+
+    @classmethod
+    def named(cls, table: str) -> InboxTables:
+        """The tables of the inbox ``table`` (``name`` or ``schema.name``); raises
+        :class:`~reliable_amqp.ConfigurationError` for a name that is not a plain identifier."""
+        if not isinstance(table, str):
+            raise ConfigurationError(f"table: expected a str, got {type(table).__name__}")
+        parts = table.split(".")
+        if len(parts) > 2 or not all(_NAME.match(p) for p in parts):
+            raise ConfigurationError(
+                f"table: {table!r} is not a plain SQL identifier (letters, digits and _, "
+                "at most 48 characters, optionally schema-qualified as schema.name)"
+            )
+        return cls(name=table, attempts=f"{table}_attempts")
+
+    def bare(self, name: str) -> str:
+        """``name`` without its schema (index names are not schema-qualified)."""
+        return name.rsplit(".", 1)[-1]
+
+    def schema_prefix(self) -> str:
+        return self.name.rsplit(".", 1)[0] + "." if "." in self.name else ""
+
+
+def quote(dialect: str, name: str) -> str:
+    """A table name as the dialect writes it (MariaDB and MySQL: backquotes)."""
+    if dialect == "mysql":
+        return ".".join(f"`{part}`" for part in name.split("."))
+    return name
+
+
+# --- DDL ----------------------------------------------------------------------------------------
+
+
+def postgresql_ddl(t: InboxTables) -> list[str]:
+    """``install()`` on PostgreSQL: the statements, each idempotent."""
+    return [
+        f"CREATE TABLE IF NOT EXISTS {t.name} (\n"
+        "    scope text NOT NULL,\n"
+        "    message_id text NOT NULL,\n"
+        "    claimed_at double precision NOT NULL,\n"
+        "    PRIMARY KEY (scope, message_id)\n"
+        ")",
+        f"CREATE INDEX IF NOT EXISTS {t.bare(t.name)}_claimed_at ON {t.name} (claimed_at)",
+        f"CREATE TABLE IF NOT EXISTS {t.attempts} (\n"
+        "    scope text NOT NULL,\n"
+        "    message_id text NOT NULL,\n"
+        "    attempt integer NOT NULL,\n"
+        "    redeliveries integer NOT NULL,\n"
+        "    last_at double precision NOT NULL,\n"
+        "    PRIMARY KEY (scope, message_id, attempt)\n"
+        ")",
+        f"CREATE INDEX IF NOT EXISTS {t.bare(t.attempts)}_last_at ON {t.attempts} (last_at)",
+    ]
+
+
+def sqlite_ddl(t: InboxTables) -> list[str]:
+    """``install()`` on SQLite: the statements, each idempotent."""
+    prefix = t.schema_prefix()
+    return [
+        f"CREATE TABLE IF NOT EXISTS {t.name} (\n"
+        "    scope text NOT NULL,\n"
+        "    message_id text NOT NULL,\n"
+        "    claimed_at real NOT NULL,\n"
+        "    PRIMARY KEY (scope, message_id)\n"
+        ")",
+        f"CREATE INDEX IF NOT EXISTS {prefix}{t.bare(t.name)}_claimed_at"
+        f" ON {t.bare(t.name)} (claimed_at)",
+        f"CREATE TABLE IF NOT EXISTS {t.attempts} (\n"
+        "    scope text NOT NULL,\n"
+        "    message_id text NOT NULL,\n"
+        "    attempt integer NOT NULL,\n"
+        "    redeliveries integer NOT NULL,\n"
+        "    last_at real NOT NULL,\n"
+        "    PRIMARY KEY (scope, message_id, attempt)\n"
+        ")",
+        f"CREATE INDEX IF NOT EXISTS {prefix}{t.bare(t.attempts)}_last_at"
+        f" ON {t.bare(t.attempts)} (last_at)",
+    ]
+
+
+def mysql_ddl(t: InboxTables) -> list[str]:
+    """``install()`` on MariaDB and MySQL (InnoDB): the statements, each idempotent. Binary
+    collation, so ids compare byte for byte; two varchar(255) in utf8mb4 fit InnoDB's 3,072-byte
+    key. DDL commits the caller's open transaction on these databases."""
+    options = ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+    return [
+        f"CREATE TABLE IF NOT EXISTS {quote('mysql', t.name)} (\n"
+        "    scope varchar(255) NOT NULL,\n"
+        "    message_id varchar(255) NOT NULL,\n"
+        "    claimed_at double NOT NULL,\n"
+        "    PRIMARY KEY (scope, message_id),\n"
+        f"    KEY {t.bare(t.name)}_claimed_at (claimed_at)\n{options}",
+        f"CREATE TABLE IF NOT EXISTS {quote('mysql', t.attempts)} (\n"
+        "    scope varchar(255) NOT NULL,\n"
+        "    message_id varchar(255) NOT NULL,\n"
+        "    attempt integer NOT NULL,\n"
+        "    redeliveries integer NOT NULL,\n"
+        "    last_at double NOT NULL,\n"
+        "    PRIMARY KEY (scope, message_id, attempt),\n"
+        f"    KEY {t.bare(t.attempts)}_last_at (last_at)\n{options}",
+    ]
+
+
+DDL: dict[str, Callable[[InboxTables], list[str]]] = {
+    "postgresql": postgresql_ddl,
+    "sqlite": sqlite_ddl,
+    "mysql": mysql_ddl,
+}
+
+
+def ddl(dialect: str, tables: InboxTables) -> list[str]:
+    """The statements ``install()`` runs on ``dialect``."""
+    make = DDL.get(dialect)
+    if make is None:
+        raise ConfigurationError(
+            f"the inbox runs on PostgreSQL, SQLite, MariaDB and MySQL; got a {dialect!r} database"
+        )
+    return make(tables)
+
+
+# --- statements ---------------------------------------------------------------------------------
+
+
+def claim_sql(dialect: str, t: InboxTables) -> str:
+    """Insert a claim, or nothing when the key exists (after waiting for an uncommitted claim
+    of the same key: the primary key's lock). One row changed: a new claim."""
+    columns = "(scope, message_id, claimed_at) VALUES (%s, %s, %s)"
+    if dialect == "postgresql":
+        return f"INSERT INTO {t.name} {columns} ON CONFLICT DO NOTHING"
+    if dialect == "mysql":
+        # IGNORE would also turn a too-long or invalid value into a warning: the values are
+        # checked before (MAX_KEY), so here it only skips the duplicate key
+        return f"INSERT IGNORE INTO {quote(dialect, t.name)} {columns}"
+    return f"INSERT OR IGNORE INTO {t.name} {columns}"
+
+
+def prune_sql(dialect: str, table: str, column: str, scoped: bool) -> str:
+    """Delete at most a batch (``%s`` rows) older than ``%s`` (of one scope when ``scoped``).
+    Parameters: cutoff, [scope,] limit."""
+    scope = " AND scope = %s" if scoped else ""
+    if dialect == "postgresql":
+        # ctid: the rows the subquery found, by their physical address, in one statement
+        return (
+            f"DELETE FROM {table} WHERE ctid = ANY(ARRAY("
+            f"SELECT ctid FROM {table} WHERE {column} < %s{scope} LIMIT %s))"
+        )
+    if dialect == "mysql":
+        return (
+            f"DELETE FROM {quote(dialect, table)} WHERE {column} < %s{scope}"
+            f" ORDER BY {column} LIMIT %s"
+        )
+    return (
+        f"DELETE FROM {table} WHERE rowid IN ("
+        f"SELECT rowid FROM {table} WHERE {column} < %s{scope} LIMIT %s)"
+    )
+
+
+def attempt_upsert_sql(dialect: str, t: InboxTables) -> str:
+    """Count one redelivery of (scope, message_id, attempt). Parameters: scope, message_id,
+    attempt, last_at."""
+    values = "(scope, message_id, attempt, redeliveries, last_at) VALUES (%s, %s, %s, 1, %s)"
+    if dialect == "mysql":
+        return (
+            f"INSERT INTO {quote(dialect, t.attempts)} {values}"
+            " ON DUPLICATE KEY UPDATE redeliveries = redeliveries + 1, last_at = VALUES(last_at)"
+        )
+    return (
+        f"INSERT INTO {t.attempts} {values} ON CONFLICT (scope, message_id, attempt)"
+        f" DO UPDATE SET redeliveries = {t.bare(t.attempts)}.redeliveries + 1,"
+        " last_at = excluded.last_at"
+    )
+
+
+def attempt_select_sql(dialect: str, t: InboxTables) -> str:
+    return (
+        f"SELECT redeliveries FROM {quote(dialect, t.attempts)}"
+        " WHERE scope = %s AND message_id = %s AND attempt = %s"
+    )
+
+
+def attempt_delete_sql(dialect: str, t: InboxTables) -> str:
+    """Forget a message's ledger rows (every copy), once its handling committed."""
+    return f"DELETE FROM {quote(dialect, t.attempts)} WHERE scope = %s AND message_id = %s"
+
+
+def status_sql(dialect: str, t: InboxTables) -> tuple[str, str]:
+    """(claims: count and oldest claimed_at; ledger: count)."""
+    return (
+        f"SELECT count(*), min(claimed_at) FROM {quote(dialect, t.name)}",
+        f"SELECT count(*) FROM {quote(dialect, t.attempts)}",
+    )
