@@ -1,5 +1,6 @@
 """The ``reliable-amqp`` command line: ``publish`` messages with confirms, ``bench`` a broker,
-look into a ``spool``, relay an ``outbox``.
+look into a ``spool``, relay an ``outbox``, ``consume`` a queue into a file, see and requeue
+``dead-letters``.
 
 Run ``reliable-amqp --help`` (or ``python -m reliable_amqp --help``). Exit codes: 0 every message
 confirmed, 1 some not confirmed, 2 bad arguments or input (nothing published), 3 the broker could
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 
 from reliable_amqp._core.errors import ConfigurationError, SpoolError
 from reliable_amqp.cli._bench import add_bench_arguments, run_bench
+from reliable_amqp.cli._consume import CONSUME_COMMANDS, run_consume, run_dead_letters
 from reliable_amqp.cli._outbox import add_outbox_arguments
 from reliable_amqp.cli._parse import (
     EXIT_CONNECTION,
@@ -42,7 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     try:
         parser = build_parser(
-            add_publish_arguments, add_bench_arguments, add_spool_arguments, add_outbox_arguments
+            add_publish_arguments,
+            add_bench_arguments,
+            add_spool_arguments,
+            add_outbox_arguments,
+            more=CONSUME_COMMANDS,
         )
         args = parser.parse_args(argv)
     except KeyboardInterrupt:  # while starting: nothing was done yet
@@ -54,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_publish(args)
         if args.command == "spool":
             return run_spool(args)
+        if args.command == "consume":
+            return run_consume(args)
+        if args.command == "dead-letters":
+            return run_dead_letters(args)
         if args.command == "outbox":
             from reliable_amqp.cli._outbox import run_outbox
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from reliable_amqp._core.errors import ConfigurationError
@@ -368,9 +368,10 @@ def build_parser(
     add_bench: Callable[[argparse.ArgumentParser], None],
     add_spool: Callable[[argparse.ArgumentParser], None] | None = None,
     add_outbox: Callable[[argparse.ArgumentParser], None] | None = None,
+    more: Sequence[tuple[str, str, str, Callable[[argparse.ArgumentParser], None]]] = (),
 ) -> argparse.ArgumentParser:
     """The top-level parser with its ``publish``, ``bench``, ``spool`` and ``outbox``
-    sub-commands."""
+    sub-commands, and ``more`` of them: ``(name, help, description, add_arguments)``."""
     parser = argparse.ArgumentParser(
         prog="reliable-amqp",
         description="Publish to RabbitMQ/LavinMQ with publisher confirms, losing nothing.",
@@ -414,4 +415,13 @@ def build_parser(
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_outbox(outbox)
+    for name, short, description, add in more:
+        add(
+            sub.add_parser(
+                name,
+                help=short,
+                description=description,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
     return parser
