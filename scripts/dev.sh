@@ -15,13 +15,18 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${RELIABLE_AMQP_VENV:-$HOME/.cache/reliable-amqp/venv}
-# The version matrix (tests/matrix): NAME:PYTHON:CONSTRAINTS, each a venv $MATRIX_DIR/venv-NAME
-# with .[aio,dev] (no Spark: small and quick to build). An empty CONSTRAINTS means "what pip
-# resolves there"; constraints/lowest.txt pins every runtime dependency to its lower bound.
-# PYTHON root/X.Y is Debian testing's pythonX.Y in the RabbitMQ 4 root (scripts/rabbitmq4.sh):
-# that leg's venv is built and run inside the root, through $MATRIX_DIR/venv-NAME/host-python.
+# The version matrix (tests/matrix): NAME:PYTHON:CONSTRAINTS[:EXTRAS], each a venv
+# $MATRIX_DIR/venv-NAME with .[EXTRAS], by default .[aio,dev] (no Spark: small and quick to
+# build). An empty CONSTRAINTS means "what pip resolves there"; constraints/lowest.txt pins every
+# runtime dependency to its lower bound. PYTHON root/X.Y is Debian testing's pythonX.Y in the
+# RabbitMQ 4 root (scripts/rabbitmq4.sh): that leg's venv is built and run inside the root,
+# through $MATRIX_DIR/venv-NAME/host-python. The django6 and django-lowest venvs are not legs of
+# tests/matrix: tests/outbox/test_stacks.py runs its Django tests with them (Django 6 needs
+# Python >= 3.12; the outbox-django extra's lower bound), beside the main venv's Django.
 MATRIX_DIR=${RELIABLE_AMQP_MATRIX_DIR:-$HOME/.cache/reliable-amqp}
-MATRIX_LEGS=("py3.10:3.10:" "py3.13:3.13:" "py3.14:root/3.14:" "lowest:3.10:constraints/lowest.txt")
+MATRIX_LEGS=("py3.10:3.10:" "py3.13:3.13:" "py3.14:root/3.14:" "lowest:3.10:constraints/lowest.txt"
+    "django6:3.13:constraints/django6.txt:outbox,outbox-django"
+    "django-lowest:3.10:constraints/django-lowest.txt:outbox,outbox-django")
 AMQP_HOST=${AMQP_TEST_HOST:-127.0.0.1}
 AMQP_PORT=${AMQP_TEST_PORT:-5672}
 
@@ -71,7 +76,7 @@ find_python() {
 # One matrix venv, rebuilt when pyproject.toml, its constraints, the checkout or the interpreter
 # changed. A lock keeps two concurrent runs from installing into the same venv at once.
 ensure_matrix_venv() {
-    local name=$1 version=$2 constraints=$3
+    local name=$1 version=$2 constraints=$3 extras=${4:-aio,dev}
     local venv="$MATRIX_DIR/venv-$name" python stamp in=()
     python=$(find_python "$version") || return 1
     mkdir -p "$MATRIX_DIR"
@@ -84,13 +89,15 @@ ensure_matrix_venv() {
     # Only what pip reads: [build-system] and [project] (a new pytest marker rebuilds nothing).
     stamp="$(awk '/^\[/ { keep = /^\[(build-system|project)[].]/ } keep' "$ROOT/pyproject.toml" \
         | sha256sum | cut -c1-16)"
-    stamp+=" ${constraints:+$(sha256sum "$ROOT/$constraints" | cut -c1-16)} $ROOT"
+    stamp+=" ${constraints:+$(sha256sum "$ROOT/$constraints" | cut -c1-16)}"
+    [ "$extras" = aio,dev ] || stamp+=" [$extras]"   # the legs' stamps stay as they were
+    stamp+=" $ROOT"
     stamp+=" $("${in[@]}" "$python" -c 'import sys; print(sys.version.split()[0])')"
     if [ "$(cat "$venv/.reliable-amqp-stamp" 2>/dev/null)" = "$stamp" ]; then
         exec 9>&-; return 0
     fi
     local started=$SECONDS
-    log "building $venv (Python $version${constraints:+, $constraints})"
+    log "building $venv (Python $version, .[$extras]${constraints:+, $constraints})"
     if [ "$(awk '{print $NF}' "$venv/.reliable-amqp-stamp" 2>/dev/null)" != "${stamp##* }" ]; then
         "${in[@]}" "$python" -m venv --clear "$venv"   # new or another interpreter: start afresh
     fi
@@ -98,10 +105,10 @@ ensure_matrix_venv() {
     "${in[@]}" "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
     if [ -n "$constraints" ]; then
         "${in[@]}" "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-            -c "$ROOT/$constraints" -e "$ROOT[aio,dev]"
+            -c "$ROOT/$constraints" -e "$ROOT[$extras]"
     else  # what pip resolves today, even in a venv built earlier
         "${in[@]}" "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-            --upgrade --upgrade-strategy eager -e "$ROOT[aio,dev]"
+            --upgrade --upgrade-strategy eager -e "$ROOT[$extras]"
     fi
     if [ ${#in[@]} -gt 0 ]; then
         # What tests/matrix runs from the machine: the venv's python, inside the root.
@@ -116,14 +123,15 @@ ensure_matrix_venv() {
 
 # Build the matrix venvs (all, or the named legs) in parallel; any failure fails the run.
 ensure_matrix() {
-    local leg name version constraints pids=() names=() failed=0 i
+    local leg name version constraints extras pids=() names=() failed=0 i
     for leg in "${MATRIX_LEGS[@]}"; do
-        IFS=: read -r name version constraints <<<"$leg"
+        IFS=: read -r name version constraints extras <<<"$leg"
         if [ $# -gt 0 ] && [[ " $* " != *" $name "* ]]; then
             continue
         fi
         mkdir -p "$MATRIX_DIR"
-        ensure_matrix_venv "$name" "$version" "$constraints" >"$MATRIX_DIR/venv-$name.log" 2>&1 &
+        ensure_matrix_venv "$name" "$version" "$constraints" "$extras" \
+            >"$MATRIX_DIR/venv-$name.log" 2>&1 &
         pids+=($!); names+=("$name")
     done
     for i in "${!pids[@]}"; do

@@ -298,7 +298,45 @@ def test_a_bare_asyncpg_connection_gives_exactly_the_committed_rows(
 # --- Django -----------------------------------------------------------------------------------
 
 
-def _django(db: str, *args: str, amqp_url: str = "") -> subprocess.CompletedProcess[str]:
+#: The Django versions the outbox-django extra admits, each at work: the main venv's (what pip
+#: resolves on Python 3.11), and two venvs scripts/dev.sh builds beside the version matrix's:
+#: Django 6 on Python 3.13 (Django 6 needs 3.12+) and the extra's lower bound on Python 3.10.
+#: leg -> (venv, or None for this interpreter; the Django major.minor it must have, or None)
+DJANGO_LEGS: dict[str, tuple[str | None, str | None]] = {
+    "main": (None, None),
+    "django6": ("venv-django6", "6."),
+    "django-lowest": ("venv-django-lowest", "4.2"),
+}
+MATRIX_DIR = Path(
+    os.environ.get("RELIABLE_AMQP_MATRIX_DIR", Path.home() / ".cache" / "reliable-amqp")
+)
+
+
+@pytest.fixture(scope="module", params=list(DJANGO_LEGS))
+def django_python(request: pytest.FixtureRequest) -> str:
+    """The interpreter of one Django leg, its venv built or checked by ``scripts/dev.sh venvs``
+    (a stamp check when current; ``scripts/dev.sh test`` has built them before pytest starts)."""
+    venv, version = DJANGO_LEGS[request.param]
+    if venv is None:
+        return sys.executable
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    built = subprocess.run(
+        ["bash", str(SRC.parent / "scripts" / "dev.sh"), "venvs", request.param],
+        capture_output=True, text=True, env=env, timeout=600, check=False,
+    )  # fmt: skip
+    assert built.returncode == 0, f"scripts/dev.sh venvs {request.param}:\n{built.stderr[-4000:]}"
+    python = str(MATRIX_DIR / venv / "bin" / "python")
+    shown = subprocess.run(
+        [python, "-c", "import django; print(django.get_version())"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    assert version is not None and shown.startswith(version), (request.param, shown)
+    return python
+
+
+def _django(
+    python: str, db: str, *args: str, amqp_url: str = ""
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "OUTBOX_DJANGO_DB": db,
@@ -306,7 +344,7 @@ def _django(db: str, *args: str, amqp_url: str = "") -> subprocess.CompletedProc
         "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(
-        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=240, check=False
+        [python, *args], env=env, capture_output=True, text=True, timeout=240, check=False
     )
     assert result.returncode == 0, f"{args}: {result.stdout}\n{result.stderr}"
     return result
@@ -314,18 +352,20 @@ def _django(db: str, *args: str, amqp_url: str = "") -> subprocess.CompletedProc
 
 @pytest.mark.broker
 def test_django_atomic_gives_exactly_the_committed_rows_and_the_command_relays(
-    pg_dsn: str, amqp_url: str, broker: BrokerAdmin, queue: str
+    django_python: str, pg_dsn: str, amqp_url: str, broker: BrokerAdmin, queue: str
 ) -> None:
     """The app's migration on a fresh database, then hundreds of ``atomic()`` blocks (a share
     rolled back, some with a nested block), then ``manage.py outbox_relay --until-empty``."""
-    written = _django(pg_dsn, str(DJANGO_PROJECT / "writer.py"), queue, str(TRANSACTIONS))
+    written = _django(
+        django_python, pg_dsn, str(DJANGO_PROJECT / "writer.py"), queue, str(TRANSACTIONS)
+    )
     committed = json.loads(written.stdout.splitlines()[-1])
     assert 0.6 * TRANSACTIONS < len(committed) < TRANSACTIONS
     with psycopg.connect(pg_dsn) as conn:  # the migration made what install() makes
         assert _pg_columns(conn, "amqp_outbox") == _pg_columns_installed("amqp_outbox")
     relayed = _django(
-        pg_dsn, str(DJANGO_PROJECT / "manage.py"), "outbox_relay", "--until-empty",
-        amqp_url=amqp_url,
+        django_python, pg_dsn, str(DJANGO_PROJECT / "manage.py"), "outbox_relay",
+        "--until-empty", amqp_url=amqp_url,
     )  # fmt: skip
     assert f"{len(committed)} confirmed, 0 failed" in relayed.stdout
     got = [mid for mid, _ in read_ids(broker, queue)]
@@ -333,11 +373,14 @@ def test_django_atomic_gives_exactly_the_committed_rows_and_the_command_relays(
     assert status(pg_dsn).pending == 0
 
 
-def test_the_django_migration_applies_and_reverses_on_sqlite(tmp_path: Path) -> None:
+def test_the_django_migration_applies_and_reverses_on_sqlite(
+    django_python: str, tmp_path: Path
+) -> None:
     db = str(tmp_path / "django.db")
-    _django(db, str(DJANGO_PROJECT / "manage.py"), "migrate", "-v0")
+    manage = str(DJANGO_PROJECT / "manage.py")
+    _django(django_python, db, manage, "migrate", "-v0")
     assert status(f"sqlite:///{db}").pending == 0  # the relay's view: the tables are there
-    _django(db, str(DJANGO_PROJECT / "manage.py"), "migrate", "reliable_amqp_outbox", "zero")
+    _django(django_python, db, manage, "migrate", "reliable_amqp_outbox", "zero")
     with sqlite3.connect(db) as conn:
         names = conn.execute("SELECT name FROM sqlite_master WHERE name LIKE 'amqp%'").fetchall()
     assert names == []
