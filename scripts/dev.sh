@@ -42,8 +42,10 @@ ensure_venv() {
     local stamp
     stamp="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16) $ROOT"
     if [ "$(cat "$VENV/.reliable-amqp-stamp" 2>/dev/null)" != "$stamp" ]; then
-        log "installing reliable-amqp[dev,aio,spark,otel,outbox] (editable) from $ROOT"
-        "$VENV/bin/pip" install -q -e "$ROOT[dev,aio,spark,otel,outbox,outbox-mysql,outbox-sqlalchemy,outbox-django,outbox-asyncpg,outbox-dev]"
+        local extras=dev,aio,spark,otel,outbox,outbox-mysql,outbox-sqlalchemy,outbox-django
+        extras+=,outbox-asyncpg,outbox-dev   # every extra pyproject.toml declares
+        log "installing reliable-amqp[$extras] (editable) from $ROOT"
+        "$VENV/bin/pip" install -q -e "$ROOT[$extras]"
         echo "$stamp" > "$VENV/.reliable-amqp-stamp"
     fi
 }
