@@ -1,7 +1,8 @@
 // Node amqplib consumer, the issue's reference for consuming: COUNT messages from QUEUE (filled
 // beforehand by benchmarks/consume.py), prefetch PREFETCH, an ack per message (no `multiple`).
 // Prints one JSON line: client CPU (process.cpuUsage(), user + system, all threads) and wall
-// time, from basic.consume until the COUNT-th ack was written. Run by `benchmarks/consume.py`;
+// time, from the first message handled until the COUNT-th ack was written (as every row of
+// consume.py: connecting, subscribing and closing are not timed). Run by `benchmarks/consume.py`;
 // alone:
 //   node benchmarks/node/consume_cpu.js amqp://guest:guest@127.0.0.1:5672/%2F QUEUE 30000 200
 'use strict';
@@ -27,16 +28,18 @@ async function main() {
   let seconds = 0;
   const onMessage = (message) => {
     if (message === null) return; // cancelled by the broker
-    channel.ack(message);
     consumed += 1;
+    if (consumed === 1) {
+      wall = process.hrtime.bigint();
+      cpu = process.cpuUsage();
+    }
+    channel.ack(message);
     if (consumed === count) {
       used = process.cpuUsage(cpu);
       seconds = Number(process.hrtime.bigint() - wall) / 1e9;
       done();
     }
   };
-  wall = process.hrtime.bigint();
-  cpu = process.cpuUsage();
   const { consumerTag } = await channel.consume(queue, onMessage, { noAck: false });
   await finished;
   await channel.cancel(consumerTag);
