@@ -378,10 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown rows {unknown} (known: {','.join(ROWS)})")
     rows = run(args.url, keys, args.count, args.size, prefetch=args.prefetch, repeat=args.repeat)
-    if args.json:
-        print(json.dumps(rows, indent=2))
+    if args.json:  # a row that could not run is there too, with the reason
+        missing = [{"name": name, "missing": why} for name, why in MISSING.items()]
+        print(json.dumps(rows + missing, indent=2))
     else:
-        print(table(rows, args))
+        print(
+            table(
+                rows, count=args.count, size=args.size, prefetch=args.prefetch, repeat=args.repeat
+            )
+        )
     return 0
 
 
@@ -421,10 +426,11 @@ def run(
     return rows
 
 
-def table(rows: list[Row], args: argparse.Namespace) -> str:
+def table(rows: list[Row], *, count: int, size: int, prefetch: int, repeat: int) -> str:
+    """The rows, the rows that could not run (and why), and the ratios."""
     lines = [
-        f"== consume {args.count:,} messages of {args.size} B, prefetch {args.prefetch}, "
-        f"ack after each, median of {args.repeat} ==",
+        f"== consume {count:,} messages of {size} B, prefetch {prefetch}, "
+        f"ack after each, median of {repeat} ==",
         f"{'row':<52} {'msgs/s':>9} {'(min-max)':>15} {'client CPU':>12}",
     ]
     for r in rows:

@@ -2,7 +2,7 @@
 
     bash scripts/dev.sh bench                 # 20,000 messages, 12 B and 1 KiB bodies
     bash scripts/dev.sh bench --count 5000    # quicker
-    bash scripts/dev.sh bench --only sync     # sync rows only (also: async, spool, spark)
+    bash scripts/dev.sh bench --only sync     # sync rows only (also: async, spool, spark, consume)
     bash scripts/dev.sh bench --repeat 1      # one pass (default 3; rows report the median)
 
 Each row publishes persistent messages to a fresh durable queue on the local broker
@@ -147,14 +147,17 @@ def main() -> int:
     )
     parser.add_argument("--sizes", default="12,1024", help="body sizes in bytes, comma separated")
     parser.add_argument(
-        "--only", default="sync,async,spool,spark", help="groups: sync,async,spool,spark"
+        "--only",
+        default="sync,async,spool,spark,consume",
+        help="groups: sync,async,spool,spark,consume (benchmarks/consume.py)",
     )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--url", default=URL)
     args = parser.parse_args()
     groups = set(args.only.split(","))
     everything: list[dict[str, Any]] = []
-    for size in (int(s) for s in args.sizes.split(",")):
+    sizes = args.sizes.split(",") if groups & {"sync", "async", "spool"} else []
+    for size in (int(s) for s in sizes):
         print(
             f"{args.count:,} persistent messages of {size} B to a durable queue:", file=sys.stderr
         )
@@ -172,6 +175,23 @@ def main() -> int:
             print("\n== Spark sink: 200,000 rows, 2 partitions (vs publish_many of the size) ==")
             for r in spark_rows:
                 print(f"{r['name']:<60} {r['rate']:>10,.0f} rows/s {r['vs_publisher']:>7.2f}x")
+    if "consume" in groups and (mod := _optional("consume")) is not None:
+        print(f"consume: {mod.COUNT:,} messages a row, prefetch {mod.PREFETCH}:", file=sys.stderr)
+        consume_rows = mod.run(
+            args.url, list(mod.ROWS), mod.COUNT, 12, prefetch=mod.PREFETCH, repeat=args.repeat
+        )
+        everything.extend(consume_rows)
+        if not args.json:
+            print()
+            print(
+                mod.table(
+                    consume_rows,
+                    count=mod.COUNT,
+                    size=12,
+                    prefetch=mod.PREFETCH,
+                    repeat=args.repeat,
+                )
+            )
     if args.json:
         print(json.dumps(everything, indent=2))
     return 0

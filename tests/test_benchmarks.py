@@ -132,3 +132,33 @@ def test_instruction_count_refuses_unknown_rows_and_bad_counts() -> None:
             [sys.executable, str(script), *args], capture_output=True, text=True, check=False
         )
         assert result.returncode == 2 and says in result.stderr
+
+
+@pytest.mark.broker
+def test_consume_benchmark_runs_every_row(amqp_url: str) -> None:
+    """benchmarks/consume.py, tiny: every row consumes (and acks) all its messages."""
+    result = subprocess.run(
+        [sys.executable, str(BENCH.parent / "consume.py"), "--count", "300", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "RELIABLE_AMQP_BENCH_IDLE_TIMEOUT": "2", "AMQP_URL": amqp_url},
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    node = "Node amqplib channel.consume, ack each"
+    assert set(rows) == {
+        "pika BlockingConnection basic_consume, ack each",
+        "pika SelectConnection basic_consume, ack each",
+        "aio-pika queue.consume + message.process()",
+        node,
+        "reliable_amqp.Consumer (no-op handler)",
+        "reliable_amqp.AsyncConsumer (no-op async handler)",
+    }
+    if "missing" in rows[node]:  # no node or amqplib here: said, not skipped in silence
+        assert f"MISSING ROW {node}" in result.stderr
+        del rows[node]
+    for row in rows.values():
+        assert row["msgs"] == 300 and row["prefetch"] == 200
+        assert row["rate"] > 0 and 0 < row["cpu_us"] < 100_000
