@@ -11,6 +11,8 @@ The modules behind it are private.
 import typing as _typing
 
 from reliable_amqp._compat import IncompatibleDependency
+from reliable_amqp._consume import AsyncConsumer, Consumer, ConsumerStats, HandlerTimeout, Reject
+from reliable_amqp._core.delivery import Delivery, HeaderDecodeError
 from reliable_amqp._core.errors import (
     AccessRefused,
     AmqpConnectionError,
@@ -68,6 +70,10 @@ __all__ = [
     "__version__",
     # publishers (AsyncPublisher needs the `aio` extra: it is imported on first use)
     "Publisher", "AsyncPublisher",
+    # consumers (AsyncConsumer needs no extra: asyncio only)
+    "Consumer", "AsyncConsumer", "Delivery", "Reject", "ConsumerStats",
+    # ... what a consumer reports about a delivery (each is dead-lettered or retried, never lost)
+    "HeaderDecodeError", "HandlerTimeout",
     # messages and options
     "OutgoingMessage", "MessageProperties", "Confirmation", "PublisherOptions", "RetryPolicy",
     # state, events and stats

@@ -1,0 +1,89 @@
+"""What both consumers do around a handler call: admit a delivery, then act on the outcome.
+
+The decisions are the core's (:mod:`reliable_amqp._core.redelivery`); the sync and the async
+consumer differ only in how they call the handler, so everything before and after it is here,
+once.
+"""
+
+from __future__ import annotations
+
+from reliable_amqp._consume._io import ConsumerIO
+from reliable_amqp._consume._options import ConsumerOptions
+from reliable_amqp._consume._redeliver import Redeliverer
+from reliable_amqp._consume._stats import ConsumerStats
+from reliable_amqp._core.acks import ACK
+from reliable_amqp._core.delivery import Delivery
+from reliable_amqp._core.errors import ReliableAmqpError
+from reliable_amqp._core.redelivery import Retry, before_handler, on_failure
+
+
+class Reject(ReliableAmqpError):
+    """Raise it from a handler to dead-letter the message at once, with ``reason``.
+
+    For a message that can never succeed (a body that does not parse, a reference to something
+    that does not exist): retrying it would only delay the dead letter.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Dispatch:
+    """The handler side's bookkeeping, shared by :class:`Consumer` and :class:`AsyncConsumer`."""
+
+    __slots__ = ("_io", "_max_attempts", "_options", "_redeliver", "stats")
+
+    def __init__(
+        self,
+        options: ConsumerOptions,
+        io: ConsumerIO,
+        redeliver: Redeliverer,
+        stats: ConsumerStats,
+    ) -> None:
+        self._options = options
+        self._io = io
+        self._redeliver = redeliver
+        self._max_attempts = options.max_attempts
+        self.stats = stats
+
+    def admit(self, delivery: Delivery) -> bool:
+        """Whether the handler should run for ``delivery``.
+
+        False for a delivery of a channel that died (the broker gives it back), and for one
+        that is dead before it starts (undecodable headers, past ``max_attempts``): that one is
+        dead-lettered here.
+        """
+        stats = self.stats
+        if delivery.generation != self._io.live_generation:
+            stats.stale += 1
+            return False
+        stats.consumed += 1
+        if delivery.redelivered:
+            stats.redelivered += 1
+        if delivery.header_error is not None or delivery.attempt > self._max_attempts:
+            dead = before_handler(delivery.attempt, delivery.header_error, self._max_attempts)
+            if dead is not None:
+                self._redeliver.dead(delivery, dead)
+                return False
+        return True
+
+    def succeeded(self, delivery: Delivery) -> None:
+        """The handler returned: the delivery is acked (in the next batch)."""
+        self.stats.handled += 1
+        self._io.settle(delivery.generation, delivery.delivery_tag, ACK)
+
+    def failed(self, delivery: Delivery, error: BaseException) -> None:
+        """The handler raised ``error``: retry later or dead-letter (the ack follows the
+        confirmed republish)."""
+        verdict = on_failure(
+            self._options.queue,
+            delivery.attempt,
+            error,
+            self._options.redelivery,
+            rejected=isinstance(error, Reject),
+        )
+        if isinstance(verdict, Retry):
+            self._redeliver.retry(delivery, verdict)
+        else:
+            self._redeliver.dead(delivery, verdict)

@@ -1,0 +1,479 @@
+"""The consumer's I/O thread: one pika connection, one consuming channel, kept alive.
+
+Everything here runs on the thread that owns the pika connection. Deliveries are decoded from
+the raw frames by :class:`~reliable_amqp._core.delivery.DeliveryScanner` (pika sees only the
+other frames) and handed to the handler side in batches, one batch per read from the socket.
+Acks come back as settlements (:meth:`ConsumerIO.settle`, any thread) and leave as the frames
+:class:`~reliable_amqp._core.acks.AckBook` decides. The handlers never run here, so heartbeats
+keep flowing while a handler takes minutes.
+
+Recovery: a lost connection is reconnected under the connect policy, a closed channel (a
+``consumer_timeout``, a 404 on a queue that is gone) is reopened under the same policy, and a
+``basic.cancel`` from the broker (the queue was deleted, a quorum leader moved) closes the
+channel and subscribes again once the queue exists. Each new channel is a new *generation*:
+settlements for deliveries of an older one are dropped, never sent on the new channel (the
+broker already gave those messages back to the queue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, cast
+
+import pika
+import pika.exceptions
+from pika import frame as pika_frame
+from pika.adapters.select_connection import SelectConnection
+from pika.channel import Channel
+
+from reliable_amqp._core.acks import ACK, AckBook
+from reliable_amqp._core.delivery import Delivery, DeliveryScanner, HeaderDecodeError
+from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed, ReliableAmqpError
+from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._logs import own_context, own_loop
+from reliable_amqp._sync._pika import call_threadsafe, translate_connection_error
+
+log = logging.getLogger("reliable_amqp")
+
+
+class ScanningConnection(SelectConnection):  # type: ignore[misc]
+    """A SelectConnection whose consuming channel's deliveries bypass pika's frame decoding.
+
+    Overrides ``Connection._on_data_available`` (pika hands it every read from the socket): the
+    scanner takes the delivery frames of its channel, every other frame goes through pika's own
+    ``decode_frame``/``_process_frame``, in order. ``bytes_received`` moves as pika's does, so
+    its heartbeat checker sees the traffic.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.scanner: DeliveryScanner | None = None
+        self.on_deliveries: Callable[[list[Delivery]], None] = lambda batch: None
+        super().__init__(*args, **kwargs)
+
+    def _on_data_available(self, data_in: bytes) -> None:
+        buffer: bytes = cast(bytes, self.__dict__["_frame_buffer"])
+        data = buffer + data_in if buffer else data_in
+        pos = 0
+        size = len(data)
+        try:
+            while pos < size:
+                scanner = self.scanner
+                if scanner is None:
+                    consumed, value = pika_frame.decode_frame(data[pos:])
+                    if not value:
+                        break
+                    pos += consumed
+                    self.bytes_received += consumed
+                    self._process_frame(value)
+                    continue
+                start = pos
+                pos, end = scanner.scan(data, pos)
+                self.bytes_received += pos - start
+                if scanner.ready:
+                    batch = scanner.ready
+                    scanner.ready = []
+                    self.on_deliveries(batch)
+                if end == pos:
+                    break
+                consumed, value = pika_frame.decode_frame(data[pos:end])
+                pos = end
+                self.bytes_received += consumed
+                if value:
+                    self._process_frame(value)
+        except HeaderDecodeError as exc:
+            self._frame_buffer = b""
+            self._terminate_stream(exc)
+            return
+        self._frame_buffer = data[pos:] if pos < size else b""
+
+
+class ConsumerIO:
+    """The thread that owns a consumer's pika connection (see the module's docstring)."""
+
+    def __init__(
+        self,
+        params: list[pika.URLParameters],
+        queue: str,
+        *,
+        prefetch: int,
+        connect_policy: RetryPolicy,
+        on_deliveries: Callable[[list[Delivery]], None],
+        on_generation_lost: Callable[[int], None],
+        declare: dict[str, Any] | None = None,
+        consumer_arguments: dict[str, Any] | None = None,
+    ) -> None:
+        self._params = params
+        self.queue = queue
+        self.prefetch = prefetch
+        self._policy = connect_policy
+        self._on_deliveries = on_deliveries
+        self._on_generation_lost = on_generation_lost
+        self._declare = declare
+        self._consumer_arguments = consumer_arguments or {}
+        self.stopping = threading.Event()
+        #: set when a subscription is live (cleared while recovering)
+        self.consuming = threading.Event()
+        #: the error that ended the thread for good (the policy was spent), if any
+        self.fatal: ReliableAmqpError | None = None
+        self.ended = threading.Event()
+        self._thread: threading.Thread | None = None
+        # settlements from any thread: (generation, tag, kind)
+        self._settled: deque[tuple[int, int, int]] = deque()
+        self._wake_pending = False
+        self._wake_lock = threading.Lock()
+        self._force = False
+        # I/O thread state
+        self._connection: ScanningConnection | None = None
+        self._channel: Channel | None = None
+        self._consumer_tag: str | None = None
+        self._book: AckBook | None = None
+        self.generation = 0
+        #: the generation whose channel is open now (0 while there is none): deliveries of any
+        #: other are stale (the broker requeued them when their channel died)
+        self.live_generation = 0
+        self._failures = 0
+        self._first_failure: float | None = None
+        self._cancelled = False
+        self._draining = False  # stop(): cancel, ack what finishes, requeue the rest
+        self._drained = threading.Event()
+        self.stale_settlements = 0
+        self.recoveries = 0
+
+    # --- any thread ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread = threading.Thread(target=self._run, name="reliable-amqp-consume", daemon=True)
+        self._thread.start()
+
+    def settle(self, generation: int, tag: int, kind: int = ACK, urgent: bool = False) -> None:
+        """A delivery is finished (``ACK``) or to go back to the queue (``REQUEUE``).
+
+        Cheap: the frame leaves when a batch is due, on :meth:`flush`, or at once with
+        ``urgent``.
+        """
+        self._settled.append((generation, tag, kind))
+        if urgent or len(self._settled) >= self._batch:
+            self._wake()
+
+    @property
+    def _batch(self) -> int:
+        return max(1, self.prefetch // 10)
+
+    def flush(self) -> None:
+        """Send every ack that is due now (the handler side is idle)."""
+        if self._settled:
+            self._force = True
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_pending:
+                return
+            connection = self._connection
+            if connection is None:
+                return
+            self._wake_pending = True
+        call_threadsafe(connection.ioloop, self._on_wake)
+
+    def drain(self, timeout: float) -> bool:
+        """Stop consuming: cancel the subscription, ack what was settled, requeue the rest.
+
+        Call after the handlers finished (or ran out of time). True once the frames are out.
+        """
+        self._draining = True
+        self._force = True
+        connection = self._connection
+        if connection is None or self.ended.is_set():
+            return True
+        call_threadsafe(connection.ioloop, self._on_drain)
+        return self._drained.wait(timeout)
+
+    def cancel(self) -> None:
+        """Stop new deliveries (``basic.cancel``); settlements still go out."""
+        connection = self._connection
+        if connection is not None:
+            call_threadsafe(connection.ioloop, self._on_cancel_request)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Close the connection and end the thread (unacked deliveries go back to the queue)."""
+        self.stopping.set()
+        connection = self._connection
+        if connection is not None:
+            call_threadsafe(connection.ioloop, self._close)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        own_context()
+        try:
+            self._connect_loop()
+        except BaseException as exc:  # a bug must not leave run() waiting forever
+            log.exception("reliable-amqp: consumer I/O thread failed")
+            self.fatal = ReliableAmqpError(f"internal error in the consumer's I/O thread: {exc!r}")
+        finally:
+            self.consuming.clear()
+            self.ended.set()
+            self._drained.set()
+
+    def _connect_loop(self) -> None:
+        index = 0
+        while not self.stopping.is_set():
+            params = self._params[index % len(self._params)]
+            index += 1
+            self._loss: ReliableAmqpError | None = None
+            connection = ScanningConnection(
+                params,
+                on_open_callback=self._on_connection_open,
+                on_open_error_callback=self._on_open_error,
+                on_close_callback=self._on_connection_closed,
+            )
+            connection.on_deliveries = self._deliver
+            with self._wake_lock:
+                self._connection = connection
+                self._wake_pending = False
+            own_loop(connection.ioloop)
+            try:
+                connection.ioloop.start()
+            except Exception as exc:
+                log.debug("reliable-amqp: consumer I/O loop failed: %r", exc, exc_info=True)
+                if self._loss is None:
+                    self._loss = translate_connection_error(exc)
+            with self._wake_lock:
+                self._connection = None
+            connection.ioloop.close()
+            self._lost_channel()
+            if self.stopping.is_set() or self._draining:
+                return
+            loss = self._loss or ReliableAmqpError("the connection closed")
+            if not self._backoff(loss):
+                return
+
+    def _backoff(self, loss: ReliableAmqpError) -> bool:
+        """Wait before the next connection or channel; False (and ``fatal`` set) when spent."""
+        now = time.monotonic()
+        if self._first_failure is None:
+            self._first_failure = now
+        self._failures += 1
+        if not loss.retriable or not self._policy.allows(self._failures, now - self._first_failure):
+            self.fatal = (
+                loss
+                if not loss.retriable
+                else RecoveryFailed(
+                    f"consumer of {self.queue!r} gave up after {self._failures} attempts: {loss}"
+                )
+            )
+            if self.fatal.__cause__ is None and self.fatal is not loss:
+                self.fatal.__cause__ = loss
+            return False
+        delay = self._policy.delay(self._failures)
+        log.warning(
+            "reliable-amqp: consumer of %r lost its subscription (%s); trying again in %.1f s",
+            self.queue,
+            loss,
+            delay,
+        )
+        return not self.stopping.wait(delay)
+
+    def _recovered(self) -> None:
+        if self._failures:
+            self.recoveries += 1
+        self._failures = 0
+        self._first_failure = None
+
+    # --- pika callbacks (I/O thread) ----------------------------------------------------------
+
+    def _on_open_error(self, connection: Any, error: Any) -> None:
+        self._loss = translate_connection_error(error)
+        connection.ioloop.stop()
+
+    def _on_connection_closed(self, connection: Any, reason: Any) -> None:
+        if self._loss is None and not self.stopping.is_set():
+            self._loss = translate_connection_error(reason)
+        connection.ioloop.stop()
+
+    def _on_connection_open(self, connection: ScanningConnection) -> None:
+        if self.stopping.is_set():
+            connection.close()
+            return
+        self._open_channel()
+
+    def _open_channel(self) -> None:
+        connection = self._connection
+        if connection is None or not connection.is_open or self.stopping.is_set():
+            return
+        connection.channel(on_open_callback=self._on_channel_open)
+
+    def _on_channel_open(self, channel: Channel) -> None:
+        connection = self._connection
+        assert connection is not None
+        self.generation += 1
+        self.live_generation = self.generation
+        self._channel = channel
+        self._cancelled = False
+        self._book = AckBook(self.generation, self._batch)
+        connection.scanner = DeliveryScanner(channel.channel_number, self.generation, self.queue)
+        channel.add_on_close_callback(self._on_channel_closed)
+        channel.add_on_cancel_callback(self._on_server_cancel)
+        channel.basic_qos(prefetch_count=self.prefetch, callback=self._on_qos)
+
+    def _on_qos(self, _frame: Any) -> None:
+        channel = self._channel
+        if channel is None:
+            return
+        if self._declare is not None:
+            channel.queue_declare(self.queue, callback=self._on_declared, **self._declare)
+        else:
+            self._on_declared(None)
+
+    def _on_declared(self, _frame: Any) -> None:
+        channel = self._channel
+        if channel is None or self._draining:
+            return
+        self._consumer_tag = channel.basic_consume(
+            self.queue,
+            _never_called,
+            arguments=self._consumer_arguments or None,
+            callback=self._on_consume_ok,
+        )
+
+    def _on_consume_ok(self, _frame: Any) -> None:
+        self._recovered()
+        self.consuming.set()
+        if self._draining:
+            self._on_drain()
+
+    def _on_server_cancel(self, _frame: Any) -> None:
+        # The queue was deleted or became unavailable. pika forgets the consumer; close the
+        # channel (its deliveries go back to the queue) and subscribe again under the policy.
+        if self._draining or self.stopping.is_set():
+            return
+        self._cancelled = True
+        log.warning(
+            "reliable-amqp: the broker cancelled the consumer of %r (queue deleted or "
+            "unavailable); subscribing again",
+            self.queue,
+        )
+        channel = self._channel
+        if channel is not None and channel.is_open:
+            channel.close()
+
+    def _on_channel_closed(self, channel: Channel, reason: Any) -> None:
+        if channel is not self._channel:
+            return
+        self._lost_channel()
+        connection = self._connection
+        if connection is None or not connection.is_open or self.stopping.is_set():
+            return
+        if self._draining:
+            self._drained.set()
+            connection.close()
+            return
+        loss = AmqpConnectionError(
+            "the broker cancelled the subscription"
+            if self._cancelled
+            else f"the channel closed: {translate_connection_error(reason)}"
+        )
+        now = time.monotonic()
+        if self._first_failure is None:
+            self._first_failure = now
+        self._failures += 1
+        if not self._policy.allows(self._failures, now - self._first_failure):
+            self.fatal = RecoveryFailed(
+                f"consumer of {self.queue!r} gave up after {self._failures} attempts: {loss}"
+            )
+            self.fatal.__cause__ = loss
+            self.stopping.set()
+            connection.close()
+            return
+        delay = self._policy.delay(self._failures)
+        log.warning(
+            "reliable-amqp: consumer of %r lost its channel (%s); subscribing again in %.1f s",
+            self.queue,
+            loss,
+            delay,
+        )
+        connection.ioloop.call_later(delay, self._open_channel)
+
+    def _lost_channel(self) -> None:
+        connection = self._connection
+        if connection is not None:
+            connection.scanner = None
+        self.consuming.clear()
+        self.live_generation = 0
+        if self._channel is not None:
+            self._channel = None
+            self._book = None
+            self._consumer_tag = None
+            self._on_generation_lost(self.generation)
+
+    def _deliver(self, batch: list[Delivery]) -> None:
+        book = self._book
+        if book is not None:
+            for d in batch:
+                book.delivered(d.delivery_tag)
+        self._on_deliveries(batch)
+
+    def _on_wake(self) -> None:
+        with self._wake_lock:
+            self._wake_pending = False
+        self._send_acks()
+
+    def _send_acks(self) -> None:
+        book = self._book
+        settled = self._settled
+        force = self._force
+        self._force = False
+        while settled:
+            generation, tag, kind = settled.popleft()
+            if book is None or not book.settle(generation, tag, kind):
+                self.stale_settlements += 1
+        if book is None:
+            return
+        channel = self._channel
+        if channel is None or not channel.is_open:
+            return
+        for method, tag, multiple in book.take(force):
+            if method == "ack":
+                channel.basic_ack(tag, multiple)
+            else:
+                channel.basic_nack(tag, multiple, requeue=True)
+
+    def _on_cancel_request(self) -> None:
+        channel = self._channel
+        if channel is not None and channel.is_open and self._consumer_tag is not None:
+            channel.basic_cancel(self._consumer_tag)
+            self._consumer_tag = None
+
+    def _on_drain(self) -> None:
+        self._on_cancel_request()
+        self._force = True
+        self._send_acks()
+        book = self._book
+        channel = self._channel
+        if book is not None and channel is not None and channel.is_open:
+            for method, tag, multiple in book.requeue_rest():
+                if method == "ack":
+                    channel.basic_ack(tag, multiple)
+                else:
+                    channel.basic_nack(tag, multiple, requeue=True)
+        self._drained.set()
+
+    def _close(self) -> None:
+        connection = self._connection
+        if connection is not None and (connection.is_open or connection.is_opening):
+            with contextlib.suppress(pika.exceptions.ConnectionWrongStateError):
+                connection.close()
+        elif connection is not None:
+            connection.ioloop.stop()
+
+
+def _never_called(*_args: Any) -> None:  # pragma: no cover - the scanner takes deliveries
+    raise AssertionError("a delivery reached pika's consumer callback")

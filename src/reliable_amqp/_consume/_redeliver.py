@@ -1,0 +1,162 @@
+"""Retries and dead letters, carried out: a confirmed publish first, the ack of the original after.
+
+The decisions are :mod:`reliable_amqp._core.redelivery`'s; this module publishes what they say
+through the library's own :class:`~reliable_amqp.Publisher` (confirms, mandatory: "confirmed"
+means "stored in a queue") on a connection of its own, then settles the original delivery on the
+consumer's channel. A republish that fails (nacked after the publisher's own retries, returned)
+gives the original back to the queue instead: it is delivered again later, never lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+from reliable_amqp._consume._io import ConsumerIO
+from reliable_amqp._consume._options import ConsumerOptions
+from reliable_amqp._consume._stats import ConsumerStats
+from reliable_amqp._core.acks import ACK, REQUEUE
+from reliable_amqp._core.delivery import Delivery
+from reliable_amqp._core.redelivery import (
+    MAX_DELAY_MS,
+    DeadLetter,
+    Retry,
+    dead_letter_headers,
+    delay_levels,
+    delay_queue,
+    retry_headers,
+)
+from reliable_amqp._sync.publisher import Publisher
+
+log = logging.getLogger("reliable_amqp")
+
+#: properties a republished copy keeps (headers are rebuilt; expiration is not carried: a
+#: copy waiting in a delay queue must not expire there, and a dead letter must stay)
+_KEPT = (
+    "content_type",
+    "content_encoding",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "timestamp",
+    "type",
+    "app_id",
+)
+
+
+class Redeliverer:
+    """Publishes retries and dead letters for one consumer, and settles the originals."""
+
+    def __init__(self, options: ConsumerOptions, io: ConsumerIO, stats: ConsumerStats) -> None:
+        self._options = options
+        self._io = io
+        self._stats = stats
+        self._publisher: Publisher | None = None
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        """Connect the publisher and declare the dead-letter and delay queues (idempotent)."""
+        with self._lock:
+            if self._publisher is not None:
+                return
+            options = self._options
+            publisher = Publisher(list(options.connection.urls), **_publisher_kwargs(options))
+            publisher.connect()
+            try:
+                publisher.declare_queue(options.dead_letter_queue, durable=True)
+                for level in delay_levels(options.redelivery):
+                    publisher.declare_queue(
+                        delay_queue(options.queue, level),
+                        durable=True,
+                        arguments={
+                            "x-message-ttl": min(level, MAX_DELAY_MS),
+                            "x-dead-letter-exchange": "",
+                            "x-dead-letter-routing-key": options.queue,
+                        },
+                    )
+            except BaseException:
+                publisher.close(timeout=1.0)
+                raise
+            self._publisher = publisher
+
+    def close(self, timeout: float) -> int:
+        """Wait up to ``timeout`` s for what is being republished, then close; returns how many
+        were left unconfirmed (their originals stay unacked: the broker redelivers them)."""
+        with self._lock:
+            publisher, self._publisher = self._publisher, None
+        if publisher is None:
+            return 0
+        return publisher.close(timeout=timeout)
+
+    def flush(self, timeout: float) -> int:
+        """Wait for every republish so far to be confirmed; returns how many are pending."""
+        publisher = self._publisher
+        return 0 if publisher is None else publisher.flush(timeout)
+
+    def retry(self, delivery: Delivery, retry: Retry) -> None:
+        """Republish ``delivery`` to its delay queue; ack the original once confirmed."""
+        self._stats.retried += 1
+        headers = retry_headers(
+            delivery.headers, retry, delivery.queue, delivery.exchange, delivery.routing_key
+        )
+        future = self._publish(delivery, retry.queue, headers)
+        future.add_done_callback(lambda f: self._settled(delivery, f, None))
+
+    def dead(self, delivery: Delivery, dead: DeadLetter) -> None:
+        """Publish ``delivery`` to the dead-letter queue; ack the original once confirmed."""
+        headers = dead_letter_headers(
+            delivery.headers, dead, delivery.queue, delivery.exchange, delivery.routing_key
+        )
+        future = self._publish(delivery, self._options.dead_letter_queue, headers)
+        future.add_done_callback(lambda f: self._settled(delivery, f, dead))
+
+    def _publish(self, delivery: Delivery, queue: str, headers: dict[str, Any]) -> Future[Any]:
+        publisher = self._publisher
+        if publisher is None:
+            raise RuntimeError("the consumer's publisher is not open")
+        props = delivery.properties
+        kept = {name: getattr(props, name) for name in _KEPT if getattr(props, name) is not None}
+        if delivery.message_id:
+            kept["message_id"] = delivery.message_id
+        return publisher.publish("", queue, delivery.body, mandatory=True, headers=headers, **kept)
+
+    def _settled(self, delivery: Delivery, future: Future[Any], dead: DeadLetter | None) -> None:
+        # On the publisher's I/O thread: only bookkeeping here, never a wait.
+        error = future.exception() if not future.cancelled() else None
+        if error is None and not future.cancelled():
+            if dead is not None:
+                self._stats.dead_lettered += 1
+                log.warning(
+                    "reliable-amqp: message %r from queue %r dead-lettered to %r after %d "
+                    "attempt(s): %s (%s)",
+                    delivery.message_id,
+                    delivery.queue,
+                    self._options.dead_letter_queue,
+                    dead.attempts,
+                    dead.reason,
+                    dead.exception_type,
+                )
+            self._io.settle(delivery.generation, delivery.delivery_tag, ACK, urgent=True)
+            return
+        # Not stored: the original goes back to the queue and comes again (a later attempt
+        # republishes it again). Said once, at WARNING: the user may have a full queue.
+        self._stats.republish_failed += 1
+        log.warning(
+            "reliable-amqp: could not %s message %r of queue %r (%s); it goes back to the queue",
+            "dead-letter" if dead is not None else "schedule a retry of",
+            delivery.message_id,
+            delivery.queue,
+            error,
+        )
+        self._io.settle(delivery.generation, delivery.delivery_tag, REQUEUE, urgent=True)
+
+
+def _publisher_kwargs(options: ConsumerOptions) -> dict[str, Any]:
+    kwargs = dict(options.connection.kwargs())
+    kwargs.pop("urls", None)
+    kwargs.pop("spool", None)  # republishes are tied to deliveries: never spooled
+    name = kwargs.get("connection_name")
+    kwargs["connection_name"] = f"{name or 'reliable-amqp consumer'} (redelivery)"
+    return kwargs

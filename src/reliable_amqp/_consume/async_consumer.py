@@ -1,0 +1,266 @@
+"""AsyncConsumer: async handlers on the event loop, ``concurrency`` of them at once.
+
+The connection is the same as :class:`~reliable_amqp.Consumer`'s (an I/O thread that decodes
+deliveries itself and batches acks; see :mod:`reliable_amqp._consume._io`): the event loop only
+runs handlers, so a slow handler or a busy loop never delays a heartbeat. Deliveries reach the
+loop in batches (one ``call_soon_threadsafe`` per read from the socket, not per message); acks
+leave in batches; handlers finish in any order and :class:`~reliable_amqp._core.acks.AckBook`
+never lets a ``multiple`` ack cover one still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+from reliable_amqp._consume._options import (
+    DEFAULT_HANDLER_TIMEOUT,
+    DEFAULT_PREFETCH,
+    DEFAULT_REDELIVERY,
+)
+from reliable_amqp._consume._stats import ConsumerStats
+from reliable_amqp._consume.consumer import ConsumerCore
+from reliable_amqp._core.delivery import Delivery
+from reliable_amqp._core.errors import ReliableAmqpError
+from reliable_amqp._core.policy import RetryPolicy
+
+log = logging.getLogger("reliable_amqp")
+
+
+class HandlerTimeout(ReliableAmqpError):
+    """An async handler ran past ``handler_timeout`` and was cancelled (then retried)."""
+
+
+class AsyncConsumer:
+    """Consume ``queue`` with an async handler, ``concurrency`` deliveries at a time.
+
+    The same contract and options as :class:`~reliable_amqp.Consumer`, plus ``concurrency``
+    (1 to ``prefetch``). ``await run(handler)`` returns after :meth:`stop` (or SIGTERM, or the
+    first Ctrl-C when the loop runs in the main thread), once the running handlers finished and
+    were acked. A handler running past ``handler_timeout`` is cancelled and counts as a failure.
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        queue: str,
+        *,
+        prefetch: int = DEFAULT_PREFETCH,
+        concurrency: int = 1,
+        redelivery: RetryPolicy | Mapping[str, Any] = DEFAULT_REDELIVERY,
+        heartbeat: int | None = None,
+        dead_letter_queue: str | None = None,
+        stop_timeout: float = 30.0,
+        handler_timeout: float | None = DEFAULT_HANDLER_TIMEOUT,
+        declare: bool = False,
+        queue_arguments: Mapping[str, Any] | None = None,
+        consumer_arguments: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        if heartbeat is not None:
+            options["heartbeat"] = heartbeat
+        own = {
+            "prefetch": prefetch,
+            "concurrency": concurrency,
+            "redelivery": redelivery,
+            "dead_letter_queue": dead_letter_queue or "",
+            "stop_timeout": stop_timeout,
+            "handler_timeout": handler_timeout,
+            "declare": declare,
+            "queue_arguments": queue_arguments,
+            "consumer_arguments": consumer_arguments,
+        }
+        self._ready: deque[Delivery] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self._wake_pending = False
+        self._wake_lock = threading.Lock()
+        self._stopping = False
+        self._running = False
+        self._core = ConsumerCore(url, queue, own, options, self._on_deliveries)
+        self.options = self._core.options
+
+    @property
+    def stats(self) -> ConsumerStats:
+        """Counters: consumed, handled, retried, dead-lettered, redelivered... (live)."""
+        return self._core.stats
+
+    # --- the I/O thread's side ----------------------------------------------------------------
+
+    def _on_deliveries(self, batch: list[Delivery]) -> None:
+        self._ready.extend(batch)
+        self._poke()
+
+    def _poke(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        with self._wake_lock:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        with contextlib.suppress(RuntimeError):  # the loop closed: run() is over
+            loop.call_soon_threadsafe(self._on_poke)
+
+    def _on_poke(self) -> None:
+        with self._wake_lock:
+            self._wake_pending = False
+        if self._event is not None:
+            self._event.set()
+
+    # --- the caller's side --------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return (any thread, or from inside a handler)."""
+        self._stopping = True
+        self._poke()
+
+    async def __aenter__(self) -> AsyncConsumer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    async def run(self, handler: Callable[[Delivery], Awaitable[Any]]) -> None:
+        """Consume until :meth:`stop`; each delivery goes to ``await handler(delivery)``."""
+        if self._running:
+            raise ReliableAmqpError("run() is already running for this consumer")
+        self._running = True
+        self._stopping = False
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._event = asyncio.Event()
+        core = self._core
+        restore = self._install_signals(loop)
+        graceful = True
+        workers: list[asyncio.Task[None]] = []
+        try:
+            await loop.run_in_executor(None, core.start)
+            workers = [
+                loop.create_task(self._worker(handler)) for _ in range(self.options.concurrency)
+            ]
+            await asyncio.gather(*workers)
+        except BaseException:
+            graceful = False
+            raise
+        finally:
+            self._stopping = True
+            for task in workers:
+                task.cancel()
+            if workers:
+                await asyncio.gather(*workers, return_exceptions=True)
+            # Closing blocks (it waits for confirms and the I/O thread): off the loop. A thread
+            # of its own, not the default executor: under cancellation it must still finish.
+            closer = threading.Thread(
+                target=core.finish, args=(graceful,), name="reliable-amqp-consume-close"
+            )
+            closer.start()
+            done = loop.create_future()
+
+            def report_closed() -> None:
+                closer.join()
+                _call_soon(loop, done)
+
+            threading.Thread(target=report_closed, daemon=True).start()
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError:
+                closer.join()
+                raise
+            finally:
+                self._ready.clear()
+                restore()
+                self._loop = None
+                self._running = False
+        if core.io.fatal is not None:
+            raise core.io.fatal
+
+    async def _worker(self, handler: Callable[[Delivery], Awaitable[Any]]) -> None:
+        ready = self._ready
+        core = self._core
+        dispatch = core.dispatch
+        stats = core.stats
+        io = core.io
+        event = self._event
+        assert event is not None
+        timeout = self.options.handler_timeout
+        clock = time.monotonic
+        while True:
+            if self._stopping or io.ended.is_set():
+                return
+            try:
+                delivery = ready.popleft()
+            except IndexError:
+                io.flush()
+                event.clear()
+                if ready or self._stopping:
+                    continue
+                await _wait(event, 1.0)  # the timeout bounds how late an ended thread is seen
+                continue
+            if not dispatch.admit(delivery):
+                continue
+            started = clock()
+            try:
+                if timeout is None:
+                    await handler(delivery)
+                else:
+                    try:
+                        await asyncio.wait_for(handler(delivery), timeout)
+                    except asyncio.TimeoutError:
+                        raise HandlerTimeout(
+                            f"the handler ran past handler_timeout={timeout} s and was cancelled"
+                        ) from None
+            except Exception as exc:
+                dispatch.failed(delivery, exc)
+            else:
+                dispatch.succeeded(delivery)
+            finally:
+                stats.handler_seconds += clock() - started
+
+    def _install_signals(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+        """SIGTERM and the first Ctrl-C stop gracefully (main thread, Unix); the second Ctrl-C
+        is Python's again (asyncio.run cancels the task: a close without waiting)."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        installed: list[int] = []
+
+        def on_signal(signum: int) -> None:
+            if signum == signal.SIGINT:
+                loop.remove_signal_handler(signal.SIGINT)
+                installed.remove(signal.SIGINT)
+                log.info("reliable-amqp: stopping the consumer (Ctrl-C again to stop at once)")
+            self.stop()
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            try:
+                loop.add_signal_handler(signum, on_signal, signum)
+                installed.append(signum)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+
+        def restore() -> None:
+            for signum in installed:
+                loop.remove_signal_handler(signum)
+
+        return restore
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
+    def finish() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(finish)
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)

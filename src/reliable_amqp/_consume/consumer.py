@@ -1,0 +1,316 @@
+"""Consumer: handlers called on the caller's thread, the connection on an I/O thread of its own.
+
+See docs/consumer.md for the contract. The I/O thread (:class:`ConsumerIO`) decodes deliveries
+and hands them over in batches; :meth:`Consumer.run` takes them one at a time, calls the handler
+and settles each (ack after the work; a failure is republished to a delay queue or the dead
+letters first). Because the handler never runs on the I/O thread, heartbeats keep flowing
+while it works.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType, TracebackType
+from typing import Any
+
+from reliable_amqp._consume._dispatch import Dispatch
+from reliable_amqp._consume._io import ConsumerIO
+from reliable_amqp._consume._options import (
+    DEFAULT_HANDLER_TIMEOUT,
+    DEFAULT_PREFETCH,
+    DEFAULT_REDELIVERY,
+    ConsumerOptions,
+)
+from reliable_amqp._consume._redeliver import Redeliverer
+from reliable_amqp._consume._stats import ConsumerStats
+from reliable_amqp._core.delivery import Delivery
+from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError
+from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._sync._pika import connection_parameters
+
+log = logging.getLogger("reliable_amqp")
+
+#: a consumer keeps trying to get its subscription back for 10 minutes, then run() raises
+CONSUMER_CONNECT_POLICY = RetryPolicy(
+    max_attempts=None, initial_delay=0.2, max_delay=15.0, multiplier=2.0, jitter=0.2, deadline=600.0
+)
+
+
+class ConsumerCore:
+    """What :class:`Consumer` and :class:`AsyncConsumer` build the same way: options, the I/O
+    thread, the redeliverer and the dispatch."""
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        queue: str,
+        own: Mapping[str, Any],
+        options: dict[str, Any],
+        on_deliveries: Callable[[list[Delivery]], None],
+    ) -> None:
+        options.setdefault("connect_policy", CONSUMER_CONNECT_POLICY)
+        try:
+            self.options = ConsumerOptions.create(url, queue, own, options)
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                str(exc).replace("publisher option", "consumer option")
+            ) from None
+        opts = self.options
+        params = [connection_parameters(u, opts.connection) for u in opts.connection.urls]
+        declare = None
+        if opts.declare or opts.queue_arguments is not None:
+            declare = {"durable": True, "arguments": dict(opts.queue_arguments or {}) or None}
+        self.stats = ConsumerStats()
+        self.io = ConsumerIO(
+            params,
+            opts.queue,
+            prefetch=opts.prefetch,
+            connect_policy=opts.connection.connect_policy,
+            on_deliveries=on_deliveries,
+            on_generation_lost=lambda generation: None,
+            declare=declare,
+            consumer_arguments=dict(opts.consumer_arguments or {}),
+        )
+        self.redeliver = Redeliverer(opts, self.io, self.stats)
+        self.dispatch = Dispatch(opts, self.io, self.redeliver, self.stats)
+
+    def start(self) -> None:
+        """Open the redelivery publisher (declaring the delay and dead-letter queues), then
+        start consuming."""
+        self.redeliver.open()
+        self.io.start()
+
+    def finish(self, graceful: bool) -> None:
+        """Stop: with ``graceful``, wait for republishes, ack what finished and requeue the
+        rest before closing; without, close at once (the broker requeues what is unacked)."""
+        timeout = self.options.stop_timeout
+        io = self.io
+        if graceful and not io.ended.is_set():
+            io.cancel()
+            left = self.redeliver.flush(timeout)
+            if left:
+                log.warning(
+                    "reliable-amqp: %d retries or dead letters of queue %r were not confirmed "
+                    "within stop_timeout=%.0f s; their originals go back to the queue",
+                    left,
+                    self.options.queue,
+                    timeout,
+                )
+            io.drain(max(1.0, timeout))
+        io.stop(timeout=max(1.0, timeout) if graceful else 2.0)
+        self.redeliver.close(timeout if graceful else 0.0)
+
+
+class Consumer:
+    """Consume ``queue`` losslessly: ack after the work, retry later, dead-letter with a reason.
+
+    ``Consumer(url, queue, prefetch=100, redelivery=RetryPolicy(...), heartbeat=5)``, then
+    ``run(handler)``: ``handler(delivery)`` is called for each message on the calling thread;
+    when it returns the message is acked, when it raises it is republished to a delay queue and
+    tried again after the ``redelivery`` policy's delay, and after ``max_attempts`` (or at once
+    on :class:`Reject`) it goes to ``<queue>.dead`` with its reason. ``run`` returns after
+    :meth:`stop`, SIGTERM or Ctrl-C (main thread), once the running handler finished and was
+    acked and the unstarted messages went back to the queue; a second Ctrl-C closes at once.
+
+    Options: ``prefetch`` (1 to 65,535), ``redelivery`` (a :class:`RetryPolicy` with
+    ``max_attempts``), ``dead_letter_queue`` (default ``<queue>.dead``), ``stop_timeout``,
+    ``handler_timeout`` (a handler running longer is warned about once: keep it under the
+    broker's ``consumer_timeout``), ``declare``/``queue_arguments`` (declare the queue, durable,
+    and again after every reconnect), ``consumer_arguments`` (``basic.consume`` arguments), and
+    every connection option :class:`~reliable_amqp.Publisher` takes (``heartbeat``, TLS,
+    credentials, ``connect_policy``...).
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        queue: str,
+        *,
+        prefetch: int = DEFAULT_PREFETCH,
+        redelivery: RetryPolicy | Mapping[str, Any] = DEFAULT_REDELIVERY,
+        heartbeat: int | None = None,
+        dead_letter_queue: str | None = None,
+        stop_timeout: float = 30.0,
+        handler_timeout: float | None = DEFAULT_HANDLER_TIMEOUT,
+        declare: bool = False,
+        queue_arguments: Mapping[str, Any] | None = None,
+        consumer_arguments: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
+        if heartbeat is not None:
+            options["heartbeat"] = heartbeat
+        own = {
+            "prefetch": prefetch,
+            "redelivery": redelivery,
+            "dead_letter_queue": dead_letter_queue or "",
+            "stop_timeout": stop_timeout,
+            "handler_timeout": handler_timeout,
+            "declare": declare,
+            "queue_arguments": queue_arguments,
+            "consumer_arguments": consumer_arguments,
+        }
+        self._queue: deque[Delivery] = deque()
+        self._cond = threading.Condition()
+        self._waiting = False
+        self._stop = threading.Event()
+        self._running = False
+        self._core = ConsumerCore(url, queue, own, options, self._on_deliveries)
+        self.options = self._core.options
+        self._handler_started: float | None = None
+
+    @property
+    def stats(self) -> ConsumerStats:
+        """Counters: consumed, handled, retried, dead-lettered, redelivered... (live)."""
+        return self._core.stats
+
+    # --- the I/O thread's side ----------------------------------------------------------------
+
+    def _on_deliveries(self, batch: list[Delivery]) -> None:
+        self._queue.extend(batch)
+        if self._waiting:
+            with self._cond:
+                self._cond.notify()
+
+    # --- the caller's side --------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return (any thread, a signal handler, or the handler itself)."""
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def run(self, handler: Callable[[Delivery], Any]) -> None:
+        """Consume until :meth:`stop`, SIGTERM or Ctrl-C; each delivery goes to ``handler``.
+
+        Raises what ended consuming for good: :class:`~reliable_amqp.RecoveryFailed` once the
+        connect policy is spent, :class:`~reliable_amqp.AuthenticationFailed`...
+        """
+        if self._running:
+            raise ReliableAmqpError("run() is already running for this consumer")
+        self._running = True
+        core = self._core
+        restore = self._install_signals()
+        graceful = True
+        watchdog = self._start_watchdog()
+        try:
+            core.start()
+            self._loop(handler)
+        except KeyboardInterrupt:
+            graceful = False
+            raise
+        finally:
+            self._stop.set()
+            try:
+                core.finish(graceful)
+            finally:
+                self._queue.clear()
+                restore()
+                if watchdog is not None:
+                    watchdog.join(1.0)
+                self._running = False
+        if core.io.fatal is not None:
+            raise core.io.fatal
+
+    def _loop(self, handler: Callable[[Delivery], Any]) -> None:
+        queue = self._queue
+        dispatch = self._core.dispatch
+        stats = self._core.stats
+        stop = self._stop
+        io = self._core.io
+        clock = time.monotonic
+        while True:
+            try:
+                delivery = queue.popleft()
+            except IndexError:
+                if stop.is_set() or io.ended.is_set():
+                    return
+                io.flush()  # idle: what finished is acked now
+                with self._cond:
+                    self._waiting = True
+                    if not queue and not stop.is_set() and not io.ended.is_set():
+                        # the timeout only bounds how late an ended I/O thread is noticed
+                        self._cond.wait(1.0)
+                    self._waiting = False
+                continue
+            if stop.is_set():
+                return  # unstarted: given back to the queue by the drain
+            if not dispatch.admit(delivery):
+                continue
+            started = self._handler_started = clock()
+            try:
+                handler(delivery)
+            except Exception as exc:
+                dispatch.failed(delivery, exc)
+            else:
+                dispatch.succeeded(delivery)
+            finally:
+                self._handler_started = None
+                stats.handler_seconds += clock() - started
+
+    def _install_signals(self) -> Callable[[], None]:
+        """SIGTERM stops; the first Ctrl-C stops, the second raises (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        presses = 0
+
+        def on_sigint(signum: int, frame: FrameType | None) -> None:
+            nonlocal presses
+            presses += 1
+            if presses > 1:
+                raise KeyboardInterrupt
+            log.info("reliable-amqp: stopping the consumer (Ctrl-C again to stop at once)")
+            self.stop()
+
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
+            self.stop()
+
+        old_int = signal.signal(signal.SIGINT, on_sigint)
+        old_term = signal.signal(signal.SIGTERM, on_sigterm)
+
+        def restore() -> None:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old_term)
+
+        return restore
+
+    def _start_watchdog(self) -> threading.Thread | None:
+        """Warn once per handler call that runs past ``handler_timeout``."""
+        limit = self.options.handler_timeout
+        if limit is None:
+            return None
+
+        def watch() -> None:
+            warned: float | None = None
+            while not self._stop.wait(min(limit / 4, 5.0)):
+                started = self._handler_started
+                if started is None or started == warned:
+                    continue
+                if time.monotonic() - started > limit:
+                    warned = started
+                    log.warning(
+                        "reliable-amqp: a handler of queue %r has run for more than "
+                        "handler_timeout=%.0f s; the broker's consumer_timeout may close the "
+                        "channel and redeliver the message",
+                        self.options.queue,
+                        limit,
+                    )
+
+        thread = threading.Thread(target=watch, name="reliable-amqp-consume-watchdog", daemon=True)
+        thread.start()
+        return thread

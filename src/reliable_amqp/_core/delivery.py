@@ -1,0 +1,478 @@
+"""Deliveries decoded straight from AMQP 0-9-1 frames, with no I/O.
+
+A consumer channel receives, per message, a ``basic.deliver`` method frame, a content header
+frame and zero or more body frames. :class:`DeliveryScanner` walks a buffer of raw frames, takes
+those three kinds for the consumer's channel and hands back finished :class:`Delivery` objects;
+every other frame (heartbeats, ``basic.cancel``, ``channel.close``, other channels) is left for
+the connection library to handle, in order. pika builds a method object, a properties object and
+a frame object per frame and walks them through its callback tables: the largest cost of
+consuming with it. Here a delivery is one object, its properties one tuple, decoded with
+``struct``.
+
+Field tables (``headers``) decode the same on every Python and dependency version (pamqp 3.3,
+what Python 3.10 resolves, reads a negative decimal as a huge positive one): the decoder is this
+module's, not pamqp's nor pika's. It reads what :mod:`reliable_amqp._core.frames` writes, and
+RabbitMQ's field types (the 0-9-1 errata: ``s`` is a signed 16-bit integer, ``l`` signed 64).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import decimal
+import struct
+from typing import Any
+
+from reliable_amqp._core.errors import ReliableAmqpError
+from reliable_amqp._core.message import MessageProperties
+from reliable_amqp._core.redelivery import (
+    ATTEMPT_HEADER,
+    ORIGIN_EXCHANGE_HEADER,
+    ORIGIN_ROUTING_KEY_HEADER,
+    attempt_of,
+)
+
+__all__ = [
+    "Delivery",
+    "DeliveryScanner",
+    "HeaderDecodeError",
+    "decode_table",
+]
+
+FRAME_METHOD = 1
+FRAME_HEADER = 2
+FRAME_BODY = 3
+_FRAME_END = 0xCE
+
+_frame_head = struct.Struct(">BHI").unpack_from
+_deliver_id = struct.Struct(">HH").unpack_from
+_u8 = struct.Struct(">B").unpack_from
+_u16 = struct.Struct(">H").unpack_from
+_u32 = struct.Struct(">I").unpack_from
+_u64 = struct.Struct(">Q").unpack_from
+_header_head = struct.Struct(">HHQH").unpack_from  # class, weight, body size, first flags
+
+_BASIC = 60
+_DELIVER = 60
+
+_UTC = _dt.timezone.utc
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_UTC)
+
+
+class HeaderDecodeError(ReliableAmqpError):
+    """A delivery's properties or header table could not be decoded.
+
+    The consumer dead-letters such a message with this error's text as the reason; it never
+    reaches the handler.
+    """
+
+
+# --- field tables ---------------------------------------------------------------------------
+
+
+_FIXED: dict[int, tuple[Any, int]] = {
+    ord("b"): (struct.Struct(">b").unpack_from, 1),
+    ord("B"): (struct.Struct(">B").unpack_from, 1),
+    ord("s"): (struct.Struct(">h").unpack_from, 2),
+    ord("U"): (struct.Struct(">h").unpack_from, 2),
+    ord("u"): (struct.Struct(">H").unpack_from, 2),
+    ord("I"): (struct.Struct(">i").unpack_from, 4),
+    ord("i"): (struct.Struct(">I").unpack_from, 4),
+    ord("l"): (struct.Struct(">q").unpack_from, 8),
+    ord("L"): (struct.Struct(">q").unpack_from, 8),
+    ord("f"): (struct.Struct(">f").unpack_from, 4),
+    ord("d"): (struct.Struct(">d").unpack_from, 8),
+}
+_int32 = struct.Struct(">i").unpack_from
+
+
+def _value(data: bytes, pos: int) -> tuple[Any, int]:
+    """One typed field value at ``pos``: (value, position after it)."""
+    kind = data[pos]
+    pos += 1
+    fixed = _FIXED.get(kind)
+    if fixed is not None:
+        unpack, size = fixed
+        return unpack(data, pos)[0], pos + size
+    if kind == 0x53:  # 'S' long string: text when it is UTF-8, else the bytes
+        (size,) = _u32(data, pos)
+        end = pos + 4 + size
+        if end > len(data):
+            raise HeaderDecodeError("a long string runs past the end of its table")
+        raw = data[pos + 4 : end]
+        try:
+            return raw.decode(), end
+        except UnicodeDecodeError:
+            return raw, end
+    if kind == 0x74:  # 't' boolean
+        return data[pos] != 0, pos + 1
+    if kind == 0x46:  # 'F' nested table
+        (size,) = _u32(data, pos)
+        end = pos + 4 + size
+        return _table(data, pos + 4, end), end
+    if kind == 0x41:  # 'A' array
+        (size,) = _u32(data, pos)
+        end = pos + 4 + size
+        if end > len(data):
+            raise HeaderDecodeError("an array runs past the end of its table")
+        items = []
+        pos += 4
+        while pos < end:
+            item, pos = _value(data, pos)
+            items.append(item)
+        if pos != end:
+            raise HeaderDecodeError("an array's last value runs past its length")
+        return items, end
+    if kind == 0x54:  # 'T' timestamp: seconds since the epoch, UTC
+        (seconds,) = _u64(data, pos)
+        try:
+            return _EPOCH + _dt.timedelta(seconds=seconds), pos + 8
+        except OverflowError:
+            raise HeaderDecodeError(f"timestamp {seconds} is out of range") from None
+    if kind == 0x44:  # 'D' decimal: scale (octet), then a *signed* 32-bit value
+        scale = data[pos]
+        (raw_value,) = _int32(data, pos + 1)
+        return decimal.Decimal(raw_value).scaleb(-scale), pos + 5
+    if kind == 0x78:  # 'x' byte array
+        (size,) = _u32(data, pos)
+        end = pos + 4 + size
+        if end > len(data):
+            raise HeaderDecodeError("a byte array runs past the end of its table")
+        return data[pos + 4 : end], end
+    if kind == 0x56:  # 'V' void
+        return None, pos
+    raise HeaderDecodeError(f"unknown field type {chr(kind)!r} (0x{kind:02x}) in a table")
+
+
+def _table(data: bytes, pos: int, end: int) -> dict[str, Any]:
+    if end > len(data):
+        raise HeaderDecodeError("a table runs past the end of its frame")
+    table: dict[str, Any] = {}
+    while pos < end:
+        size = data[pos]
+        key_end = pos + 1 + size
+        raw_key = data[pos + 1 : key_end]
+        try:
+            key = raw_key.decode()
+        except UnicodeDecodeError:
+            raise HeaderDecodeError(f"a table key is not UTF-8: {raw_key!r}") from None
+        table[key], pos = _value(data, key_end)
+    if pos != end:
+        raise HeaderDecodeError("a table's last value runs past its length")
+    return table
+
+
+def decode_table(data: bytes) -> dict[str, Any]:
+    """A field table's content (without its 4-byte length) as a dict.
+
+    Raises :class:`HeaderDecodeError` for anything malformed (an unknown type, a length running
+    past the end, a key that is not UTF-8).
+    """
+    try:
+        return _table(data, 0, len(data))
+    except HeaderDecodeError:
+        raise
+    except (IndexError, struct.error, ValueError) as exc:
+        raise HeaderDecodeError(f"malformed field table: {exc}") from None
+
+
+# --- deliveries -----------------------------------------------------------------------------
+
+#: order of the basic class's properties (flag bit 15 first), with the ones held as text
+_PROPERTY_NAMES = (
+    "content_type",
+    "content_encoding",
+    "headers",
+    "delivery_mode",
+    "priority",
+    "correlation_id",
+    "reply_to",
+    "expiration",
+    "message_id",
+    "timestamp",
+    "type",
+    "user_id",
+    "app_id",
+    "cluster_id",
+)
+_EMPTY: dict[str, Any] = {}
+
+
+class Delivery:
+    """One message delivered to a consumer (read-only).
+
+    ``body`` is the payload; ``message_id``, ``headers`` (a dict, empty when the message had
+    none), ``properties`` (a :class:`~reliable_amqp.MessageProperties`), ``routing_key`` and
+    ``exchange`` are what the publisher sent. ``redelivered`` is the broker's flag; ``attempt``
+    counts this message's tries, 1 the first time (see docs/consumer.md for how it is counted on
+    each queue type). ``queue`` names the queue it came from, ``delivery_tag`` its tag on the
+    channel that delivered it.
+    """
+
+    __slots__ = (
+        "_fields",
+        "_properties",
+        "attempt",
+        "body",
+        "consumer_tag",
+        "delivery_tag",
+        "exchange",
+        "generation",
+        "header_error",
+        "headers",
+        "message_id",
+        "queue",
+        "redelivered",
+        "routing_key",
+    )
+
+    body: bytes
+    message_id: str | None
+    headers: dict[str, Any]
+    routing_key: str
+    exchange: str
+    redelivered: bool
+    attempt: int
+    delivery_tag: int
+    queue: str
+    consumer_tag: str
+    #: the consumer's channel generation that delivered it (tags are per channel)
+    generation: int
+    #: why the properties could not be decoded (the consumer dead-letters it), else None
+    header_error: str | None
+    _fields: tuple[Any, ...]
+    _properties: MessageProperties | None
+
+    @property
+    def properties(self) -> MessageProperties:
+        """The AMQP basic properties as sent (``headers`` included)."""
+        props = self._properties
+        if props is None:
+            f = self._fields
+            props = self._properties = MessageProperties(
+                content_type=f[0],
+                content_encoding=f[1],
+                headers=self.headers,
+                delivery_mode=f[3] or 1,
+                priority=f[4],
+                correlation_id=f[5],
+                reply_to=f[6],
+                expiration=f[7],
+                message_id=f[8],
+                timestamp=f[9],
+                type=f[10],
+                user_id=f[11],
+                app_id=f[12],
+            )
+        return props
+
+    @property
+    def content_type(self) -> str | None:
+        """The ``content_type`` property."""
+        value: str | None = self._fields[0]
+        return value
+
+    @property
+    def correlation_id(self) -> str | None:
+        """The ``correlation_id`` property."""
+        value: str | None = self._fields[5]
+        return value
+
+    @property
+    def timestamp(self) -> int | None:
+        """The ``timestamp`` property (seconds since the epoch)."""
+        value: int | None = self._fields[9]
+        return value
+
+    @property
+    def type(self) -> str | None:
+        """The ``type`` property."""
+        value: str | None = self._fields[10]
+        return value
+
+    def __repr__(self) -> str:
+        return (
+            f"Delivery(queue={self.queue!r}, message_id={self.message_id!r}, "
+            f"attempt={self.attempt}, redelivered={self.redelivered}, "
+            f"routing_key={self.routing_key!r}, body=<{len(self.body)} bytes>)"
+        )
+
+
+def _shortstr(data: bytes, pos: int) -> tuple[str, int]:
+    size = data[pos]
+    end = pos + 1 + size
+    return data[pos + 1 : end].decode("utf-8", "surrogateescape"), end
+
+
+def decode_properties(data: bytes, pos: int, end: int) -> tuple[tuple[Any, ...], str | None]:
+    """The 14 basic properties of a content header payload (``pos`` at the property flags).
+
+    Returns the values in :data:`_PROPERTY_NAMES` order (headers decoded) and an error text
+    when the header table could not be decoded (the table is then ``{}``).
+    """
+    flags = 0
+    shift = 0
+    while True:
+        (word,) = _u16(data, pos)
+        pos += 2
+        flags |= (word & 0xFFFE) << shift
+        if not word & 1:
+            break
+        shift += 16
+    values: list[Any] = [None] * 14
+    error: str | None = None
+    if not flags:
+        values[2] = _EMPTY
+        return tuple(values), None
+    bit = 0x8000
+    for index in range(14):
+        if flags & bit:
+            if index == 2:  # headers
+                (size,) = _u32(data, pos)
+                table_end = pos + 4 + size
+                try:
+                    values[2] = decode_table(data[pos + 4 : table_end])
+                except HeaderDecodeError as exc:
+                    values[2] = {}
+                    error = f"undecodable headers: {exc}"
+                pos = table_end
+            elif index in {3, 4}:  # delivery_mode, priority: octets
+                values[index] = data[pos]
+                pos += 1
+            elif index == 9:  # timestamp
+                (values[9],) = _u64(data, pos)
+                pos += 8
+            else:
+                values[index], pos = _shortstr(data, pos)
+        bit >>= 1
+    if values[2] is None:
+        values[2] = _EMPTY
+    if pos > end:
+        raise HeaderDecodeError("the content header's properties run past its frame")
+    return tuple(values), error
+
+
+class DeliveryScanner:
+    """Sans-I/O assembly of deliveries for one consumer channel.
+
+    :meth:`scan` walks whole frames in a buffer from a position; frames of the deliveries on
+    ``channel`` (``basic.deliver``, their content header and body frames) are taken and turned
+    into :class:`Delivery` objects, appended to :attr:`ready`. It stops before the first other
+    frame and returns its bounds, so the caller hands that frame to its connection library and
+    calls :meth:`scan` again after it.
+    """
+
+    __slots__ = ("_body", "_current", "_remaining", "channel", "generation", "queue", "ready")
+
+    def __init__(self, channel: int, generation: int, queue: str) -> None:
+        self.channel = channel
+        self.generation = generation
+        self.queue = queue
+        #: finished deliveries, in order; the caller takes them
+        self.ready: list[Delivery] = []
+        self._current: Delivery | None = None
+        self._body: list[bytes] = []
+        self._remaining = 0
+
+    def scan(self, data: bytes, pos: int) -> tuple[int, int]:
+        """Take this channel's delivery frames from ``data[pos:]``.
+
+        Returns ``(pos, end)``: with ``end > pos``, ``data[pos:end]`` is one whole frame that is
+        not this scanner's; with ``end == pos``, ``data[pos:]`` holds no whole frame (wait for
+        more bytes). Raises :class:`HeaderDecodeError` on a frame that breaks the protocol (its
+        end octet is missing): the connection cannot go on.
+        """
+        size_all = len(data)
+        channel = self.channel
+        while size_all - pos >= 8:
+            kind, chan, size = _frame_head(data, pos)
+            end = pos + 8 + size
+            if end > size_all:
+                return pos, pos
+            if chan != channel:
+                return pos, end
+            start = pos + 7
+            if data[end - 1] != _FRAME_END:
+                raise HeaderDecodeError(f"frame on channel {chan} lacks its end octet")
+            if kind == FRAME_BODY:
+                current = self._current
+                if current is None:
+                    return pos, end  # not ours: let the library complain
+                self._body.append(data[start : end - 1])
+                self._remaining -= size
+                if self._remaining <= 0:
+                    self._finish(current)
+                pos = end
+                continue
+            if kind == FRAME_METHOD:
+                if size < 4 or _deliver_id(data, start) != (_BASIC, _DELIVER):
+                    return pos, end
+                if self._current is not None:
+                    return pos, end  # a new method mid-content: the library reports it
+                self._current = self._deliver(data, start + 4)
+                pos = end
+                continue
+            if kind == FRAME_HEADER:
+                current = self._current
+                if current is None or current.body is not None:
+                    return pos, end
+                body_size = self._header(current, data, start, end - 1)
+                if body_size == 0:
+                    current.body = b""
+                    self._finish(current)
+                else:
+                    self._remaining = body_size
+                    current.body = b""  # marks "header seen"; replaced by the joined body
+                    self._body = []
+                pos = end
+                continue
+            return pos, end
+        return pos, pos
+
+    def _deliver(self, data: bytes, pos: int) -> Delivery:
+        d = Delivery.__new__(Delivery)
+        d.consumer_tag, pos = _shortstr(data, pos)
+        (d.delivery_tag,) = _u64(data, pos)
+        d.redelivered = bool(data[pos + 8] & 1)
+        d.exchange, pos = _shortstr(data, pos + 9)
+        d.routing_key, pos = _shortstr(data, pos)
+        d.queue = self.queue
+        d.generation = self.generation
+        d.body = None  # type: ignore[assignment]  # until the content header
+        d._properties = None
+        d.attempt = 1
+        return d
+
+    def _header(self, d: Delivery, data: bytes, start: int, end: int) -> int:
+        _cls, _weight, body_size, _flags = _header_head(data, start)
+        try:
+            fields, error = decode_properties(data, start + 12, end)
+        except (IndexError, struct.error, HeaderDecodeError) as exc:
+            fields = (None, None, _EMPTY) + (None,) * 11
+            error = f"undecodable properties: {exc}"
+        d._fields = fields
+        d.headers = fields[2]
+        d.message_id = fields[8]
+        d.header_error = error
+        return int(body_size)
+
+    def _finish(self, d: Delivery) -> None:
+        body = self._body
+        if body:
+            d.body = body[0] if len(body) == 1 else b"".join(body)
+            self._body = []
+        self._current = None
+        self._remaining = 0
+        headers = d.headers
+        if headers:
+            d.attempt = attempt_of(headers, d.redelivered)
+            if ATTEMPT_HEADER in headers:
+                # a retried copy came back through its delay queue: report where it was first
+                # published, not the delay queue's dead-letter route
+                exchange = headers.get(ORIGIN_EXCHANGE_HEADER)
+                routing_key = headers.get(ORIGIN_ROUTING_KEY_HEADER)
+                if isinstance(exchange, str) and isinstance(routing_key, str):
+                    d.exchange = exchange
+                    d.routing_key = routing_key
+        elif d.redelivered:
+            d.attempt = 2
+        self.ready.append(d)
