@@ -234,6 +234,8 @@ def _dead_letters(url: str, queue: str, dead: str, n: int, origin: str | None = 
             "x-original-exchange": "",
             "x-original-routing-key": queue,
             "x-consume-attempt": 5,
+            "x-delivery-count": 4,  # as a quorum queue adds it
+            "x-first-death-queue": queue,
             "tenant": "acme",
         }
         props = pika.BasicProperties(delivery_mode=2, message_id=f"dead-{i}", headers=headers)
@@ -277,7 +279,8 @@ def test_requeue_moves_them_back_each_after_its_confirm(amqp_url: str, broker: B
         ("dead-0", b"body 0"),
         ("dead-1", b"body 1"),
     ]
-    # a fresh start: the dead-letter headers and the attempt count are gone, the rest kept
+    # a fresh start: the dead-letter headers and the attempt and delivery counts are gone,
+    # the rest kept
     assert all(p.headers == {"tenant": "acme"} for p, _ in moved)
     result = run_cli("dead-letters", queue, "--requeue", url=amqp_url)
     assert result.returncode == 0, result.stderr

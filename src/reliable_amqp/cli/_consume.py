@@ -6,6 +6,11 @@ flushed and synced to disk: lines are written a batch at a time, one ``fsync`` p
 the whole batch is acked with one ``multiple`` ack. A batch that cannot be written is not acked
 (the broker gives its messages back) and is cut off the file again.
 
+It reads with a plain channel (``basic.consume``, ``--prefetch``, manual acks), not with
+:class:`~reliable_amqp.Consumer`: a line that cannot be written is a reason to leave its message
+where it is, not to retry it through a delay queue and dead-letter it; and ``--count N`` must
+take exactly N. A lost connection ends the run (exit 3): what was not acked is the broker's again.
+
 ``dead-letters QUEUE`` lists what ``QUEUE.dead`` holds (the reason, exception type and attempts
 the consumer put in its headers) without taking anything away; ``--export FILE`` writes the same
 as JSON lines; ``--requeue`` moves each one back to its queue, acked only after the broker
@@ -47,15 +52,27 @@ from reliable_amqp.cli._parse import (
     printable,
 )
 
-#: headers the consumer puts on a dead letter (and the attempt header), dropped on --requeue
-DEAD_LETTER_HEADERS = (
-    "x-death-reason",
-    "x-exception-type",
-    "x-attempts",
-    "x-original-queue",
-    "x-original-exchange",
-    "x-original-routing-key",
-    "x-consume-attempt",
+#: dropped on --requeue, for a fresh start: the headers the consumer puts on a dead letter and
+#: its attempt header (``_core/redelivery.py``), and those the broker adds when it delivers or
+#: dead-letters (a carried ``x-delivery-count`` would count the old copy's deliveries again)
+DEAD_LETTER_HEADERS = frozenset(
+    {
+        "x-death-reason",
+        "x-exception-type",
+        "x-attempts",
+        "x-original-queue",
+        "x-original-exchange",
+        "x-original-routing-key",
+        "x-consume-attempt",
+        "x-delivery-count",
+        "x-death",
+        "x-first-death-exchange",
+        "x-first-death-queue",
+        "x-first-death-reason",
+        "x-last-death-exchange",
+        "x-last-death-queue",
+        "x-last-death-reason",
+    }
 )
 DEFAULT_PREFETCH = 500
 DEFAULT_BATCH = 250
