@@ -185,25 +185,54 @@ def claim_sql(dialect: str, t: InboxTables) -> str:
     return f"INSERT OR IGNORE INTO {t.name} {columns}"
 
 
-def prune_sql(dialect: str, table: str, column: str, scoped: bool) -> str:
-    """Delete at most a batch (``%s`` rows) older than ``%s`` (of one scope when ``scoped``).
-    Parameters: cutoff, [scope,] limit."""
+@dataclass(frozen=True)
+class PruneStep:
+    """How to delete one batch of old rows from one table.
+
+    PostgreSQL and SQLite: ``delete`` alone (parameters: cutoff, [scope,] limit). MariaDB and
+    MySQL: ``select`` finds the batch's keys with a plain read (parameters as above), then
+    ``delete_keys(scope, n)`` deletes them by primary key (parameters: scope, n ids, cutoff).
+    A ranged ``DELETE ... LIMIT`` there locks every row and gap its scan passes (REPEATABLE
+    READ, InnoDB's default), which held new claims for half a second (measured); deleting by
+    key locks only the rows deleted.
+    """
+
+    table: str
+    column: str
+    scoped: bool
+    dialect: str
+    delete: str | None
+    select: str | None
+
+    def delete_keys(self, count: int) -> str:
+        marks = ", ".join(["%s"] * count)
+        return (
+            f"DELETE FROM {quote(self.dialect, self.table)} WHERE scope = %s"
+            f" AND message_id IN ({marks}) AND {self.column} < %s"
+        )
+
+
+def prune_step(dialect: str, table: str, column: str, scoped: bool) -> PruneStep:
+    """The batch delete of rows older than a cutoff (of one scope when ``scoped``)."""
     scope = " AND scope = %s" if scoped else ""
     if dialect == "postgresql":
         # ctid: the rows the subquery found, by their physical address, in one statement
-        return (
+        delete = (
             f"DELETE FROM {table} WHERE ctid = ANY(ARRAY("
             f"SELECT ctid FROM {table} WHERE {column} < %s{scope} LIMIT %s))"
         )
+        return PruneStep(table, column, scoped, dialect, delete, None)
     if dialect == "mysql":
-        return (
-            f"DELETE FROM {quote(dialect, table)} WHERE {column} < %s{scope}"
+        select = (
+            f"SELECT scope, message_id FROM {quote(dialect, table)} WHERE {column} < %s{scope}"
             f" ORDER BY {column} LIMIT %s"
         )
-    return (
+        return PruneStep(table, column, scoped, dialect, None, select)
+    delete = (
         f"DELETE FROM {table} WHERE rowid IN ("
         f"SELECT rowid FROM {table} WHERE {column} < %s{scope} LIMIT %s)"
     )
+    return PruneStep(table, column, scoped, dialect, delete, None)
 
 
 def attempt_upsert_sql(dialect: str, t: InboxTables) -> str:
