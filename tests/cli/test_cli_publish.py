@@ -320,8 +320,10 @@ def test_help_and_version() -> None:
     result = run_cli("--help", url=None)
     assert result.returncode == 0 and "publish" in result.stdout and "bench" in result.stdout
     assert "exit codes" in result.stdout
+    assert "With --failed PATH" not in result.stdout  # publish's note, in publish's --help
     publish_help = run_cli("publish", "--help", url=None)
     assert publish_help.returncode == 0 and "--failed" in publish_help.stdout
+    assert "With --failed PATH" in publish_help.stdout
     assert "guest:guest" not in publish_help.stdout
     version = run_cli("--version", url=None)
     assert version.returncode == 0 and version.stdout.strip().startswith("reliable-amqp ")

@@ -47,6 +47,18 @@ With --failed PATH, every message that was not confirmed is written to PATH (JSO
 `reliable-amqp publish --format jsonl PATH` publishes again with the same message ids).
 """
 
+# The top-level --help's (EPILOG above is publish's): what the codes mean for every command.
+COMMANDS_EPILOG = """\
+exit codes, for every command:
+  0    done: everything asked for went through
+  1    not everything did (messages not confirmed, failed rows or dead letters left, damage
+       found); the command says which
+  2    bad arguments or bad input: nothing was done
+  3    the broker, or the outbox's database, could not be reached
+  130  interrupted (Ctrl-C)
+`reliable-amqp COMMAND --help` shows a command's flags (and for publish, what --failed keeps).
+"""
+
 
 def count(text: str) -> int:
     """argparse type: a whole number >= 0."""
@@ -375,7 +387,7 @@ def build_parser(
     parser = argparse.ArgumentParser(
         prog="reliable-amqp",
         description="Publish to RabbitMQ/LavinMQ with publisher confirms, losing nothing.",
-        epilog=EPILOG,
+        epilog=COMMANDS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
