@@ -287,16 +287,20 @@ def test_requeue_moves_them_back_each_after_its_confirm(amqp_url: str, broker: B
     assert broker.count(dead) == 0 and broker.count(queue) == 1
 
 
+@pytest.mark.parametrize("origin", ["gone", "itself"])
 def test_requeue_that_is_not_confirmed_leaves_the_dead_letter(
-    amqp_url: str, broker: BrokerAdmin
+    amqp_url: str, broker: BrokerAdmin, origin: str
 ) -> None:
-    """Its original queue is gone: the republish comes back unroutable, so it is not acked."""
+    """Its original queue is gone: the republish comes back unroutable, so it is not acked.
+    Or it names the dead-letter queue itself: moving it there would never end."""
     queue = broker.queue()
     dead = broker.queue(f"{queue}.dead")
-    _dead_letters(amqp_url, queue, dead, 2, origin=unique("gone"))
+    _dead_letters(amqp_url, queue, dead, 2, origin=unique("gone") if origin == "gone" else dead)
     result = run_cli("dead-letters", queue, "--requeue", url=amqp_url)
     assert result.returncode == 1
     assert "2 stay in" in result.stderr
+    if origin == "itself":
+        assert f"its x-original-queue is {dead} itself" in result.stderr
     assert broker.count(dead) == 2
 
 

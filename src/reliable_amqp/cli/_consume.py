@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterator, Mapping
+from concurrent.futures import wait
 from contextlib import contextmanager
 from types import FrameType
 from typing import IO, Any
@@ -420,7 +421,7 @@ def _describe(properties: pika.BasicProperties, queue: str) -> str:
     kind = text("x-exception-type", "")
     reason = text("x-death-reason")
     return (
-        f"  {printable(properties.message_id or '-')}  attempts {text('x-attempts')}  "
+        f"  {_id(properties)}  attempts {text('x-attempts')}  "
         f"{kind + ': ' if kind else ''}{reason}  (from {printable(_origin(properties, queue))})"
     )
 
@@ -450,13 +451,20 @@ def _requeue(
             futures = []
             for tag, properties, body in batch:
                 target = _origin(properties, args.queue)
+                if target == dead:  # it would come round again, and again
+                    failed.append(f"{_id(properties)}: its x-original-queue is {dead} itself")
+                    continue
                 kwargs = _publish_properties(properties)
                 futures.append((tag, properties, publisher.publish("", target, body, **kwargs)))
+            # the reading connection's heartbeats go on while the confirms come
+            pending = [future for _, _, future in futures]
+            while wait(pending, timeout=0.05).not_done:
+                channel.connection.process_data_events(time_limit=0)
             for tag, properties, future in futures:
                 try:
                     future.result()
                 except PublishError as exc:  # not acked: it stays a dead letter
-                    failed.append(f"{printable(properties.message_id or '-')}: {printable(exc)}")
+                    failed.append(f"{_id(properties)}: {printable(exc)}")
                     continue
                 channel.basic_ack(tag)
                 moved += 1
@@ -468,6 +476,10 @@ def _requeue(
         print(f"reliable-amqp: {len(failed):,} stay in {dead}", file=sys.stderr)
         return EXIT_NOT_CONFIRMED
     return EXIT_OK
+
+
+def _id(properties: pika.BasicProperties) -> str:
+    return printable(properties.message_id or "-")
 
 
 def _publish_properties(properties: pika.BasicProperties) -> dict[str, Any]:
