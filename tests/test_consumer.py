@@ -1,0 +1,349 @@
+"""The consumer's contract against the real broker (docs/consumer.md, one test per line).
+
+Faults (kill -9, closed connections, SIGTERM, a deleted queue, crash loops) are in
+tests/consumer/; here: ack after the work, batched acks, retries and dead letters, Reject,
+concurrency, stop from anywhere, and options refused with a typed error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pika.exceptions
+import pytest
+
+from broker_support import BrokerAdmin
+from reliable_amqp import (
+    AsyncConsumer,
+    ConfigurationError,
+    Consumer,
+    Delivery,
+    Publisher,
+    Reject,
+    RetryPolicy,
+)
+from reliable_amqp._core.redelivery import delay_levels, delay_queue
+
+pytestmark = pytest.mark.broker
+
+FAST = RetryPolicy(max_attempts=3, initial_delay=0.3, multiplier=2.0, jitter=0.0)
+
+
+@pytest.fixture
+def consumed_queue(broker: BrokerAdmin) -> Iterator[Callable[..., str]]:
+    """Declare a queue whose consumer's dead-letter and delay queues are deleted after too."""
+    made: list[tuple[str, RetryPolicy]] = []
+
+    def make(policy: RetryPolicy = FAST, **arguments: object) -> str:
+        name = broker.queue(**arguments)  # type: ignore[arg-type]
+        made.append((name, policy))
+        return name
+
+    yield make
+    ch = broker._ch()
+    for name, policy in made:
+        ch.queue_delete(f"{name}.dead")
+        for level in delay_levels(policy):
+            ch.queue_delete(delay_queue(name, level))
+
+
+def fill(url: str, queue: str, bodies: list[bytes], **props: Any) -> None:
+    with Publisher(url) as publisher:
+        for i, body in enumerate(bodies):
+            publisher.publish("", queue, body, message_id=f"m{i}", **props)
+        assert publisher.flush(30) == 0
+
+
+def run_in_thread(consumer: Consumer, handler: Callable[[Delivery], Any]) -> threading.Thread:
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            consumer.run(handler)
+        except BaseException as exc:  # reported by the test through join_clean
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.errors = errors  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def join_clean(thread: threading.Thread, timeout: float = 60) -> None:
+    thread.join(timeout)
+    assert not thread.is_alive(), "run() did not return"
+    assert not thread.errors, thread.errors  # type: ignore[attr-defined]
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what or check}")
+        time.sleep(0.02)
+
+
+def dead_count(broker: BrokerAdmin, queue: str) -> int:
+    """Messages in ``queue``'s dead-letter queue (0 until the consumer declared it)."""
+    try:
+        return broker.count(f"{queue}.dead")
+    except pika.exceptions.ChannelClosedByBroker:
+        return 0
+
+
+@pytest.mark.rabbitmq_only(reason="reads messages_unacknowledged with rabbitmqctl")
+def test_a_message_is_acked_only_after_its_handler_returned(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
+) -> None:
+    queue = consumed_queue()
+    fill(amqp_url, queue, [b"one"])
+    entered, release = threading.Event(), threading.Event()
+    consumer = Consumer(amqp_url, queue, redelivery=FAST)
+
+    def handler(delivery: Delivery) -> None:
+        entered.set()
+        assert release.wait(30)
+        consumer.stop()
+
+    thread = run_in_thread(consumer, handler)
+    assert entered.wait(30)
+    # the handler runs: the message is delivered and not acked
+    assert broker.count(queue) == 0
+    assert _unacked_via_cli(queue) == 1
+    ch = broker._ch()
+    assert ch.queue_declare(queue, passive=True).method.consumer_count == 1
+    release.set()
+    join_clean(thread)
+    assert broker.count(queue) == 0
+    assert consumer.stats.handled == 1
+    # acked, not requeued: nothing comes back once the consumer is gone
+    assert broker.drain(queue) == []
+
+
+def test_every_message_is_handled_once_and_acks_are_batched(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
+) -> None:
+    queue = consumed_queue()
+    n = 2000
+    fill(amqp_url, queue, [b"%d" % i for i in range(n)])
+    seen: list[str | None] = []
+    consumer = Consumer(amqp_url, queue, prefetch=200, redelivery=FAST)
+
+    def handler(delivery: Delivery) -> None:
+        seen.append(delivery.message_id)
+        assert delivery.attempt == 1 and not delivery.redelivered
+        if len(seen) == n:
+            consumer.stop()
+
+    thread = run_in_thread(consumer, handler)
+    join_clean(thread)
+    assert sorted(seen, key=lambda m: int(str(m)[1:])) == [f"m{i}" for i in range(n)]
+    assert broker.count(queue) == 0
+    assert broker.drain(queue) == []  # nothing was left unacked to come back
+
+
+@pytest.mark.rabbitmq_only(reason="reads messages_unacknowledged with rabbitmqctl")
+def test_a_few_messages_are_acked_when_the_consumer_goes_idle(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
+) -> None:
+    """Fewer than a batch of acks must not wait for more messages that never come."""
+    queue = consumed_queue()
+    fill(amqp_url, queue, [b"a", b"b", b"c"])
+    consumer = Consumer(amqp_url, queue, prefetch=100, redelivery=FAST)
+    handled = threading.Event()
+    count = 0
+
+    def handler(delivery: Delivery) -> None:
+        nonlocal count
+        count += 1
+        if count == 3:
+            handled.set()
+
+    thread = run_in_thread(consumer, handler)
+    assert handled.wait(30)
+    # while the consumer still runs, the three acks reach the broker (below a batch of 10)
+    ch = broker._ch()
+    wait_until(lambda: _unacked_via_cli(queue) == 0, what="the acks of 3 messages while running")
+    consumer.stop()
+    join_clean(thread)
+    assert ch.queue_declare(queue, passive=True).method.message_count == 0
+
+
+def _unacked_via_cli(queue: str) -> int:
+    import subprocess
+
+    out = subprocess.run(
+        ["rabbitmqctl", "-q", "list_queues", "name", "messages_unacknowledged"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] == queue:
+            return int(parts[1])
+    raise AssertionError(f"queue {queue} not listed")
+
+
+def test_a_failing_message_is_retried_after_the_delay_then_dead_lettered(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
+) -> None:
+    policy = RetryPolicy(max_attempts=3, initial_delay=0.5, multiplier=2.0, jitter=0.0)
+    queue = consumed_queue(policy)
+    fill(amqp_url, queue, [b"bad"] + [b"ok"] * 199)
+    calls: list[tuple[int, float]] = []
+    others = 0
+    consumer = Consumer(amqp_url, queue, prefetch=50, redelivery=policy)
+
+    def handler(delivery: Delivery) -> None:
+        nonlocal others
+        if delivery.message_id == "m0":
+            calls.append((delivery.attempt, time.monotonic()))
+            raise ValueError("cannot handle m0")
+        others += 1
+
+    thread = run_in_thread(consumer, handler)
+    wait_until(lambda: dead_count(broker, queue) == 1, timeout=60, what="the dead letter")
+    consumer.stop()
+    join_clean(thread)
+    assert others == 199
+    assert [a for a, _ in calls] == [1, 2, 3]  # exactly max_attempts calls
+    gaps = [calls[i + 1][1] - calls[i][1] for i in range(len(calls) - 1)]
+    assert gaps[0] >= 0.5 and gaps[1] >= 1.0, gaps  # at least the policy's delays apart
+    [(props, body)] = broker.drain(f"{queue}.dead")
+    assert body == b"bad" and props.message_id == "m0"
+    headers = props.headers
+    assert headers["x-death-reason"] == "cannot handle m0"
+    assert headers["x-exception-type"] == "builtins.ValueError"
+    assert headers["x-attempts"] == 3
+    assert headers["x-original-queue"] == queue
+    assert consumer.stats.retried == 2 and consumer.stats.dead_lettered == 1
+    assert broker.count(queue) == 0
+
+
+def test_reject_dead_letters_after_one_call(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str], caplog: Any
+) -> None:
+    queue = consumed_queue()
+    fill(amqp_url, queue, [b"not json"])
+    calls = 0
+    consumer = Consumer(amqp_url, queue, redelivery=FAST)
+
+    def handler(delivery: Delivery) -> None:
+        nonlocal calls
+        calls += 1
+        raise Reject("body is not JSON")
+
+    with caplog.at_level("WARNING", logger="reliable_amqp"):
+        thread = run_in_thread(consumer, handler)
+        wait_until(lambda: dead_count(broker, queue) == 1, what="the dead letter")
+        consumer.stop()
+        join_clean(thread)
+    assert calls == 1
+    [(props, _)] = broker.drain(f"{queue}.dead")
+    assert props.headers["x-death-reason"] == "body is not JSON"
+    assert props.headers["x-attempts"] == 1
+    # one WARNING per dead letter, never silence and never twice
+    warnings = [r for r in caplog.records if "dead-lettered" in r.getMessage()]
+    assert len(warnings) == 1 and "body is not JSON" in warnings[0].getMessage()
+
+
+def test_stop_from_inside_the_handler_acks_it_and_gives_the_rest_back(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
+) -> None:
+    queue = consumed_queue()
+    fill(amqp_url, queue, [b"%d" % i for i in range(50)])
+    consumer = Consumer(amqp_url, queue, prefetch=20, redelivery=FAST)
+    handled: list[str | None] = []
+
+    def handler(delivery: Delivery) -> None:
+        handled.append(delivery.message_id)
+        if len(handled) == 5:
+            consumer.stop()
+
+    with consumer:
+        consumer.run(handler)  # in this thread: returns after the stop
+    assert len(handled) == 5
+    rest = broker.drain(queue)
+    assert len(rest) == 45  # the 15 prefetched but unstarted went back, none lost
+    assert {p.message_id for p, _ in rest} == {f"m{i}" for i in range(50)} - set(handled)
+
+
+def test_async_consumer_runs_handlers_concurrently(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
+) -> None:
+    queue = consumed_queue()
+    n = 1000
+    fill(amqp_url, queue, [b"%d" % i for i in range(n)])
+    consumer = AsyncConsumer(amqp_url, queue, prefetch=100, concurrency=16, redelivery=FAST)
+    seen: set[str | None] = set()
+    running = 0
+    peak = 0
+
+    async def handler(delivery: Delivery) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.05)
+        running -= 1
+        seen.add(delivery.message_id)
+        if len(seen) == n:
+            consumer.stop()
+
+    started = time.monotonic()
+    asyncio.run(asyncio.wait_for(consumer.run(handler), 120))
+    elapsed = time.monotonic() - started
+    assert len(seen) == n
+    assert peak == 16
+    assert elapsed < 12, f"1,000 messages of 50 ms at concurrency 16 took {elapsed:.1f} s"
+    assert broker.count(queue) == 0
+    assert broker.drain(queue) == []
+
+
+def test_async_handler_past_its_timeout_is_cancelled_and_retried(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
+) -> None:
+    queue = consumed_queue()
+    fill(amqp_url, queue, [b"slow"])
+    consumer = AsyncConsumer(amqp_url, queue, handler_timeout=0.2, redelivery=FAST)
+    attempts: list[int] = []
+    cancelled = 0
+
+    async def handler(delivery: Delivery) -> None:
+        nonlocal cancelled
+        attempts.append(delivery.attempt)
+        if delivery.attempt == 1:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled += 1
+                raise
+        consumer.stop()
+
+    asyncio.run(asyncio.wait_for(consumer.run(handler), 60))
+    assert attempts == [1, 2] and cancelled == 1
+    assert broker.count(queue) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"prefetch": 0}, "prefetch must be an integer from 1 to 65535"),
+        ({"prefetch": 70000}, "prefetch must be"),
+        ({"redelivery": RetryPolicy(max_attempts=None)}, "max_attempts"),
+        ({"concurrency": 0}, "concurrency"),
+        ({"stop_timeout": -1}, "stop_timeout"),
+        ({"no_such_option": 1}, "unknown consumer option 'no_such_option'"),
+    ],
+)
+def test_bad_options_are_refused_with_a_typed_error(kwargs: dict[str, Any], words: str) -> None:
+    cls: Any = AsyncConsumer if "concurrency" in kwargs else Consumer
+    with pytest.raises(ConfigurationError, match=words):
+        cls("amqp://guest:guest@127.0.0.1/", "q", **kwargs)
+    with pytest.raises(ConfigurationError, match="queue must be"):
+        Consumer("amqp://guest:guest@127.0.0.1/", "")
