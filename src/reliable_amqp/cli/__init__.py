@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from reliable_amqp._core.errors import ConfigurationError, SpoolError
 from reliable_amqp.cli._bench import add_bench_arguments, run_bench
 from reliable_amqp.cli._consume import CONSUME_COMMANDS, run_consume, run_dead_letters
+from reliable_amqp.cli._inbox import INBOX_COMMANDS
 from reliable_amqp.cli._outbox import add_outbox_arguments
 from reliable_amqp.cli._parse import (
     EXIT_CONNECTION,
@@ -48,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             add_bench_arguments,
             add_spool_arguments,
             add_outbox_arguments,
-            more=CONSUME_COMMANDS,
+            more=(*CONSUME_COMMANDS, *INBOX_COMMANDS),
         )
         args = parser.parse_args(argv)
     except KeyboardInterrupt:  # while starting: nothing was done yet
@@ -68,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from reliable_amqp.cli._outbox import run_outbox
 
             return run_outbox(args)
+        if args.command == "inbox":
+            from reliable_amqp.cli._inbox import run_inbox
+
+            return run_inbox(args)
         return run_bench(args)
     except (UsageError, ConfigurationError, SpoolError) as exc:
         # one line, no traceback; a ConfigurationError never holds a password
