@@ -1,0 +1,174 @@
+"""Support for the consumer's fault tests: messages in, a child consumer, its record read back.
+
+The child (``child_consumer.py``) runs a :class:`reliable_amqp.Consumer` in a process of its own
+and appends what its handler does to a file; :class:`ChildConsumer` starts it, kills it and reads
+that file. Waits are on events (lines in the file, a queue count, a process exit), each bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pika
+
+from reliable_amqp import Publisher, RetryPolicy
+from reliable_amqp._core.redelivery import delay_levels, delay_queue
+
+CHILD = Path(__file__).with_name("child_consumer.py")
+#: a short redelivery policy, so the delay queues a consumer declares are few and quick
+QUICK = RetryPolicy(max_attempts=3, initial_delay=0.1, max_delay=0.2, jitter=0.0)
+
+
+def fill(url: str, queue: str, ids: Iterable[str], **properties: Any) -> int:
+    """Publish one message per id (body and ``message_id`` both the id), all confirmed."""
+    count = 0
+    with Publisher(url, max_in_flight=2000) as publisher:
+        for message_id in ids:
+            publisher.publish("", queue, message_id.encode(), message_id=message_id, **properties)
+            count += 1
+        assert publisher.flush(timeout=120) == 0, "the test's messages were not all confirmed"
+    return count
+
+
+def side_queues(queue: str, policy: RetryPolicy = QUICK) -> list[str]:
+    """The queues a consumer of ``queue`` declares besides it: dead letters and delay levels."""
+    return [f"{queue}.dead", *(delay_queue(queue, level) for level in delay_levels(policy))]
+
+
+def delete_queues(url: str, names: Iterable[str]) -> None:
+    """Delete queues (those a consumer declared for itself), whatever state they are in."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        for name in names:
+            channel.queue_delete(name)
+    finally:
+        connection.close()
+
+
+def wait_until(
+    predicate: Callable[[], bool], timeout: float, what: str, step: float = 0.02
+) -> None:
+    """Poll ``predicate`` until it holds; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+
+
+class Record:
+    """What one or more child consumers wrote to their shared file."""
+
+    def __init__(self, text: str) -> None:
+        self.started: list[tuple[str, int, bool]] = []
+        self.handled: list[tuple[str, int, bool]] = []
+        self.exits: list[dict[str, Any]] = []
+        self.subscribed = 0
+        for line in text.splitlines():
+            kind, _, rest = line.partition(" ")
+            if kind in ("S", "H"):
+                message_id, attempt, redelivered = rest.split(" ")
+                row = (message_id, int(attempt), redelivered == "1")
+                (self.started if kind == "S" else self.handled).append(row)
+            elif kind == "SUBSCRIBED":
+                self.subscribed += 1
+            elif kind == "EXIT":
+                self.exits.append(json.loads(rest))
+
+    def handled_ids(self) -> Counter[str]:
+        """How many times the handler returned for each message id."""
+        return Counter(message_id for message_id, _, _ in self.handled)
+
+    def started_ids(self) -> Counter[str]:
+        """How many times the handler was called for each message id."""
+        return Counter(message_id for message_id, _, _ in self.started)
+
+
+class ChildConsumer:
+    """Child consumer processes that share one record file (one after another, or at once)."""
+
+    def __init__(self, tmp: Path, url: str, queue: str, **config: Any) -> None:
+        self.out = tmp / "record.txt"
+        self.out.touch()
+        self.stderr = tmp / "stderr.txt"
+        self.config = {"url": url, "queue": queue, "out": str(self.out), **config}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, **overrides: Any) -> subprocess.Popen[bytes]:
+        """Start one more child (``overrides`` change its config)."""
+        config = {**self.config, **overrides}
+        with open(self.stderr, "ab") as err:
+            proc = subprocess.Popen(
+                [sys.executable, str(CHILD), json.dumps(config)],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        self.proc = proc
+        self.procs.append(proc)
+        return proc
+
+    def record(self) -> Record:
+        return Record(self.out.read_text())
+
+    def wait_record(self, predicate: Callable[[Record], bool], timeout: float, what: str) -> Record:
+        """Wait until the record satisfies ``predicate``; fails early if the child died."""
+        deadline = time.monotonic() + timeout
+        while True:
+            record = self.record()
+            if predicate(record):
+                return record
+            proc = self.proc
+            if proc is not None and proc.poll() is not None:
+                record = self.record()  # it may have written its last lines as it ended
+                if predicate(record):
+                    return record
+                raise AssertionError(
+                    f"the child consumer exited ({proc.returncode}) before {what}:\n"
+                    f"{self.errors()[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"timed out after {timeout} s waiting for {what}\n{self.errors()[-3000:]}"
+                )
+            time.sleep(0.02)
+
+    def gate(self, count: int) -> None:
+        """Let a child paused at handled count ``count`` go on."""
+        Path(f"{self.out}.gate{count}").touch()
+
+    def kill9(self) -> None:
+        """SIGKILL the current child and reap it."""
+        proc = self.proc
+        assert proc is not None
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+
+    def terminate(self, timeout: float = 30.0) -> tuple[int, float]:
+        """SIGTERM the current child; (exit code, seconds it took to exit)."""
+        proc = self.proc
+        assert proc is not None
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout)
+        return code, time.monotonic() - began
+
+    def errors(self) -> str:
+        return self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
+
+    def close(self) -> None:
+        """Kill whatever child still runs (a failed test)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)

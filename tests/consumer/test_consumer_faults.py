@@ -1,0 +1,179 @@
+"""The Consumer under faults (issue 39, "What it must show"): each test proves one line of the
+contract in docs/consumer.md against a real broker.
+
+The process faults (kill -9, connections closed, SIGTERM, a crash loop) run the consumer in a
+child process (``child_consumer.py``) that records each handler call in a file, so kill -9 is
+real and the parent counts what was handled. The others (a deleted queue, a long handler,
+prefetch, ``consumer_timeout``) kill no process and run the Consumer on a thread of the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker_support import BrokerAdmin, unique
+from consumer.consumer_support import (
+    QUICK,
+    ChildConsumer,
+    delete_queues,
+    fill,
+    side_queues,
+    wait_until,
+)
+from harness.node import DisposableBroker
+
+pytestmark = [pytest.mark.broker]
+
+#: the child's redelivery policy (a RetryPolicy's fields: JSON to the child)
+QUICK_CONFIG = {"max_attempts": 3, "initial_delay": 0.1, "max_delay": 0.2, "jitter": 0.0}
+
+
+@pytest.fixture
+def child_factory(tmp_path: Path) -> Iterator[Callable[..., ChildConsumer]]:
+    """``child_factory(url, queue, **config)``: a ChildConsumer whose processes die with the
+    test; the consumer's own queues (dead letters, delay levels) are deleted after it."""
+    made: list[ChildConsumer] = []
+
+    def factory(url: str, queue: str, **config: Any) -> ChildConsumer:
+        config.setdefault("redelivery", QUICK_CONFIG)
+        place = tmp_path / f"child{len(made)}"
+        place.mkdir()
+        child = ChildConsumer(place, url, queue, **config)
+        made.append(child)
+        return child
+
+    yield factory
+    for child in made:
+        child.close()
+        delete_queues(child.config["url"], side_queues(child.config["queue"], QUICK))
+
+
+# --- kill -9 ---------------------------------------------------------------------------------
+
+KILL_TOTAL = 5000
+KILL_PREFETCH = 100
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_kill_9_twice_mid_run_every_message_handled_queue_empty(
+    amqp_url: str, broker: BrokerAdmin, child_factory: Callable[..., ChildConsumer]
+) -> None:
+    queue = broker.queue(unique("c-kill"))
+    ids = [f"m{i:05d}" for i in range(KILL_TOTAL)]
+    fill(amqp_url, queue, ids)
+    # pace: a handler of ~0.3 ms, so the kills land mid-run on a fast machine too
+    child = child_factory(amqp_url, queue, prefetch=KILL_PREFETCH, pace=0.0003)
+    for kill_at in (1000, 2500):
+        child.start()
+        child.wait_record(
+            lambda r, n=kill_at: len(r.handled_ids()) >= n, 120, f"{kill_at} messages handled"
+        )
+        child.kill9()
+        assert len(child.record().handled_ids()) < KILL_TOTAL, "the kill came after the run"
+    child.start()
+    child.wait_record(
+        lambda r: len(r.handled_ids()) == KILL_TOTAL, 180, "every message handled once at least"
+    )
+    code, _ = child.terminate()
+    assert code == 0, child.errors()
+    record = child.record()
+    counts = record.handled_ids()
+    assert set(counts) == set(ids)
+    # Duplicates: only what was handled but not yet acked when each kill landed, at most the
+    # prefetch window per kill.
+    duplicates = sum(counts.values()) - KILL_TOTAL
+    assert duplicates <= 2 * KILL_PREFETCH, duplicates
+    assert broker.count(queue) == 0  # the last consumer stopped: nothing unacked came back
+    assert record.exits and record.exits[-1]["dead_lettered"] == 0
+
+
+# --- connections closed by the broker ----------------------------------------------------------
+
+CLOSE_TOTAL = 20_000
+CLOSE_GATES = (4000, 9000, 14000)
+
+
+def close_connections(node: DisposableBroker, name: str) -> int:
+    """Have the broker close every connection whose client-given name contains ``name`` (the
+    consumer's and its redelivery publisher's), as ``rabbitmqctl close_connection`` does; only
+    this test's connections, found by name in one CLI call. Returns how many."""
+    expr = (
+        f'Name = <<"{name}">>, '
+        "Pids = [P || P <- rabbit_networking:connections(), begin "
+        "Props = proplists:get_value(client_properties, "
+        "rabbit_networking:connection_info(P, [client_properties]), []), "
+        'case lists:keyfind(<<"connection_name">>, 1, Props) of '
+        "{_, longstr, V} -> binary:match(V, Name) =/= nomatch; _ -> false end end], "
+        '[rabbit_networking:close_connection(P, "closed by the consumer fault test") '
+        "|| P <- Pids], length(Pids)."
+    )
+    return int(node.ctl("eval", expr).strip())
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_broker_closes_connections_three_times_every_message_handled(
+    disposable_broker: DisposableBroker,
+    child_factory: Callable[..., ChildConsumer],
+) -> None:
+    url = disposable_broker.url
+    admin = BrokerAdmin(url)
+    try:
+        queue = admin.queue(unique("c-close"))
+        ids = [f"m{i:05d}" for i in range(CLOSE_TOTAL)]
+        fill(url, queue, ids)
+        name = unique("conn")
+        # The handler pauses at each gate until the test has closed the connections: each close
+        # lands mid-run at a known point, however fast or slow the machine.
+        child = child_factory(url, queue, prefetch=200, connection_name=name, gates=CLOSE_GATES)
+        child.start()
+        for gate in CLOSE_GATES:
+            child.wait_record(lambda r, n=gate: len(r.handled) >= n, 120, f"{gate} handler calls")
+            assert close_connections(disposable_broker, name) >= 1
+            child.gate(gate)
+        child.wait_record(
+            lambda r: len(r.handled_ids()) == CLOSE_TOTAL, 180, "every message handled"
+        )
+        code, _ = child.terminate()
+        assert code == 0, child.errors()
+        record = child.record()
+        assert set(record.handled_ids()) == set(ids)
+        # One recovery per close, never a give-up: the consumer subscribed again each time.
+        assert record.exits[-1]["recoveries"] == len(CLOSE_GATES), record.exits
+        assert "lost its subscription" in child.errors()
+        assert admin.count(queue) == 0
+    finally:
+        admin.close()
+
+
+# --- SIGTERM during a slow handler --------------------------------------------------------------
+
+
+@pytest.mark.faults
+def test_sigterm_during_slow_handler_acks_it_and_gives_back_the_rest(
+    amqp_url: str, broker: BrokerAdmin, child_factory: Callable[..., ChildConsumer]
+) -> None:
+    queue = broker.queue(unique("c-term"))
+    total, prefetch = 30, 10
+    ids = [f"m{i:02d}" for i in range(total)]
+    fill(amqp_url, queue, ids)
+    child = child_factory(amqp_url, queue, prefetch=prefetch, slow=2.0)
+    child.start()
+    child.wait_record(lambda r: bool(r.started), 60, "the first handler call")
+    # The broker has handed the consumer its prefetch window by now (ready = total - prefetch).
+    wait_until(lambda: broker.count(queue) == total - prefetch, 30, "the prefetch window taken")
+    code, seconds = child.terminate()
+    assert code == 0, child.errors()
+    assert seconds < 10, f"the consumer took {seconds:.1f} s to exit after SIGTERM"
+    record = child.record()
+    assert [m for m, _, _ in record.handled] == ["m00"], record.handled  # finished, then stopped
+    assert [m for m, _, _ in record.started] == ["m00"], "a second handler started after SIGTERM"
+    # m00 was acked: not back in the queue. The 9 prefetched, never started, are back (ready).
+    assert broker.count(queue) == total - 1
+    left = [props.message_id for props, _ in broker.drain(queue)]
+    assert sorted(left) == ids[1:]
