@@ -7,7 +7,9 @@ share one partition-publishing function:
   totals) and ``writeStream.foreachBatch(sink.for_batch)``;
 - :class:`AmqpDataSource`, format ``"amqp"`` (``register(spark)`` first):
   ``df.write.format("amqp").mode("append").option("url", ...).save()`` and
-  ``df.writeStream.format("amqp")``.
+  ``df.writeStream.format("amqp")``; and, for streams (RabbitMQ, LavinMQ),
+  ``spark.read.format("amqp")`` and ``spark.readStream.format("amqp")``, exactly once into
+  checkpointed sinks (:class:`AmqpStreamReader`).
 
 A task whose rows are not all confirmed raises :class:`RowsNotConfirmed` (Spark retries it where it
 retries tasks, not under a ``local[N]`` master, and a retry republishes the same message ids).
@@ -43,22 +45,30 @@ from reliable_amqp.spark._publish import (
     SinkConfig,
     publish_partition,
 )
+from reliable_amqp.spark._read import AmqpBatchReader, AmqpStreamReader, ReadConfig
 from reliable_amqp.spark._sink import AmqpSink, WriteSummary
+from reliable_amqp.spark._stream import NotAStream, StreamDataLost, StreamNotFound
 from reliable_amqp.spark._totals import SinkTotals
 
 __all__ = [
     "KNOWN_COLUMNS",
+    "AmqpBatchReader",
     "AmqpBatchWriter",
     "AmqpCommitMessage",
     "AmqpDataSource",
     "AmqpSink",
+    "AmqpStreamReader",
     "AmqpStreamWriter",
     "ColumnPlan",
     "CommitTotals",
+    "NotAStream",
     "PartitionResult",
+    "ReadConfig",
     "RowsNotConfirmed",
     "SinkConfig",
     "SinkTotals",
+    "StreamDataLost",
+    "StreamNotFound",
     "TaskInterrupted",
     "WriteSummary",
     "close_cached_publishers",

@@ -1,4 +1,5 @@
-"""The ``"amqp"`` Python Data Source, for ``df.write`` and ``df.writeStream``.
+"""The ``"amqp"`` Python Data Source, for ``df.write`` and ``df.writeStream``, and for
+``spark.read`` and ``spark.readStream`` of streams (:mod:`reliable_amqp.spark._read`).
 
 Register it once per session with :func:`register` (or ``spark.dataSource.register``).
 Options arrive as strings, lower-cased by Spark; see :meth:`SinkConfig.from_strings`. The schema
@@ -32,6 +33,7 @@ from reliable_amqp import ConfigurationError
 from reliable_amqp.spark._logging import driver_log
 from reliable_amqp.spark._mapping import ColumnPlan
 from reliable_amqp.spark._publish import SinkConfig
+from reliable_amqp.spark._read import AmqpBatchReader, AmqpStreamReader, ReadConfig, read_schema
 from reliable_amqp.spark._sink import publish_arrow
 from reliable_amqp.spark._trace import capture
 from reliable_amqp.spark._workers import check_workers
@@ -89,19 +91,35 @@ def commit_totals(messages: Sequence[WriterCommitMessage | None], job: str) -> C
 
 
 class AmqpDataSource(DataSource):
-    """Format ``"amqp"``: write DataFrames (batch or streaming) to an AMQP broker.
+    """Format ``"amqp"``: write DataFrames (batch or streaming) to an AMQP broker, and read
+    streams (RabbitMQ and LavinMQ stream queues) exactly once into checkpointed sinks.
 
     ``.mode("append")`` is the only save mode (messages cannot be overwritten). Options: ``url``
     (required), ``exchange``, ``routing_key``, ``routing_key_column``, ``body_column``,
     ``mandatory``, ``id_prefix``, ``flush_timeout``, and every publisher option as a string
     (``delivery_timeout``, ``max_in_flight``, ``nack_policy.max_attempts``, ...). The options
     Spark adds itself (``queryName``, ``checkpointLocation``, ``path``, ...) are ignored.
+    Reading takes ``stream`` (or ``superStream``), ``startingOffsets``, ``endingOffsets``
+    (batch), ``maxMessagesPerTrigger`` (streaming), ``minPartitions``, ``failOnDataLoss``,
+    ``prefetch`` and the connection options (docs/spark.md, "Reading").
     """
 
     @classmethod
     def name(cls) -> str:
         """The format name: ``"amqp"``."""
         return "amqp"
+
+    def schema(self) -> StructType:
+        """The columns of a read (writes take the DataFrame's own schema)."""
+        return read_schema()
+
+    def reader(self, schema: StructType) -> AmqpBatchReader:
+        """A batch reader (on the driver: checks the options and that the queue is a stream)."""
+        return AmqpBatchReader(ReadConfig.from_strings(dict(self.options), streaming=False))
+
+    def streamReader(self, schema: StructType) -> AmqpStreamReader:
+        """A streaming reader (on the driver: checks the options and the stream)."""
+        return AmqpStreamReader(ReadConfig.from_strings(dict(self.options), streaming=True))
 
     def _config(self, schema: StructType, overwrite: bool) -> tuple[SinkConfig, ColumnPlan]:
         if overwrite:
@@ -205,7 +223,8 @@ class AmqpStreamWriter(DataSourceStreamArrowWriter):
 
 
 def register(spark: SparkSession) -> None:
-    """Register the ``"amqp"`` format with a SparkSession (once per session).
+    """Register the ``"amqp"`` format, for writing and reading, with a SparkSession (once per
+    session).
 
     Raises :class:`ConfigurationError` when the session's Python workers run on this machine in
     an interpreter that cannot import ``reliable_amqp`` (``PYSPARK_PYTHON``: see docs/spark.md).

@@ -1,0 +1,514 @@
+"""Reading streams with the ``"amqp"`` data source: ``spark.read`` and ``spark.readStream``.
+
+An offset, for Spark, is a dict ``{stream: next offset to read}`` (one key per partition stream of
+a super stream). Each micro-batch is the range ``[start, end)`` of every stream, fixed on the
+driver before any task runs and kept in the query's checkpoint; a task reads exactly its range,
+so a replay (after a driver restart, a lost executor, a retried task) reads the same messages.
+``-1`` stands for "the stream's first offset" while a stream is empty (RabbitMQ starts counting at
+0, LavinMQ at 1, and an empty stream does not say which).
+
+The driver side (offsets, planning) runs in a Python worker Spark starts on the driver; tasks run
+:func:`read_partition` in executors' Python workers. Both reach the broker through
+:mod:`reliable_amqp.spark._stream`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from reliable_amqp import ConfigurationError
+from reliable_amqp.spark._logging import driver_log
+from reliable_amqp.spark._publish import SPARK_OPTIONS
+from reliable_amqp.spark._stream import (
+    CONNECTION_OPTIONS,
+    OFFSET_HEADER,
+    Connector,
+    Delivery,
+    StreamDataLost,
+    connector_from_strings,
+    end_offset,
+    first_offset,
+    read_range,
+    refuse_queue,
+    super_stream_partitions,
+)
+
+log = logging.getLogger("reliable_amqp.spark")
+
+#: the columns of a read, in order (Kafka's shape for ``headers``)
+READ_SCHEMA_DDL = (
+    "value binary, message_id string, stream string, offset long, routing_key string, "
+    "exchange string, timestamp timestamp, headers array<struct<key:string,value:binary>>, "
+    "content_type string, correlation_id string, type string"
+)
+#: "the stream's first offset", while a stream is empty
+FIRST = -1
+#: options of the reader itself (lower-cased, as Spark passes them)
+READ_OPTIONS: tuple[str, ...] = (
+    "url",
+    "stream",
+    "superstream",
+    "startingoffsets",
+    "endingoffsets",
+    "maxmessagespertrigger",
+    "minpartitions",
+    "failondataloss",
+    "prefetch",
+)
+_ROWS_PER_BATCH = 5000
+
+Offsets = dict[str, int]
+
+
+def read_schema() -> StructType:
+    """The schema of a read (see :data:`READ_SCHEMA_DDL`; built without a SparkSession)."""
+    header = StructType([StructField("key", StringType()), StructField("value", BinaryType())])
+    return StructType(
+        [
+            StructField("value", BinaryType()),
+            StructField("message_id", StringType()),
+            StructField("stream", StringType()),
+            StructField("offset", LongType()),
+            StructField("routing_key", StringType()),
+            StructField("exchange", StringType()),
+            StructField("timestamp", TimestampType()),
+            StructField("headers", ArrayType(header)),
+            StructField("content_type", StringType()),
+            StructField("correlation_id", StringType()),
+            StructField("type", StringType()),
+        ]
+    )
+
+
+def _spec(name: str, raw: str | None, allowed: tuple[str, ...]) -> str | int | dict[str, int]:
+    """``earliest``/``latest``, a number, or a JSON object ``{"stream": number}``."""
+    if raw is None:
+        raise AssertionError(name)
+    value = raw.strip()
+    if value.lower() in allowed:
+        return value.lower()
+    if value.startswith("{"):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in parsed.values()
+        ):
+            return {str(k): int(v) for k, v in parsed.items()}
+        raise ConfigurationError(f"{name} must map stream names to offsets >= 0, got {raw!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigurationError(
+            f"{name} must be {', '.join(allowed)}, an offset or a JSON object of offsets, "
+            f"got {raw!r}"
+        ) from None
+    if number < 0:
+        raise ConfigurationError(f"{name} must be >= 0, got {raw!r}")
+    return number
+
+
+def _positive(name: str, raw: str) -> int:
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigurationError(f"{name} must be a whole number >= 1, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ReadConfig:
+    """A read's options, checked on the driver and pickled to the tasks."""
+
+    connector: Connector
+    stream: str | None
+    super_stream: str | None
+    starting: str | int | dict[str, int]
+    ending: str | int | dict[str, int]
+    max_per_trigger: int | None
+    min_partitions: int
+    fail_on_data_loss: bool
+    prefetch: int
+
+    @classmethod
+    def from_strings(cls, options: Mapping[str, str], streaming: bool) -> ReadConfig:
+        """Build from a data source's options (lower-cased keys, string values)."""
+        given = {k.lower(): v for k, v in options.items() if k.lower() not in SPARK_OPTIONS}
+        unknown = sorted(set(given) - set(READ_OPTIONS) - set(CONNECTION_OPTIONS))
+        if unknown:
+            raise ConfigurationError(
+                f"unknown option {unknown[0]!r} for reading (known: startingOffsets, "
+                "endingOffsets, maxMessagesPerTrigger, minPartitions, failOnDataLoss, prefetch, "
+                f"stream, superStream, url, {', '.join(CONNECTION_OPTIONS)})"
+            )
+        url = given.pop("url", None)
+        if not url:
+            raise ConfigurationError(
+                'the amqp data source needs .option("url", "amqp://user:pass@host:5672/vhost")'
+            )
+        stream, sup = given.pop("stream", None) or None, given.pop("superstream", None) or None
+        if (stream is None) == (sup is None):
+            raise ConfigurationError(
+                'reading needs one of .option("stream", NAME) or .option("superStream", NAME)'
+            )
+        if "endingoffsets" in given and streaming:
+            raise ConfigurationError("endingOffsets is for spark.read (batch) only")
+        if "maxmessagespertrigger" in given and not streaming:
+            raise ConfigurationError("maxMessagesPerTrigger is for spark.readStream only")
+        starting = _spec(
+            "startingOffsets",
+            given.pop("startingoffsets", "latest" if streaming else "earliest"),
+            ("earliest", "latest"),
+        )
+        ending = _spec("endingOffsets", given.pop("endingoffsets", "latest"), ("latest",))
+        per_trigger = given.pop("maxmessagespertrigger", None)
+        fail = given.pop("failondataloss", "true").strip().lower()
+        if fail not in ("true", "false"):
+            raise ConfigurationError(f"failOnDataLoss must be true or false, got {fail!r}")
+        urls = [u.strip() for u in url.split(",") if u.strip()]
+        connection = {k: v for k, v in given.items() if k in CONNECTION_OPTIONS}
+        limit = _positive("maxMessagesPerTrigger", per_trigger) if per_trigger else None
+        return cls(
+            connector=connector_from_strings(urls, connection),
+            stream=stream,
+            super_stream=sup,
+            starting=starting,
+            ending=ending,
+            max_per_trigger=limit,
+            min_partitions=_positive("minPartitions", given.pop("minpartitions", "1")),
+            fail_on_data_loss=fail == "true",
+            prefetch=_positive("prefetch", given.pop("prefetch", "2000")),
+        )
+
+    def streams(self) -> list[str]:
+        """The streams to read (a super stream's partitions, found on the broker), each checked
+        to be a stream; raises :class:`NotAStream` for a queue."""
+        connection = self.connector.connect()
+        try:
+            if self.super_stream is not None:
+                names = super_stream_partitions(connection, self.super_stream)
+            else:
+                assert self.stream is not None
+                names = [self.stream]
+            for name in names:
+                refuse_queue(name, connection)
+            return names
+        finally:
+            connection.close()
+
+
+@dataclass
+class StreamRange(InputPartition):
+    """One task's work: offsets ``[start, end)`` of one stream."""
+
+    stream: str
+    start: int
+    end: int
+    #: the config travels with the partition: read() must not depend on reader state
+    config: ReadConfig = field(repr=False)
+
+    def __post_init__(self) -> None:
+        InputPartition.__init__(self, (self.stream, self.start, self.end))
+
+
+def _resolve(spec: str | int | dict[str, int], stream: str, connection: Any, *, edge: str) -> int:
+    """An offset spec as a number for ``stream`` (``FIRST`` while the stream is empty)."""
+    if isinstance(spec, dict):
+        if stream not in spec:
+            raise ConfigurationError(f"the offsets given name no offset for stream {stream!r}")
+        return spec[stream]
+    if isinstance(spec, int):
+        return spec
+    if spec == "earliest" or edge == "first":
+        found = first_offset(connection, stream)
+    else:
+        found = end_offset(connection, stream)
+    return FIRST if found is None else found
+
+
+def check_heads(config: ReadConfig, start: Offsets, end: Offsets, connection: Any) -> Offsets:
+    """The range's starts, checked against retention: where a stream's first offset passed a
+    start, raise :class:`StreamDataLost` or (``failOnDataLoss=false``) warn and move the start;
+    ``FIRST`` becomes the stream's first offset."""
+    out: Offsets = {}
+    for stream, stop in end.items():
+        begin = start.get(stream, FIRST)
+        if begin >= stop and begin != FIRST:
+            out[stream] = begin
+            continue
+        first = first_offset(connection, stream)
+        if begin == FIRST:
+            out[stream] = stop if first is None else min(first, stop)
+            continue
+        if first is not None and first > begin:
+            if config.fail_on_data_loss:
+                raise StreamDataLost(stream, begin, first)
+            driver_log().warning(
+                "amqp: stream %r: skipping %d messages (offsets %d..%d) removed by retention "
+                "before this query read them (failOnDataLoss=false)",
+                stream,
+                min(first, stop) - begin,
+                begin,
+                min(first, stop) - 1,
+            )
+            begin = min(first, stop)
+        out[stream] = begin
+    return out
+
+
+def split(config: ReadConfig, start: Offsets, end: Offsets) -> list[StreamRange]:
+    """Cut each stream's range into pieces: ``minPartitions`` pieces in all, shared between the
+    streams by their sizes, at least one per stream with messages to read."""
+    sizes = {s: end[s] - start[s] for s in end if end[s] > start[s]}
+    total = sum(sizes.values())
+    out: list[StreamRange] = []
+    for stream, size in sizes.items():
+        pieces = max(1, min(size, math.floor(config.min_partitions * size / total + 0.5)))
+        step = size / pieces
+        bounds = [start[stream] + round(step * i) for i in range(pieces)] + [end[stream]]
+        out += [
+            StreamRange(stream, bounds[i], bounds[i + 1], config)
+            for i in range(pieces)
+            if bounds[i + 1] > bounds[i]
+        ]
+    return out
+
+
+# --- rows -----------------------------------------------------------------------------------
+
+_ARROW = to_arrow_schema(read_schema(), timezone="UTC")
+
+
+def _header_bytes(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, default=str, sort_keys=True).encode()
+    if isinstance(value, bool):
+        return b"true" if value else b"false"
+    return str(value).encode()
+
+
+def to_batch(stream: str, deliveries: Sequence[Delivery]) -> pa.RecordBatch:
+    """One Arrow record batch of the read's schema."""
+    cols: dict[str, list[Any]] = {f.name: [] for f in _ARROW}
+    for d in deliveries:
+        p = d.properties
+        cols["value"].append(d.body)
+        cols["message_id"].append(p.message_id)
+        cols["stream"].append(stream)
+        cols["offset"].append(d.offset)
+        cols["routing_key"].append(d.routing_key)
+        cols["exchange"].append(d.exchange)
+        cols["timestamp"].append(p.timestamp * 1_000_000 if p.timestamp is not None else None)
+        headers = p.headers or {}
+        cols["headers"].append(
+            [
+                {"key": str(k), "value": _header_bytes(v)}
+                for k, v in headers.items()
+                if k != OFFSET_HEADER
+            ]
+        )
+        cols["content_type"].append(p.content_type)
+        cols["correlation_id"].append(p.correlation_id)
+        cols["type"].append(p.type)
+    arrays = [pa.array(cols[f.name], type=f.type) for f in _ARROW]
+    return pa.RecordBatch.from_arrays(arrays, schema=_ARROW)
+
+
+def read_partition(part: StreamRange) -> Iterator[pa.RecordBatch]:
+    """A task's read: its range, as Arrow record batches."""
+    config = part.config
+    started = time.monotonic()
+    count = size = 0
+    buffer: list[Delivery] = []
+    for chunk in read_range(
+        config.connector,
+        part.stream,
+        part.start,
+        part.end,
+        prefetch=config.prefetch,
+        fail_on_data_loss=config.fail_on_data_loss,
+    ):
+        buffer += chunk
+        if len(buffer) >= _ROWS_PER_BATCH:
+            count += len(buffer)
+            size += sum(len(d.body) for d in buffer)
+            yield to_batch(part.stream, buffer)
+            buffer = []
+    if buffer:
+        count += len(buffer)
+        size += sum(len(d.body) for d in buffer)
+        yield to_batch(part.stream, buffer)
+    log.info(
+        "amqp: read %d messages (%d body bytes) of stream %r, offsets %d..%d, in %.2f s",
+        count,
+        size,
+        part.stream,
+        part.start,
+        part.end - 1,
+        time.monotonic() - started,
+    )
+
+
+# --- Spark's reader classes -----------------------------------------------------------------
+
+
+class AmqpBatchReader(DataSourceReader):
+    """``spark.read.format("amqp")``: the range from ``startingOffsets`` (default ``earliest``)
+    to ``endingOffsets`` (default ``latest``: the stream's end when the read is planned)."""
+
+    def __init__(self, config: ReadConfig) -> None:
+        self.config = config
+        self.names = config.streams()
+
+    def partitions(self) -> Sequence[InputPartition]:
+        """Fix every stream's range (on the driver) and split it."""
+        connection = self.config.connector.connect()
+        try:
+            start = {
+                s: _resolve(self.config.starting, s, connection, edge="start") for s in self.names
+            }
+            end = {s: _resolve(self.config.ending, s, connection, edge="end") for s in self.names}
+            for s in self.names:
+                if end[s] == FIRST:  # an empty stream: nothing to read
+                    end[s] = start[s] = 0
+            start = check_heads(self.config, start, end, connection)
+        finally:
+            connection.close()
+        parts = split(self.config, start, end)
+        return parts or [StreamRange(self.names[0], 0, 0, self.config)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """Read one range."""
+        assert isinstance(partition, StreamRange)
+        return read_partition(partition)
+
+
+class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """``spark.readStream.format("amqp")``: micro-batches of offset ranges."""
+
+    def __init__(self, config: ReadConfig) -> None:
+        self.config = config
+        self.names = config.streams()
+        self.latest: Offsets | None = None
+        self.target: Offsets | None = None
+
+    def initialOffset(self) -> dict[str, int]:
+        """Where a new query starts (``startingOffsets``; default ``latest``)."""
+        connection = self.config.connector.connect()
+        try:
+            return {
+                s: _resolve(self.config.starting, s, connection, edge="start") for s in self.names
+            }
+        finally:
+            connection.close()
+
+    def _ends(self) -> Offsets:
+        connection = self.config.connector.connect()
+        try:
+            ends: Offsets = {}
+            for s in self.names:
+                found = end_offset(connection, s)
+                ends[s] = FIRST if found is None else found
+            return ends
+        finally:
+            connection.close()
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        """``maxMessagesPerTrigger`` when given."""
+        if self.config.max_per_trigger is not None:
+            return ReadMaxRows(self.config.max_per_trigger)
+        return ReadAllAvailable()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        """``trigger(availableNow=True)``: read up to the streams' ends as they are now."""
+        self.target = self._ends()
+
+    def latestOffset(self, start: dict[str, int], limit: ReadLimit) -> dict[str, int]:
+        """The next micro-batch's end: the streams' ends, cut to the read limit."""
+        ends = self._ends()
+        self.latest = dict(ends)
+        if self.target is not None:
+            ends = {s: min(e, self.target.get(s, e)) for s, e in ends.items()}
+        begin = {s: int(start.get(s, FIRST)) for s in self.names}
+        if any(b == FIRST for b in begin.values()):
+            connection = self.config.connector.connect()
+            try:
+                for s, b in begin.items():
+                    if b == FIRST:
+                        found = first_offset(connection, s)
+                        begin[s] = ends[s] if found is None else found
+            finally:
+                connection.close()
+        avail = {s: max(0, ends[s] - begin[s]) for s in self.names}
+        total = sum(avail.values())
+        cap = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        if cap is not None and total > cap:
+            share = {s: cap * a // total for s, a in avail.items()}
+            spare = cap - sum(share.values())
+            for s in sorted(avail, key=lambda k: -avail[k]):
+                if spare and share[s] < avail[s]:
+                    share[s] += 1
+                    spare -= 1
+            avail = share
+        out = {}
+        for s in self.names:
+            old = int(start.get(s, FIRST))
+            out[s] = old if avail[s] == 0 else begin[s] + avail[s]
+        return out
+
+    def reportLatestOffset(self) -> dict[str, int] | None:
+        """The streams' ends at the last look: the query's progress shows the lag behind them."""
+        return self.latest
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        """The micro-batch's ranges (checked against retention), split."""
+        begin = {s: int(start.get(s, FIRST)) for s in end}
+        stop = {s: int(v) for s, v in end.items()}
+        connection = self.config.connector.connect()
+        try:
+            begin = check_heads(self.config, begin, stop, connection)
+        finally:
+            connection.close()
+        return split(self.config, begin, stop)
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """Read one range."""
+        assert isinstance(partition, StreamRange)
+        return read_partition(partition)
+
+    def commit(self, end: dict[str, int]) -> None:
+        """Nothing to do: the offsets live in Spark's checkpoint, not on the broker."""

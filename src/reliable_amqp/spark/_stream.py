@@ -1,0 +1,404 @@
+"""Reading a stream queue over AMQP 0-9-1: its offsets, and one offset range at a time.
+
+Everything here runs in one process and talks to the broker through pika's
+``BlockingConnection``; the Spark classes (:mod:`reliable_amqp.spark._read`) call it on the driver
+(where offsets are) and in tasks (where ranges are read).
+
+How a stream is read over AMQP 0-9-1, on RabbitMQ (3.9+) and LavinMQ: ``basic.qos`` is required,
+``basic.consume`` takes ``{"x-stream-offset": N}`` (or ``"first"``, ``"last"``, ``"next"``), each
+delivery carries its offset in the ``x-stream-offset`` header, and acks only return credit: the
+broker sends at most ``prefetch`` unacked deliveries. A range ``[start, end)`` holds
+``end - start`` messages when every offset is a message (streams written over AMQP 0-9-1;
+RabbitMQ's stream protocol can add tracking entries, which take offsets no consumer sees), so a
+reader that never returns more credit than the range needs is sent nothing past it.
+
+Ending a consumer: pika's ``basic_cancel`` (and ``BlockingChannel.close``, which cancels first)
+rejects deliveries still on the wire, and RabbitMQ answers a ``basic.reject`` on a stream by
+closing the whole connection (540 NOT_IMPLEMENTED). Closing the channel through pika's own
+``Channel`` object marks it closing at once, and later deliveries are then dropped unanswered,
+which on a stream is harmless (there is nothing to requeue). See :func:`_close_quietly`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pika
+import pika.exceptions
+
+from reliable_amqp import ConfigurationError, ReliableAmqpError
+from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._sync._pika import connection_parameters, translate_connection_error
+
+log = logging.getLogger("reliable_amqp.spark")
+
+OFFSET_HEADER = "x-stream-offset"
+#: how long a probe waits for the broker's first delivery before it calls the stream empty
+PROBE_WAIT = 1.0
+#: how long the end probe waits for one more delivery of the stream's last chunk
+END_IDLE = 0.25
+#: an end probe reads at most this long (a stream written without pause never goes idle)
+END_BUDGET = 3.0
+
+
+class NotAStream(ConfigurationError):
+    """The named queue is a classic or quorum queue: it is not replayable, so Spark cannot read
+    it exactly once (a consumer reads queues: ``reliable_amqp.Consumer``)."""
+
+
+class StreamNotFound(ConfigurationError):
+    """The named stream (or super stream) does not exist on the broker."""
+
+
+class StreamDataLost(ReliableAmqpError):
+    """Retention removed offsets that a query still had to read (``failOnDataLoss``)."""
+
+    retriable = False
+
+    def __init__(self, stream: str, start: int, first: int) -> None:
+        self.stream = stream
+        self.start = start
+        self.first = first
+        super().__init__(
+            f"stream {stream!r}: offsets {start}..{first - 1} ({first - start} messages) were "
+            f"removed by retention before this query read them (the stream now starts at "
+            f'{first}). Set .option("failOnDataLoss", "false") to skip them and go on, '
+            "or start a new query (a new checkpoint) from startingOffsets"
+        )
+
+
+class StreamReadStalled(ReliableAmqpError):
+    """A range read waited too long for its next delivery."""
+
+    retriable = True
+
+
+@dataclass(frozen=True, slots=True)
+class Connector:
+    """Where the stream is and how to log in: the sink's connection options (TLS, credentials
+    outside the URL, heartbeat, connect timeout, connection name). Picklable."""
+
+    options: PublisherOptions
+
+    def connect(self) -> pika.BlockingConnection:
+        """A connection to the first URL that answers (raises the last failure otherwise)."""
+        failure: ReliableAmqpError | None = None
+        for url in self.options.urls:
+            params = connection_parameters(url, self.options)
+            try:
+                return pika.BlockingConnection(params)
+            except Exception as exc:
+                failure = translate_connection_error(exc, params)
+        assert failure is not None
+        raise failure
+
+
+def _close_quietly(channel: Any, connection: pika.BlockingConnection) -> None:
+    """Close ``channel`` without rejecting deliveries in flight (see the module's docstring)."""
+    impl = getattr(channel, "_impl", None)  # pika's Channel behind the BlockingChannel
+    try:
+        if impl is not None and impl.is_open:
+            impl.close()
+            deadline = time.monotonic() + 10.0
+            while not channel.is_closed and time.monotonic() < deadline:
+                connection.process_data_events(0.05)
+        elif channel.is_open:
+            channel.close()
+    except (pika.exceptions.AMQPError, OSError):  # the read is complete; closing is tidying
+        log.debug("closing a stream channel failed", exc_info=True)
+
+
+def _close(connection: pika.BlockingConnection) -> None:
+    try:
+        if connection.is_open:
+            connection.close()
+    except (pika.exceptions.AMQPError, OSError):
+        log.debug("closing a stream connection failed", exc_info=True)
+
+
+def _offset_of(properties: Any, queue: str) -> int:
+    headers = properties.headers or {}
+    value = headers.get(OFFSET_HEADER)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise NotAStream(
+            f"{queue!r} delivered a message without an {OFFSET_HEADER} header: it is a queue, "
+            "not a stream. Queues are not replayable, so Spark cannot read them exactly once: "
+            "read it with a consumer (reliable_amqp.Consumer), or publish into a stream in "
+            "front of the queue and read that"
+        )
+    return value
+
+
+def check_stream(connection: pika.BlockingConnection, queue: str) -> bool | None:
+    """Whether ``queue`` is a stream: True, False, or None when the broker's answer does not
+    tell (the queue has other arguments, which RabbitMQ compares first).
+
+    Raises :class:`StreamNotFound` when there is no such queue. The check redeclares the queue
+    with ``x-queue-type: stream``, which changes nothing: an existing queue of another type is
+    refused with 406, naming the argument.
+    """
+    channel = connection.channel()
+    try:
+        channel.queue_declare(queue, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            raise StreamNotFound(f"no stream named {queue!r} on the broker") from None
+        raise
+    channel = connection.channel()
+    try:
+        channel.queue_declare(queue, durable=True, arguments={"x-queue-type": "stream"})
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != 406:
+            raise
+        text = str(exc.reply_text)
+        if "x-queue-type" in text:
+            return False
+        return None
+    channel.close()
+    return True
+
+
+def refuse_queue(queue: str, connection: pika.BlockingConnection) -> None:
+    """Raise :class:`NotAStream` unless ``queue`` is a stream (see :func:`check_stream`).
+
+    When the redeclare cannot tell, the first message is looked at (prefetch 1, never acked):
+    on a queue that message goes back to its queue, marked redelivered, and nothing is lost.
+    """
+    kind = check_stream(connection, queue)
+    if kind is False:
+        _offset_of(pika.BasicProperties(headers={}), queue)  # raises NotAStream
+    if kind is None:
+        _first_delivery(connection, queue, "first")
+
+
+def _first_delivery(connection: pika.BlockingConnection, queue: str, where: Any) -> int | None:
+    """The offset of the first message a consumer at ``where`` gets, or None if none comes
+    within :data:`PROBE_WAIT` (prefetch 1 and no ack: the broker sends one at most)."""
+    channel = connection.channel()
+    channel.basic_qos(prefetch_count=1)
+    got: list[Any] = []
+    channel.basic_consume(
+        queue, lambda _c, _m, props, _b: got.append(props), arguments={OFFSET_HEADER: where}
+    )
+    deadline = time.monotonic() + PROBE_WAIT
+    while not got and time.monotonic() < deadline:
+        connection.process_data_events(0.02)
+    _close_quietly(channel, connection)
+    return _offset_of(got[0], queue) if got else None
+
+
+def first_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
+    """The stream's first offset still held (after retention), or None if it is empty."""
+    return _first_delivery(connection, queue, "first")
+
+
+def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
+    """One past the last offset the broker delivers now, or None if the stream is empty.
+
+    There is no AMQP 0-9-1 method that tells a stream's end (RabbitMQ 3.10 reports 0 messages
+    for a stream in ``queue.declare-ok``), so this reads the stream's last chunk (``"last"``)
+    until no delivery comes for :data:`END_IDLE` seconds. The answer is exact when nothing is
+    being written; otherwise it is a lower bound (offsets it returns always exist), which is
+    all a micro-batch needs: the next one reads what this one did not.
+    """
+    channel = connection.channel()
+    prefetch = 1000
+    channel.basic_qos(prefetch_count=prefetch)
+    last: list[int] = []
+    state = {"unacked": 0, "tag": 0}
+
+    def on_message(ch: Any, method: Any, props: Any, _body: bytes) -> None:
+        last.append(_offset_of(props, queue))
+        state["unacked"] += 1
+        state["tag"] = method.delivery_tag
+        if state["unacked"] >= prefetch // 2:
+            ch.basic_ack(method.delivery_tag, multiple=True)
+            state["unacked"] = 0
+
+    channel.basic_consume(queue, on_message, arguments={OFFSET_HEADER: "last"})
+    started = time.monotonic()
+    deadline = started + PROBE_WAIT
+    seen = 0
+    while time.monotonic() < deadline and time.monotonic() - started < END_BUDGET:
+        connection.process_data_events(0.02)
+        if len(last) != seen:
+            seen = len(last)
+            deadline = time.monotonic() + END_IDLE
+    _close_quietly(channel, connection)
+    return max(last) + 1 if last else None
+
+
+def super_stream_partitions(connection: pika.BlockingConnection, name: str) -> list[str]:
+    """The partition streams of the RabbitMQ super stream ``name``: ``name-0``, ``name-1``...
+
+    AMQP 0-9-1 cannot list an exchange's bindings, so the partitions are found by the names
+    ``rabbitmq-streams add_super_stream`` gives them (and the stream Java client and
+    Sparkling Rabbit use): the exchange ``name`` must exist, and ``name-0`` ... ``name-N`` up
+    to the first missing one are its partitions.
+    """
+    channel = connection.channel()
+    try:
+        channel.exchange_declare(name, passive=True)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == 404:
+            raise StreamNotFound(f"no super stream (exchange) named {name!r}") from None
+        raise
+    found: list[str] = []
+    while True:
+        channel = connection.channel() if channel.is_closed else channel
+        candidate = f"{name}-{len(found)}"
+        try:
+            channel.queue_declare(candidate, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 404:
+                break
+            raise
+        found.append(candidate)
+    if not found:
+        raise StreamNotFound(f"super stream {name!r} has no partition stream named {name}-0")
+    return found
+
+
+# --- reading a range ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One message of a stream, as the reader hands it on."""
+
+    offset: int
+    body: bytes
+    properties: Any
+    exchange: str
+    routing_key: str
+
+
+def read_range(
+    connector: Connector,
+    queue: str,
+    start: int,
+    end: int,
+    *,
+    prefetch: int = 2000,
+    stall_timeout: float = 60.0,
+    fail_on_data_loss: bool = True,
+) -> Iterator[list[Delivery]]:
+    """Yield the messages of ``queue`` with offsets in ``[start, end)``, in lists, in order.
+
+    The broker is never given more credit than the range needs, and acks (which on a stream
+    only return credit) are batched with ``multiple``. Messages before ``start`` (RabbitMQ starts
+    a consumer at the chunk that holds ``start``) and from ``end`` on are dropped. A first
+    delivery past ``start`` means retention removed the range's head (or, rarely, that those
+    offsets were stream-protocol tracking entries): the stream's first offset tells which;
+    removed offsets raise :class:`StreamDataLost` or, with ``fail_on_data_loss=False``, are
+    skipped with a WARNING. No delivery for ``stall_timeout`` seconds raises
+    :class:`StreamReadStalled` (Spark retries the task; the retry reads the same range).
+    """
+    if end <= start:
+        return
+    wanted = end - start
+    prefetch = max(1, min(prefetch, wanted))
+    ack_every = max(1, prefetch // 4)
+    connection = connector.connect()
+    try:
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=prefetch)
+        pending: list[Delivery] = []
+        state = {"delivered": 0, "acked": 0, "before": 0}
+
+        def on_message(ch: Any, method: Any, props: Any, body: bytes) -> None:
+            offset = _offset_of(props, queue)
+            state["delivered"] += 1
+            if offset < start:
+                state["before"] += 1  # (they take credit too)
+            pending.append(Delivery(offset, body, props, method.exchange, method.routing_key))
+            # credit: the broker sends delivery k only while k <= acked + prefetch; never let
+            # that pass the last delivery the range needs
+            cap = wanted - prefetch + state["before"]
+            may_ack = min(state["delivered"], cap)
+            if may_ack > state["acked"] and (
+                may_ack - state["acked"] >= ack_every or may_ack == cap
+            ):
+                # tags count deliveries: this channel has one consumer and starts at 1
+                ch.basic_ack(may_ack, multiple=True)
+                state["acked"] = may_ack
+
+        channel.basic_consume(queue, on_message, arguments={OFFSET_HEADER: start})
+        position = start  # the next offset this read expects
+        checked_head = False
+        last_delivery = time.monotonic()
+        while position < end:
+            connection.process_data_events(0.05)
+            if not pending:
+                if time.monotonic() - last_delivery > stall_timeout:
+                    raise StreamReadStalled(
+                        f"stream {queue!r}: no delivery for {stall_timeout:.0f} s while reading "
+                        f"offsets {position}..{end - 1} (range {start}..{end - 1})"
+                    )
+                continue
+            last_delivery = time.monotonic()
+            batch = [d for d in pending if start <= d.offset < end]
+            top = pending[-1].offset
+            pending.clear()
+            if batch and not checked_head:
+                checked_head = True
+                if batch[0].offset > start:
+                    _head_gap(connection, queue, start, batch[0].offset, fail_on_data_loss)
+            elif top >= start:
+                checked_head = True
+            if batch:
+                position = batch[-1].offset + 1
+                yield batch
+            if top >= end - 1:
+                break
+        _close_quietly(channel, connection)
+    finally:
+        _close(connection)
+
+
+def _head_gap(
+    connection: pika.BlockingConnection, queue: str, start: int, got: int, fail: bool
+) -> None:
+    """The first delivery was ``got`` > ``start``: lost to retention, or never messages."""
+    first = first_offset(connection, queue)
+    if first is None or first <= start:
+        return  # offsets start..got-1 exist but are not messages (stream-protocol tracking)
+    lost = min(first, got) - start
+    if fail:
+        raise StreamDataLost(queue, start, start + lost)
+    log.warning(
+        "amqp: stream %r: skipped %d messages (offsets %d..%d) removed by retention before "
+        "they were read (failOnDataLoss=false)",
+        queue,
+        lost,
+        start,
+        start + lost - 1,
+    )
+
+
+def connector_from_strings(urls: list[str], options: Mapping[str, str]) -> Connector:
+    """A :class:`Connector` from string options (see :data:`CONNECTION_OPTIONS`)."""
+    unknown = sorted(set(options) - set(CONNECTION_OPTIONS))
+    if unknown:
+        raise ConfigurationError(f"unknown option {unknown[0]!r} for reading")
+    return Connector(PublisherOptions.from_strings(urls, dict(options)))
+
+
+#: the sink's options that concern the connection, accepted by the reader as well
+CONNECTION_OPTIONS: tuple[str, ...] = (
+    "username",
+    "password",
+    "ca_file",
+    "cert_file",
+    "key_file",
+    "key_password",
+    "server_hostname",
+    "tls_verify",
+    "heartbeat",
+    "connect_timeout",
+    "connection_name",
+)

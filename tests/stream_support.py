@@ -1,0 +1,88 @@
+"""Helpers for the stream-reading tests: declare a stream, fill it fast, read parquet back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pika
+
+from reliable_amqp import Publisher
+
+
+def stream_name(prefix: str) -> str:
+    """A stream name no other test run uses."""
+    return f"ra-test-stream-{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def declare_stream(url: str, name: str, **arguments: Any) -> str:
+    """Declare a stream queue (``arguments`` with dashes: ``x_max_length_bytes``)."""
+    args: dict[str, Any] = {"x-queue-type": "stream"}
+    args.update({k.replace("_", "-"): v for k, v in arguments.items()})
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        connection.channel().queue_declare(name, durable=True, arguments=args)
+    finally:
+        connection.close()
+    return name
+
+
+def delete_queue(url: str, name: str) -> None:
+    """Delete a queue (a stream) if it exists."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        connection.channel().queue_delete(name)
+    finally:
+        connection.close()
+
+
+def publish(
+    url: str, stream: str, start: int, count: int, *, size: int = 0, exchange: str = ""
+) -> None:
+    """Publish messages ``start`` .. ``start + count - 1`` with confirms: message id ``m{i}``,
+    body ``event {i}`` (padded to ``size`` bytes), a ``seq`` header and a ``traceparent``."""
+    with Publisher(url, max_in_flight=5000) as publisher:
+        futures = []
+        for i in range(start, start + count):
+            body = f"event {i}".encode()
+            if size > len(body):
+                body += b"." * (size - len(body))
+            futures.append(
+                publisher.publish(
+                    exchange,
+                    stream,
+                    body,
+                    message_id=f"m{i}",
+                    headers={"seq": i, "traceparent": f"00-{i:032x}-{i:016x}-01"},
+                    content_type="text/plain",
+                    correlation_id=f"c{i % 7}",
+                    type="test.event",
+                    timestamp=1_700_000_000 + i,
+                )
+            )
+        assert publisher.flush(120) == 0
+        for future in futures:
+            future.result(0)
+
+
+def wait_for(predicate: Any, timeout: float, what: str, step: float = 0.2) -> None:
+    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(step)
+
+
+def parquet_ids(path: Path) -> list[str]:
+    """The message ids in a parquet directory (every part file)."""
+    import pyarrow.parquet as pq
+
+    files = sorted(p for p in path.glob("*.parquet"))
+    if not files:
+        return []
+    return [
+        i for f in files for i in pq.read_table(f, columns=["message_id"])["message_id"].to_pylist()
+    ]
