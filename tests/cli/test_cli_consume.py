@@ -211,6 +211,46 @@ def test_sigterm_stops_after_writing_what_was_taken(
     assert broker.count(queue) == 0
 
 
+def test_a_queue_deleted_under_it_is_a_loud_failure(
+    amqp_url: str, broker: BrokerAdmin, tmp_path: Path
+) -> None:
+    """The broker cancels the subscription: the command says so and fails, not "done"."""
+    queue = broker.queue()
+    _publish(amqp_url, queue, [b"one"])
+    out = tmp_path / "out.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AMQP_", "RELIABLE_AMQP_"))}
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "reliable_amqp",
+            "consume",
+            queue,
+            "--to",
+            str(out),
+            "--url",
+            amqp_url,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not out.exists() or not out.read_text()):
+            time.sleep(0.02)
+        broker.channel.queue_delete(queue)
+        _, stderr = child.communicate(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 3, stderr
+    assert "cancelled the subscription" in stderr
+    assert [line["body"] for line in _lines(out)] == ["one"]
+
+
 def test_a_missing_queue_is_a_usage_error(amqp_url: str, tmp_path: Path) -> None:
     result = run_cli("consume", unique("absent"), "--to", str(tmp_path / "o"), url=amqp_url)
     assert result.returncode == 2

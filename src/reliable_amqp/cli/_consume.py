@@ -282,6 +282,16 @@ def _consume(args: argparse.Namespace, options: PublisherOptions, sink: Sink, st
         channel.basic_qos(prefetch_count=prefetch)
         channel.queue_declare(args.queue, passive=True)
         deliveries = channel.consume(args.queue, inactivity_timeout=0.2)
+
+        def flush() -> None:
+            nonlocal lines
+            try:
+                sink.write(lines)
+            except OSError as exc:  # nothing of this batch is acked
+                raise _WriteFailed(exc) from exc
+            channel.basic_ack(last_tag, multiple=True)
+            lines = []
+
         for method, properties, body in deliveries:
             if method is not None:
                 lines.append(dumps(record(body, method.exchange, method.routing_key, properties)))
@@ -289,12 +299,7 @@ def _consume(args: argparse.Namespace, options: PublisherOptions, sink: Sink, st
                 taken += 1
             done = args.count is not None and taken >= args.count
             if lines and (len(lines) >= batch_size or method is None or done or stop.signal):
-                try:
-                    sink.write(lines)
-                except OSError as exc:  # nothing of this batch is acked
-                    raise _WriteFailed(exc) from exc
-                channel.basic_ack(last_tag, multiple=True)
-                lines = []
+                flush()
             if done or stop.signal:
                 break
             if (
@@ -303,6 +308,19 @@ def _consume(args: argparse.Namespace, options: PublisherOptions, sink: Sink, st
                 and channel.queue_declare(args.queue, passive=True).method.message_count == 0
             ):
                 break
+        else:
+            # pika's generator ends when the broker cancels the subscription (the queue was
+            # deleted, say): what was taken is written (a deleted queue kept nothing of it),
+            # and the run fails loudly rather than ending as if done
+            if lines:
+                flush()
+            _close(connection)
+            print(
+                f"reliable-amqp: the broker cancelled the subscription to {args.queue!r} "
+                "(was the queue deleted?)",
+                file=sys.stderr,
+            )
+            return EXIT_CONNECTION
         channel.cancel()  # what was prefetched and not taken goes back to the queue
         connection.close()
     except _WriteFailed as exc:
