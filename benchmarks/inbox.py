@@ -207,13 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     if "postgresql" in only:
         results.append(measure("postgresql", _pg(), args.messages, args.rounds, args.preload))
-    if "sqlite" in only:
-        sync = args.sqlite_synchronous.upper()
-        results.append(
-            measure(
-                f"sqlite (WAL, {sync})", _sqlite(sync), args.messages, args.rounds, args.preload
-            )  # fmt: skip
-        )
+    for sync in args.sqlite_synchronous.upper().split(",") if "sqlite" in only else ():
+        name = f"sqlite (WAL, {sync})"
+        results.append(measure(name, _sqlite(sync), args.messages, args.rounds, args.preload))
     if "mariadb" in only:
         results.append(measure("mariadb", _mysql(), args.messages, args.rounds, args.preload))
     if args.json:
