@@ -1,0 +1,65 @@
+"""The inbox's tables as SQLAlchemy ``Table`` objects, for an application's ``MetaData``: Alembic's
+autogenerate then sees them and writes their migration like any other table's.
+
+.. code-block:: python
+
+    from sqlalchemy import MetaData
+    from reliable_amqp.inbox.sqlalchemy import inbox_table
+
+    metadata = MetaData()                  # the application's (Base.metadata with the ORM)
+    inbox = inbox_table(metadata)          # amqp_inbox, and amqp_inbox_attempts beside it
+
+Each table is what ``Inbox(scope).install()`` creates on that database (PostgreSQL, SQLite,
+MySQL and MariaDB): the same columns, types, nullability, primary key and index, so a database
+made by either one matches the other. Needs SQLAlchemy 2 (the ``outbox-sqlalchemy`` extra).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from reliable_amqp.inbox._schema import DEFAULT_TABLE, InboxTables
+from reliable_amqp.outbox.sqlalchemy import _MYSQL, _double, _name
+
+__all__ = ["attempts_table", "inbox_table"]
+
+
+def inbox_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
+    """Add the inbox ``name`` (``"table"`` or ``"schema.table"``) to ``metadata``: its claims
+    table (returned) and its attempts ledger (``<name>_attempts``, see :func:`attempts_table`).
+    Calling it again for the same metadata returns the table already there."""
+    tables = InboxTables.named(name)
+    schema, _, table = tables.name.rpartition(".")
+    key = tables.name
+    if key in metadata.tables:
+        return metadata.tables[key]
+    claims = sa.Table(
+        table,
+        metadata,
+        sa.Column("scope", _name(), primary_key=True),
+        sa.Column("message_id", _name(), primary_key=True),
+        sa.Column("claimed_at", _double(), nullable=False),
+        sa.Index(f"{table}_claimed_at", "claimed_at"),
+        schema=schema or None,
+        sqlite_with_rowid=False,
+        **_MYSQL,
+    )
+    sa.Table(
+        f"{table}_attempts",
+        metadata,
+        sa.Column("scope", _name(), primary_key=True),
+        sa.Column("message_id", _name(), primary_key=True),
+        sa.Column("attempt", sa.Integer, primary_key=True, autoincrement=False),
+        sa.Column("redeliveries", sa.Integer, nullable=False),
+        sa.Column("last_at", _double(), nullable=False),
+        sa.Index(f"{table}_attempts_last_at", "last_at"),
+        schema=schema or None,
+        **_MYSQL,
+    )
+    return claims
+
+
+def attempts_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
+    """The attempts ledger of the inbox ``name`` in ``metadata`` (added with the claims)."""
+    inbox_table(metadata, name)
+    return metadata.tables[InboxTables.named(name).attempts]
