@@ -98,3 +98,52 @@ def test_user_id_other_than_the_connection_user_is_refused_at_publish(
         assert publisher.publish_and_wait("", "q", b"y", user_id="guest").attempts == 1
     [message] = peer.received()
     assert message.body == b"y" and message.properties.user_id == "guest"
+
+
+#: what LavinMQ says of itself in connection.start (its limits differ from RabbitMQ's)
+LAVINMQ_PROPERTIES = {
+    "product": "LavinMQ",
+    "version": "2.9.1",
+    "platform": "Crystal",
+    "capabilities": {"publisher_confirms": True, "basic.nack": True},
+}
+
+
+def test_an_expiration_lavinmq_cannot_take_fails_alone_and_is_refused_once_known(
+    make_peer: Peers, make_publisher: PublisherFactory, events: list[PublisherEvent]
+) -> None:
+    peer = make_peer(server_properties=LAVINMQ_PROPERTIES)
+    over = "2147483648"  # LavinMQ's limit + 1 (RabbitMQ takes up to ten years)
+    publisher = make_publisher(peer.url())  # not connected yet (the factory closes it)
+    # Taken before the broker is known: it fails alone, unwritten, typed; the others go.
+    early = publisher.publish("", "q", b"early", expiration=over)
+    others = [publisher.publish("", "q", b"m%d" % i, expiration="60000") for i in range(20)]
+    assert publisher.flush(timeout=10) == 0
+    assert outcomes([early]) == ["MessageRejected"]
+    error = early.exception(0)
+    assert error is not None and error.reply_code == 0
+    assert "LavinMQ's limit of 2147483647 ms" in str(error)
+    assert outcomes(others) == ["Confirmation"] * 20
+    # Once the broker is known, publish() refuses it at once, naming the limit.
+    with pytest.raises(InvalidMessage) as info:
+        publisher.publish("", "q", b"late", expiration=int(over))
+    assert info.value.field == "expiration" and "LavinMQ's limit" in str(info.value)
+    with pytest.raises(InvalidMessage):
+        publisher.publish_many("", "q", [b"a", b"b"], expiration=over)
+    # The limit itself goes.
+    assert publisher.publish_and_wait("", "q", b"at", expiration="2147483647").attempts == 1
+    received = peer.received()
+    assert [m.body for m in received] == [b"m%d" % i for i in range(20)] + [b"at"]
+    assert received[-1].properties.expiration == "2147483647"
+    assert EventKind.CHANNEL_LOST not in kinds(events)
+    assert EventKind.CONNECTION_LOST not in kinds(events)
+
+
+def test_a_broker_other_than_lavinmq_takes_an_expiration_over_lavinmqs_limit(
+    peer: FakeBroker, make_publisher: PublisherFactory
+) -> None:
+    # the fake presents itself as another broker than LavinMQ: no LavinMQ limit applies
+    with make_publisher(peer.url()) as publisher:
+        assert publisher.publish_and_wait("", "q", b"x", expiration="2147483648").attempts == 1
+    [message] = peer.received()
+    assert message.properties.expiration == "2147483648"

@@ -319,7 +319,7 @@ class FakeConnection:
                     spec.Connection.Start(
                         version_major=0,
                         version_minor=9,
-                        server_properties=SERVER_PROPERTIES,
+                        server_properties=self.broker.server_properties,
                         mechanisms="PLAIN AMQPLAIN",
                         locales="en_US",
                     ),

@@ -38,7 +38,7 @@ from urllib.parse import quote
 
 from pamqp import commands as spec
 
-from fake.connection import DEFAULT_EXCHANGES, TICK, FakeConnection
+from fake.connection import DEFAULT_EXCHANGES, SERVER_PROPERTIES, TICK, FakeConnection
 from fake.records import ACK, HOLD, Action, Declaration, Message, Policy, SentConfirm
 
 
@@ -58,6 +58,7 @@ class FakeBroker:
         heartbeat: int = 60,
         users: dict[str, str] | None = None,
         vhosts: Iterable[str] = ("/",),
+        server_properties: dict[str, Any] | None = None,
     ) -> None:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -74,6 +75,10 @@ class FakeBroker:
         #: accepted credentials
         self.users = dict(users) if users is not None else {"guest": "guest"}
         self.vhosts = set(vhosts)
+        #: what connection.start says about the broker (``product`` "LavinMQ": a LavinMQ)
+        self.server_properties = dict(
+            SERVER_PROPERTIES if server_properties is None else server_properties
+        )
         #: exchanges that exist (the default ones and every one declared)
         self.exchanges: set[str] = set(DEFAULT_EXCHANGES)
         #: name -> (reply code, text): declaring (or binding to) that name closes the channel

@@ -296,6 +296,7 @@ class Pump(Generic[E]):
             negotiated_heartbeat(connection),
             last_frame_time(connection),
             time.monotonic(),
+            connection.server_properties,  # which broker: its own limits (_core.brokers)
         )
         if unusable is not None:
             return unusable

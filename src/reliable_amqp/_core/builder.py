@@ -20,6 +20,7 @@ from decimal import Decimal
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar, cast
 
+from reliable_amqp._core.brokers import RABBITMQ_EXPIRATION_MAX, BrokerLimits
 from reliable_amqp._core.errors import InvalidMessage, a_type
 from reliable_amqp._core.frames import (
     decimal_parts,
@@ -46,8 +47,9 @@ SHORTSTR_MAX = 255
 _INT64 = (-(2**63), 2**63 - 1)
 _NESTING_MAX = 32
 _YEAR_10000 = 253_402_300_800  # POSIX seconds of 10000-01-01T00:00Z
-#: RabbitMQ refuses a per-message TTL over ten years (406 "invalid expiration", value_too_large)
-EXPIRATION_MAX = 315_360_000_000
+#: no broker takes a per-message TTL over ten years (RabbitMQ: 406 "invalid expiration",
+#: value_too_large); tighter limits of one broker are in ``_core.brokers``
+EXPIRATION_MAX = RABBITMQ_EXPIRATION_MAX
 #: Direct reply-to (RabbitMQ): a ``reply_to`` naming the pseudo-queue needs a consumer on it on
 #: the publishing channel, which a publisher never has (406 "fast reply consumer does not
 #: exist"); a routing key under the prefix, on the default exchange, is an address the broker
@@ -417,6 +419,11 @@ class Limits(Protocol):
         """The largest frame the broker takes, in bytes (0: not known yet)."""
         ...
 
+    @property
+    def broker(self) -> BrokerLimits:
+        """The connected (or last connected) broker's own limits (``ANY_BROKER``: not known)."""
+        ...
+
 
 M = TypeVar("M")  # what a builder makes: an OutgoingMessage, or a publisher's in-flight entry
 
@@ -428,10 +435,11 @@ class MessageBuilder(Generic[M]):
 
     Beyond what each field admits: the headers must encode (checked here, not on the I/O side
     mid-batch), the content header must fit the broker's ``frame_max`` once ``limits`` knows it
-    (a larger one makes the broker close the whole connection), and ``user_id`` must be one of
-    ``users`` (the broker closes the channel otherwise). Routes and property sets already
-    checked are remembered (up to 1,024 of each), so a publish of the same kind again checks
-    only its body and id.
+    (a larger one makes the broker close the whole connection), ``expiration`` must be one the
+    connected broker takes (LavinMQ's is lower than RabbitMQ's: ``_core.brokers``), and
+    ``user_id`` must be one of ``users`` (the broker closes the channel otherwise). Routes and
+    property sets already checked are remembered (up to 1,024 of each), so a publish of the
+    same kind again checks only its body and id.
     """
 
     def __init__(
@@ -480,6 +488,8 @@ class MessageBuilder(Generic[M]):
             return self._new(exchange, routing_key, body, DEFAULT_BASE, mandatory, new_message_id())
         message_id = check_message_id(properties.pop("message_id", None)) or new_message_id()
         base = self._base(properties) if properties else DEFAULT_BASE
+        if base.expiration is not None and self._limits is not None:
+            self._limits.broker.check_expiration(base.expiration)
         message = self._new(exchange, routing_key, body, base, mandatory, message_id)
         if base.headers and self._limits is not None and self._limits.frame_max:
             self._check_header_size(base, message_id)
@@ -521,6 +531,8 @@ class MessageBuilder(Generic[M]):
                     raise InvalidMessage(f"bodies[{i}]", exc.problem) from None
         ids = new_message_ids(len(data)) if message_ids is None else _ids(message_ids, len(data))
         base = self._base(properties) if properties else DEFAULT_BASE
+        if base.expiration is not None and self._limits is not None:
+            self._limits.broker.check_expiration(base.expiration)
         new = self._new
         messages = [
             new(exchange, routing_key, body, base, mandatory, message_id)
@@ -547,6 +559,8 @@ class MessageBuilder(Generic[M]):
         base = message.base
         if base.user_id is not None:
             self._check_user(base.user_id)
+        if base.expiration is not None and self._limits is not None:
+            self._limits.broker.check_expiration(base.expiration)
         message_id = message.message_id or new_message_id()
         made = self._new(
             message.exchange, message.routing_key, message.body, base, message.mandatory, message_id

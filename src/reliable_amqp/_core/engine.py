@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
+from reliable_amqp._core.brokers import ANY_BROKER, BrokerLimitExceeded, BrokerLimits
 from reliable_amqp._core.entry import CONFIRMED, Entry, Stage
 from reliable_amqp._core.errors import (
     DeliveryTimeout,
@@ -58,6 +59,8 @@ ENCODE_ERRORS = (InvalidMessage, TypeError, ValueError, OverflowError)
 
 
 def _unencodable(entry: Entry[Any], exc: Exception) -> MessageRejected:
+    if isinstance(exc, BrokerLimitExceeded):  # taken before the broker was known
+        return MessageRejected(entry.message, entry.attempts, 0, str(exc))
     return MessageRejected(entry.message, entry.attempts, 0, f"could not be encoded: {exc}")
 
 
@@ -216,7 +219,11 @@ class PublishEngine(Generic[E]):
         return headers
 
     def write(
-        self, channel: int, frame_max: int, out: list[bytes | memoryview]
+        self,
+        channel: int,
+        frame_max: int,
+        out: list[bytes | memoryview],
+        broker: BrokerLimits = ANY_BROKER,
     ) -> tuple[int, list[E]]:
         """Append the frames of the next batch to ``out``: (messages written, resolved
         entries), by the rules of :meth:`next_run`, :meth:`sent`, :meth:`mark_sent` and
@@ -224,13 +231,20 @@ class PublishEngine(Generic[E]):
 
         At most :data:`BATCH_COUNT` messages or :data:`BATCH_BYTES` body bytes; bodies are split
         at ``frame_max``. A message whose frames cannot be encoded (a gap in ``publish()``'s
-        checks) is taken back and fails alone with :class:`MessageRejected`; the batch goes on.
+        checks), or that ``broker`` (the connected broker's limits) refuses because it was
+        taken before the broker was known, is taken back and fails alone with
+        :class:`MessageRejected`; the batch goes on.
         """
         count = size = 0
         failed: list[E] = []
         encoder = self._encoder
-        if encoder is None or encoder.channel != channel or encoder.frame_max != frame_max:
-            encoder = self._encoder = PublishEncoder(channel, frame_max)
+        if (
+            encoder is None
+            or encoder.channel != channel
+            or encoder.frame_max != frame_max
+            or encoder.broker is not broker
+        ):
+            encoder = self._encoder = PublishEncoder(channel, frame_max, broker)
         encode = encoder.encode
         while count < BATCH_COUNT and size < BATCH_BYTES:
             entries, as_made = self.next_run(BATCH_COUNT - count, BATCH_BYTES - size)
@@ -258,7 +272,7 @@ class PublishEngine(Generic[E]):
                 headers = self.mark_sent(entry)
                 mark = len(out)
                 try:
-                    publish_frames(channel, entry, headers, frame_max, out)
+                    publish_frames(channel, entry, headers, frame_max, out, broker=broker)
                 except ENCODE_ERRORS as exc:
                     del out[mark:]
                     self.unmark_sent(entry)

@@ -22,6 +22,7 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
+from reliable_amqp._core.brokers import ANY_BROKER, BrokerLimits
 from reliable_amqp._core.errors import InvalidMessage, a_type
 from reliable_amqp._core.message import MessageParts, MessageProperties
 
@@ -281,18 +282,24 @@ def publish_frames(
     headers: Mapping[str, Any] | None,
     frame_max: int,
     out: list[bytes | memoryview],
+    *,
+    broker: BrokerLimits | None = None,
 ) -> None:
     """Append the frames of one ``basic.publish`` of ``message`` on ``channel`` to ``out``.
 
     ``headers`` replaces the message's own headers when not None (the engine adds its attempt
     and dedup headers there). Bodies are split into frames of at most ``frame_max`` bytes, the
-    size negotiated in ``connection.tune``. Appends nothing when it raises (a value that cannot
-    be encoded), so the caller can take the publish back.
+    size negotiated in ``connection.tune``. ``broker``: the connected broker's own limits, when
+    the message was not checked against them (taken before the broker was known). Appends
+    nothing when it raises (a value that cannot be encoded, or one the broker refuses), so the
+    caller can take the publish back.
 
     :class:`PublishEncoder` is its fast-path twin (a run of messages sharing route and
     properties): change both together (see there for the tests that keep them in step).
     """
     base = message.base
+    if broker is not None and base.expiration is not None:
+        broker.check_expiration(base.expiration)
     if headers is None:
         cached = _encoded_bases.get(id(base))
         if cached is None or cached[0] is not base:
@@ -352,6 +359,10 @@ class PublishEncoder:
     their own headers, with the parts that depend only on the route and the properties packed
     once.
 
+    ``broker`` is the connected broker's limits: a message it refuses (taken before the broker
+    was known) raises :class:`~reliable_amqp._core.brokers.BrokerLimitExceeded`, checked once
+    per property set.
+
     Producers publish runs of messages that share their exchange, routing key and properties
     (the very objects: ``publish_many()`` and a ``publish()`` loop pass the same ones). While
     they do, a message's frames are one ``struct`` pack of those parts, its body size and its
@@ -377,13 +388,15 @@ class PublishEncoder:
         "_parts",
         "_prefix",
         "_routing_key",
+        "broker",
         "channel",
         "frame_max",
     )
 
-    def __init__(self, channel: int, frame_max: int) -> None:
+    def __init__(self, channel: int, frame_max: int, broker: BrokerLimits = ANY_BROKER) -> None:
         self.channel = channel
         self.frame_max = frame_max
+        self.broker = broker
         #: the largest body that fits one frame
         self._max_body = frame_max - FRAME_OVERHEAD if frame_max > FRAME_OVERHEAD else 2**64
         self._exchange: str | None = None
@@ -420,6 +433,8 @@ class PublishEncoder:
 
     def _switch(self, message: MessageParts) -> None:
         base = message.base
+        if base.expiration is not None:  # before anything changes: it raises for each message
+            self.broker.check_expiration(base.expiration)
         flags, before, after = _properties(base, base.headers)
         route = (self.channel, message.exchange, message.routing_key, message.mandatory)
         method = _method_frames.get(route)

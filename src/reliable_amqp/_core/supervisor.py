@@ -14,10 +14,11 @@ Not thread-safe: called from the I/O thread or the event loop only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from reliable_amqp._core.brokers import ANY_BROKER, BrokerLimits, broker_limits
 from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import (
@@ -116,6 +117,9 @@ class Supervisor(Generic[E]):
         self._blocked = False  # connection.blocked without unblocked, on this connection
         #: the frame_max the broker negotiated on the current (or last) connection; 0: unknown
         self.frame_max = 0
+        #: the limits of the broker of the current (or last) connection, by its product name
+        #: (``_core.brokers``); what every broker takes until one is known
+        self.broker: BrokerLimits = ANY_BROKER
         self._heartbeat = 0  # negotiated on the current connection (0: no liveness checks)
 
     # --- connecting ---------------------------------------------------------------------------
@@ -135,14 +139,21 @@ class Supervisor(Generic[E]):
         return redact_url(self.options.urls[url_index])
 
     def connection_opened(
-        self, frame_max: int, heartbeat: int, received: float, now: float
+        self,
+        frame_max: int,
+        heartbeat: int,
+        received: float,
+        now: float,
+        server_properties: Mapping[str, object] | None = None,
     ) -> ReliableAmqpError | None:
         """The AMQP handshake is done: what the broker negotiated, and ``received`` as
         :meth:`check_liveness` takes it.
 
         ``heartbeat`` is the negotiated interval (0: the adapter's client library watches the
-        link itself, or nobody does). Returns an error when the broker's values are unusable
-        (the adapter then drops the connection with it).
+        link itself, or nobody does). ``server_properties`` are the broker's, from
+        ``connection.start``: its product name says which limits of its own apply
+        (:attr:`broker`). Returns an error when the broker's values are unusable (the adapter
+        then drops the connection with it).
         """
         if frame_max and frame_max < FRAME_MIN_SIZE:
             # Not retriable: the same broker will say the same again.
@@ -151,6 +162,7 @@ class Supervisor(Generic[E]):
                 f"{FRAME_MIN_SIZE}: not a usable AMQP 0-9-1 broker"
             )
         self.frame_max = frame_max
+        self.broker = broker_limits(server_properties)
         self._heartbeat = max(0, heartbeat)
         self._rx = (-1, now)
         self._check_at = None
@@ -331,8 +343,9 @@ class Supervisor(Generic[E]):
 
     def write(self, channel: int, out: list[bytes | memoryview]) -> tuple[int, list[E]]:
         """Append the frames of the next batch to ``out`` (:meth:`PublishEngine.write`, at the
-        ``frame_max`` this connection negotiated): (messages written, resolved entries)."""
-        return self.engine.write(channel, self.frame_max, out)
+        ``frame_max`` this connection negotiated, refusing what its broker cannot take):
+        (messages written, resolved entries)."""
+        return self.engine.write(channel, self.frame_max, out, self.broker)
 
     # --- time -----------------------------------------------------------------------------------
 

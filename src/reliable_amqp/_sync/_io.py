@@ -250,6 +250,7 @@ class IOThread:
             params.heartbeat or 0,
             connection.bytes_received,
             time.monotonic(),
+            connection.server_properties,  # which broker: its own limits (_core.brokers)
         )
         if unusable is not None:
             self._lose(connection, unusable)

@@ -1,0 +1,85 @@
+"""What each broker takes, where brokers differ: a small table keyed by the product name a
+broker gives in ``connection.start`` (its ``server_properties``).
+
+A limit that every broker shares is checked where a message is built (``_core.builder``),
+whatever the broker. A limit here applies only once the connected broker is known: a publisher
+checks ``publish()`` against the broker of its current (or last) connection, and a message it
+took before that broker was known is refused when it is written, alone, as it would be refused
+by the broker (see :meth:`BrokerLimits.check_expiration`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from reliable_amqp._core.errors import InvalidMessage
+
+#: RabbitMQ refuses a per-message TTL over ten years (406 "invalid expiration", value_too_large)
+RABBITMQ_EXPIRATION_MAX = 315_360_000_000
+#: LavinMQ parses ``expiration`` as a signed 32-bit integer: anything larger closes the
+#: channel with 406 "Expiration not a number" (LavinMQ 2.9, ``valid_expiration?``)
+LAVINMQ_EXPIRATION_MAX = 2**31 - 1
+
+
+class BrokerLimitExceeded(InvalidMessage):
+    """A message the connected broker cannot take, although another broker would (an
+    :class:`InvalidMessage`: nothing was sent)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerLimits:
+    """The limits of one broker product that are tighter than what every broker takes."""
+
+    #: the product name, as the broker gives it
+    product: str
+    #: the largest per-message TTL (``expiration``, milliseconds) the broker takes
+    expiration_max: int
+    #: what the broker answers beyond it (for the error's text)
+    expiration_reply: str
+
+    @property
+    def checks_expiration(self) -> bool:
+        """Whether ``expiration`` needs a check beyond the one every message gets."""
+        return self.expiration_max < RABBITMQ_EXPIRATION_MAX
+
+    def check_expiration(self, expiration: str) -> None:
+        """Raise :class:`BrokerLimitExceeded` when this broker refuses ``expiration`` (a
+        checked one: ASCII digits only).
+
+        Called only for messages that set ``expiration``, and cheap there: a value with fewer
+        digits than the limit is compared by its length alone.
+        """
+        if len(expiration) < _DIGITS.get(self.expiration_max, 0):
+            return
+        if int(expiration) > self.expiration_max:
+            raise BrokerLimitExceeded(
+                "expiration",
+                f"{expiration} ms is over {self.product}'s limit of {self.expiration_max} ms "
+                f"(the broker would close the channel: {self.expiration_reply})",
+            )
+
+
+#: what every broker takes (RabbitMQ's limits); a broker that is not in the table gets these
+ANY_BROKER = BrokerLimits("AMQP 0-9-1 broker", RABBITMQ_EXPIRATION_MAX, "")
+RABBITMQ = BrokerLimits("RabbitMQ", RABBITMQ_EXPIRATION_MAX, '406 "invalid expiration"')
+LAVINMQ = BrokerLimits("LavinMQ", LAVINMQ_EXPIRATION_MAX, '406 "Expiration not a number"')
+
+#: by product name, lower-cased
+BROKERS: Mapping[str, BrokerLimits] = {"rabbitmq": RABBITMQ, "lavinmq": LAVINMQ}
+
+# how many digits each limit has: an expiration with fewer is below it, no int() needed
+_DIGITS = {limits.expiration_max: len(str(limits.expiration_max)) for limits in BROKERS.values()}
+
+
+def broker_limits(server_properties: Mapping[str, object] | None) -> BrokerLimits:
+    """The limits of the broker whose ``connection.start`` gave ``server_properties`` (None:
+    not known); :data:`ANY_BROKER` for a product not in :data:`BROKERS`."""
+    if not server_properties:
+        return ANY_BROKER
+    product = server_properties.get("product")
+    if isinstance(product, (bytes, bytearray)):  # a longstr a client library left undecoded
+        product = bytes(product).decode("utf-8", "replace")
+    if not isinstance(product, str):
+        return ANY_BROKER
+    return BROKERS.get(product.strip().lower(), ANY_BROKER)
