@@ -203,8 +203,8 @@ class Sink:
 
 
 def _connect(options: PublisherOptions) -> pika.BlockingConnection:
-    """A blocking connection to the first URL that answers; UsageError-free failures raise
-    ``ReliableAmqpError`` (the caller exits 3)."""
+    """A blocking connection to the first URL that answers, tried once each; else the last
+    failure as the library's ``ReliableAmqpError`` (the caller exits 3)."""
     last: ReliableAmqpError | None = None
     for url in options.urls:
         params = connection_parameters(url, options)
