@@ -290,14 +290,14 @@ def test_dead_letters_are_listed_and_exported_and_stay(
     dead = broker.queue(f"{queue}.dead")
     _dead_letters(amqp_url, queue, dead, 3)
     result = run_cli("dead-letters", queue, url=amqp_url)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # there are some, left where they are
     assert f"3 dead letters in {dead}" in result.stdout
     for i in range(3):
         assert f"dead-{i}  attempts 5  ValueError: bad amount {i}  (from {queue})" in result.stdout
 
     export = tmp_path / "dead.jsonl"
     result = run_cli("dead-letters", queue, "--export", str(export), "--count", "2", url=amqp_url)
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     lines = _lines(export)
     assert [line["message_id"] for line in lines] == ["dead-0", "dead-1"]
     assert all(line["routing_key"] == queue and line["exchange"] == "" for line in lines)
@@ -325,6 +325,9 @@ def test_requeue_moves_them_back_each_after_its_confirm(amqp_url: str, broker: B
     result = run_cli("dead-letters", queue, "--requeue", url=amqp_url)
     assert result.returncode == 0, result.stderr
     assert broker.count(dead) == 0 and broker.count(queue) == 1
+    result = run_cli("dead-letters", queue, url=amqp_url)
+    assert result.returncode == 0, result.stderr  # none left
+    assert f"0 dead letters in {dead}" in result.stdout
 
 
 @pytest.mark.parametrize("origin", ["gone", "itself"])

@@ -411,7 +411,9 @@ def run_dead_letters(args: argparse.Namespace) -> int:
             export.close()
     if export is not None:
         print(f"{export.written:,} written to {args.export}")
-    return EXIT_OK
+    # as `outbox failed` and `spool`: dead letters found and left where they are are worth a
+    # non-zero exit (a script or a check can tell "there are some" without parsing)
+    return EXIT_NOT_CONFIRMED if total else EXIT_OK
 
 
 def _headers(properties: pika.BasicProperties) -> dict[str, Any]:
