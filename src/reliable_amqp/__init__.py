@@ -32,6 +32,7 @@ from reliable_amqp._core.errors import (
     MessageNacked,
     MessageRejected,
     MessageReturned,
+    MissingMessageId,
     NoConsumers,
     NoRoute,
     NotAllowed,
@@ -82,6 +83,7 @@ __all__ = [
     "ReliableAmqpError",
     # ... raised by a call: bad input or options, timeouts, misuse
     "ConfigurationError", "InvalidMessage", "PublishTimeout", "OperationTimeout",
+    "MissingMessageId",
     "WouldDeadlock", "PublisherForked",
     # ... the connection
     "AmqpConnectionError", "AuthenticationFailed", "TlsError", "RecoveryFailed",

@@ -47,6 +47,12 @@ class InvalidMessage(ReliableAmqpError, ValueError):
         self.problem = problem
 
 
+class MissingMessageId(ReliableAmqpError, ValueError):
+    """The inbox was asked to claim a delivery that has no ``message_id``, without ``key=``: its
+    duplicates cannot be recognised, and treating it as new every time would handle each copy
+    again (``reliable_amqp.inbox``)."""
+
+
 class PublishTimeout(ReliableAmqpError, TimeoutError):
     """``publish()`` waited longer than ``publish_timeout`` for room in the in-flight window."""
 

@@ -10,13 +10,13 @@ the table bounded. The same connections as the outbox (psycopg 3, sqlite3, SQLAl
 asyncpg, PyMySQL). See docs/inbox.md.
 """
 
+from reliable_amqp._core.errors import MissingMessageId
 from reliable_amqp.inbox._inbox import (
     ATTEMPT_HEADER,
     AsyncInbox,
     DeliveryLike,
     Inbox,
     InboxStats,
-    MissingMessageId,
 )
 from reliable_amqp.inbox._schema import DEFAULT_RETENTION, DEFAULT_TABLE, PRUNE_BATCH
 from reliable_amqp.inbox._tools import InboxStatus, install, prune, status

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError
+from reliable_amqp._core.errors import ConfigurationError, MissingMessageId
 from reliable_amqp.inbox import _schema
 from reliable_amqp.inbox._schema import (
     DEFAULT_RETENTION,
@@ -33,11 +33,6 @@ from reliable_amqp.outbox._adapters import AsyncWriter, SyncWriter, async_writer
 
 #: the header that carries the consumer's attempt number (1 the first time)
 ATTEMPT_HEADER = "x-consume-attempt"
-
-
-class MissingMessageId(ReliableAmqpError, ValueError):
-    """A delivery without a ``message_id`` was claimed without ``key=``: it cannot be told from
-    its duplicates, and treating it as new every time would handle each copy again."""
 
 
 class DeliveryLike(Protocol):
