@@ -4,7 +4,7 @@ A row that deletes its queue of 20,000 persistent messages leaves the broker bus
 (the message store cleans up on its own schedule): the next row would share the broker's cores
 with that backlog, which is what made the first rows of a pass slower than the same loop run
 alone. Before each row the benchmark waits until the broker's Erlang VM (``beam.smp``, found
-through /proc) has used under ``threshold`` of one core for ``window`` seconds. On a broker that
+through psutil) has used under ``threshold`` of one core for ``window`` seconds. On a broker that
 is not on this machine there is nothing to watch: it waits ``fallback`` seconds instead.
 """
 
@@ -12,32 +12,24 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+import psutil
 
 
 def broker_pids() -> list[int]:
     """The pids of local Erlang VMs (RabbitMQ's ``beam.smp``)."""
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if (entry / "comm").read_text().strip() == "beam.smp":
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
+    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "beam.smp"]
 
 
 def _cpu_seconds(pids: list[int]) -> float:
-    total = 0
+    total = 0.0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:  # gone since (a node stopped)
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / _TICKS
+        total += times.user + times.system
+    return total
 
 
 #: how long a row waits for an idle broker at most (the test that runs every row briefly sets

@@ -15,7 +15,7 @@ spool directory's size and RSS are reported as it drains, the directory's size a
 once before the outage and once after the drain, and then into the queue the drain filled
 (behind its messages, where the broker's work per message is the drain's): the drain rate is
 reported beside the three rates,
-with the CPU a message each took here and, when one local ``beam.smp`` can be seen in /proc, in
+with the CPU a message each took here and, when one local ``beam.smp`` can be seen (psutil), in
 the broker (on a small machine the broker's CPU is what bounds both rates). Queues are lazy (the
 broker keeps the backlog on its disk).
 ``tests/faults/test_spool_faults.py`` runs :func:`outage` with 1,000,000 messages.
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pika
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -47,29 +48,21 @@ URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 
 def rss() -> int:
     """The resident set size of this process, in bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    return int(psutil.Process().memory_info().rss)
 
 
 def broker_cpu() -> float | None:
-    """CPU seconds the local broker has used so far: the one ``beam.smp`` process in /proc (None
-    when there is none, or more than one: another node, say, that could not be told apart)."""
+    """CPU seconds the local broker has used so far: the one ``beam.smp`` process (None when
+    there is none, or more than one: another node, say, that could not be told apart)."""
     found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+    for process in psutil.process_iter(["name"]):
+        if process.info["name"] != "beam.smp":
             continue
         try:
-            with open(f"/proc/{entry.name}/comm") as comm:
-                if comm.read().strip() != "beam.smp":
-                    continue
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
+            times = process.cpu_times()
+        except psutil.Error:  # gone since
             continue
-        found.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        found.append(times.user + times.system)
     return found[0] if len(found) == 1 else None
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pyspark
 
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -48,19 +49,11 @@ def free_port() -> int:
 
 
 def children(pid: int) -> list[int]:
-    """The direct children of ``pid`` (from /proc)."""
-    found: list[int] = []
+    """The direct children of ``pid``."""
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for tid in tasks:
-        try:
-            text = Path(f"/proc/{pid}/task/{tid}/children").read_text()
-        except OSError:
-            continue
-        found.extend(int(p) for p in text.split())
-    return found
+        return [child.pid for child in psutil.Process(pid).children()]
+    except psutil.Error:  # gone
+        return []
 
 
 def descendants(pid: int) -> list[int]:
@@ -75,18 +68,17 @@ def descendants(pid: int) -> list[int]:
 def cmdline(pid: int) -> str:
     """A process's command line, space-separated ("" once it is gone)."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
 def alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie counts as gone)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @dataclass

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+import psutil
+
 from broker_support import AMQP_DEFAULT_PORT
 
 __all__ = [
@@ -596,30 +598,32 @@ def _read_pid(path: Path) -> int | None:
         return None
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces; everything after its closing paren is regular.
-    return raw[raw.rindex(")") + 2 :].split()
-
-
 def _is_child_of(pid: int, parent: int) -> bool:
-    fields = _stat_fields(pid)
-    return fields is not None and fields[1] == str(parent)
+    try:
+        return psutil.Process(pid).ppid() == parent
+    except psutil.Error:  # gone
+        return False
 
 
 def _process_start_time(pid: int) -> str:
-    fields = _stat_fields(pid)
-    # Field 22 of /proc/PID/stat; paired with the pid it identifies a process despite pid reuse.
-    return fields[19] if fields else "?"
-
-
-def _process_env_has(pid: int, needle: str) -> bool:
+    """When ``pid`` started: paired with the pid, it identifies a process despite pid reuse."""
     try:
-        return needle.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
+        return repr(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return "?"
+
+
+def _owner_alive(pid: int, started: str) -> bool:
+    """Whether the process that wrote an owner file (``pid``, started at ``started``) runs."""
+    if "." not in started:  # written in /proc's clock ticks by an older harness: the pid alone
+        return psutil.pid_exists(pid)
+    return _process_start_time(pid) == started
+
+
+def _process_env_has(pid: int, name: str, value: str) -> bool:
+    try:
+        return psutil.Process(pid).environ().get(name) == value
+    except psutil.Error:
         return False
 
 
@@ -632,12 +636,12 @@ def _reap_stale_nodes(base_dir: Path) -> None:
             owner_pid, owner_start = (node_dir / _OWNER_FILE).read_text().split()
         except (OSError, ValueError):
             continue
-        if _process_start_time(int(owner_pid)) == owner_start:
+        if _owner_alive(int(owner_pid), owner_start):
             continue  # its owner is alive: not ours to touch
         beam = _read_pid(node_dir / "rabbit.pid")
-        if beam is not None and _stat_fields(beam) is not None:
+        if beam is not None and psutil.pid_exists(beam):
             # Only a process whose environment names this node: the pid may have been reused.
-            if not _process_env_has(beam, f"RABBITMQ_NODENAME={node_dir.name}@localhost"):
+            if not _process_env_has(beam, "RABBITMQ_NODENAME", f"{node_dir.name}@localhost"):
                 continue
             with contextlib.suppress(ProcessLookupError):
                 os.kill(beam, signal.SIGKILL)
