@@ -23,14 +23,30 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+import sqlite3
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp.outbox._adapters import async_writer, sync_writer
 
-if TYPE_CHECKING:
-    from reliable_amqp.inbox._inbox import AsyncInbox, Inbox
+
+class Claims(Protocol):
+    """What the handler needs of an :class:`~reliable_amqp.inbox.Inbox`."""
+
+    def key_of(self, delivery: Any, key: str | None = None) -> str: ...
+    def claim(self, conn: Any, delivery: Any, *, key: str | None = None) -> bool: ...
+    def forget_attempts(self, conn: Any, delivery: Any, *, key: str | None = None) -> int: ...
+
+
+class AsyncClaims(Protocol):
+    """What the handler needs of an :class:`~reliable_amqp.inbox.AsyncInbox`."""
+
+    def key_of(self, delivery: Any, key: str | None = None) -> str: ...
+    def claim(self, conn: Any, delivery: Any, *, key: str | None = None) -> Awaitable[bool]: ...
+    def forget_attempts(
+        self, conn: Any, delivery: Any, *, key: str | None = None
+    ) -> Awaitable[int]: ...
 
 
 def _busy(what: str) -> ConfigurationError:
@@ -42,7 +58,7 @@ def _busy(what: str) -> ConfigurationError:
 
 
 def sync_handler(
-    inbox: Inbox,
+    inbox: Claims,
     connect: Callable[[], Any],
     handle: Callable[[Any, Any], object],
     key: Callable[[Any], str] | None,
@@ -79,13 +95,11 @@ def sync_handler(
 def _is_bare_connection(obj: Any) -> bool:
     """A ``sqlite3.Connection`` is a context manager that commits, not one that yields a
     connection and closes it: treat it as a connection (left open)."""
-    import sqlite3
-
     return isinstance(obj, sqlite3.Connection)
 
 
 def async_handler(
-    inbox: AsyncInbox,
+    inbox: AsyncClaims,
     connect: Callable[[], Any],
     handle: Callable[[Any, Any], Any],
     key: Callable[[Any], str] | None,

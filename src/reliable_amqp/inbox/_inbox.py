@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from reliable_amqp._core.errors import ConfigurationError, MissingMessageId
 from reliable_amqp.inbox import _schema
+from reliable_amqp.inbox._handler import async_handler, sync_handler
 from reliable_amqp.inbox._schema import (
     DEFAULT_RETENTION,
     DEFAULT_TABLE,
@@ -314,8 +315,6 @@ class Inbox(_Base):
         transaction (the claim with it) rolls back and the exception goes on to the consumer.
         ``key(delivery)``, when given, derives the claim's key. What ``connect`` may return:
         docs/inbox.md."""
-        from reliable_amqp.inbox._handler import sync_handler
-
         return sync_handler(self, connect, handle, key)
 
 
@@ -415,8 +414,6 @@ class AsyncInbox(_Base):
     ) -> Callable[[Any], Any]:
         """An ``async handler(delivery)`` for ``AsyncConsumer.run``: :meth:`Inbox.handler`,
         awaited."""
-        from reliable_amqp.inbox._handler import async_handler
-
         return async_handler(self, connect, handle, key)
 
 
