@@ -172,3 +172,64 @@ class ChildConsumer:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(30)
+
+
+def ready_count(url: str, queue: str) -> int:
+    """Messages ready in ``queue`` (a passive declare: exact on quorum queues too); 0 for a
+    queue not declared yet."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        return int(connection.channel().queue_declare(queue, passive=True).method.message_count)
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code != 404:
+            raise
+        return 0
+    finally:
+        connection.close()
+
+
+def supervise_crash_loop(
+    child: ChildConsumer, ids: list[str], poison: str, max_restarts: int, timeout: float = 60
+) -> tuple[Record, int]:
+    """Run child consumers one after another, as a supervisor (systemd, Kubernetes) would,
+    restarting each that dies, until every id but ``poison`` was handled and ``poison`` is in
+    the dead-letter queue; then stop the last one with SIGTERM. Returns (record, deaths)."""
+    url = child.config["url"]
+    queue = child.config["queue"]
+    dead = f"{queue}.dead"
+    others = set(ids) - {poison}
+    deaths = 0
+    deadline = time.monotonic() + timeout
+    proc = child.start()
+    while True:
+        # Settled: each message handled or dead-lettered, nothing ready any more (what the
+        # assertions then check exactly; a message may be both, in the failure being hunted)
+        handled = len(others & set(child.record().handled_ids()))
+        if handled + ready_count(url, dead) >= len(ids) and ready_count(url, queue) == 0:
+            break
+        if proc.poll() is not None:
+            assert proc.returncode == -signal.SIGKILL, (proc.returncode, child.errors()[-3000:])
+            deaths += 1
+            assert deaths <= max_restarts, f"still dying after {deaths} restarts"
+            proc = child.start()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the crash loop did not settle in {timeout} s: {deaths} deaths")
+        time.sleep(0.05)
+    code, _ = child.terminate()
+    assert code == 0, child.errors()[-3000:]
+    return child.record(), deaths
+
+
+def drain_all(url: str, queue: str) -> list[tuple[pika.spec.BasicProperties, bytes]]:
+    """Take every ready message of ``queue`` (basic.get, acked)."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    out = []
+    try:
+        channel = connection.channel()
+        while True:
+            method, props, body = channel.basic_get(queue, auto_ack=True)
+            if method is None:
+                return out
+            out.append((props, body))
+    finally:
+        connection.close()
