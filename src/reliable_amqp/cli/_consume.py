@@ -178,6 +178,17 @@ class Sink:
         self._fd = stream.fileno()
         self._size = os.lseek(self._fd, 0, os.SEEK_END)  # appended to, never truncated
         self.written = 0
+        # a file just created is not durable until its directory entry is: sync that once
+        try:
+            directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(directory)
+        except OSError:
+            pass  # some filesystems cannot sync a directory; the lines are still synced
+        finally:
+            os.close(directory)
 
     def write(self, lines: list[str]) -> None:
         """Write ``lines`` and sync them to disk; on failure, the file is as it was before."""
