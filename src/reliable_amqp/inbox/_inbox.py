@@ -30,6 +30,7 @@ from reliable_amqp.inbox._schema import (
     PRUNE_BATCH,
     InboxTables,
 )
+from reliable_amqp.inbox._telemetry import InboxMetrics
 from reliable_amqp.outbox._adapters import AsyncWriter, SyncWriter, async_writer, sync_writer
 
 #: the header that carries the consumer's attempt number (1 the first time)
@@ -72,7 +73,9 @@ def attempt_of(delivery: Any) -> int:
 
 
 class _Base:
-    def __init__(self, scope: str, table: str = DEFAULT_TABLE) -> None:
+    def __init__(
+        self, scope: str, table: str = DEFAULT_TABLE, *, meter_provider: Any = None
+    ) -> None:
         if not isinstance(scope, str) or not scope or len(scope) > MAX_KEY:
             raise ConfigurationError(
                 f"scope: expected a non-empty str of at most {MAX_KEY} characters (the name of "
@@ -82,6 +85,8 @@ class _Base:
         self.tables = InboxTables.named(table)
         self.stats = InboxStats()
         self._lock = threading.Lock()
+        #: OpenTelemetry counters (the global meter provider's unless one is given)
+        self.metrics = InboxMetrics(self.tables.name, scope, meter_provider)
 
     @property
     def table(self) -> str:
@@ -116,11 +121,18 @@ class _Base:
                 self.stats.claimed += 1
             else:
                 self.stats.duplicates += 1
+        self.metrics.add(self.metrics.claims if claimed else self.metrics.duplicates)
         return claimed
+
+    def _recorded(self) -> None:
+        with self._lock:
+            self.stats.redeliveries_recorded += 1
+        self.metrics.add(self.metrics.redeliveries)
 
     def _pruned(self, count: int) -> None:
         with self._lock:
             self.stats.pruned += count
+        self.metrics.add(self.metrics.pruned, count)
 
     def _prune_plan(
         self, dialect: str, older_than: float, batch: int, all_scopes: bool
@@ -290,8 +302,7 @@ class Inbox(_Base):
         with writer.transaction(conn):
             writer.run(conn, _schema.attempt_upsert_sql(dialect, self.tables), (*key, time.time()))
             rows = writer.fetch(conn, _schema.attempt_select_sql(dialect, self.tables), key)
-        with self._lock:
-            self.stats.redeliveries_recorded += 1
+        self._recorded()
         return attempt + int(rows[0][0])
 
     def forget_attempts(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
@@ -394,8 +405,7 @@ class AsyncInbox(_Base):
             upsert = _schema.attempt_upsert_sql(dialect, self.tables)
             await writer.run(conn, upsert, (*key, time.time()))
             rows = await writer.fetch(conn, _schema.attempt_select_sql(dialect, self.tables), key)
-        with self._lock:
-            self.stats.redeliveries_recorded += 1
+        self._recorded()
         return attempt + int(rows[0][0])
 
     async def forget_attempts(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
