@@ -9,6 +9,10 @@ prefetch, ``consumer_timeout``) kill no process and run the Consumer on a thread
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +32,7 @@ from consumer.consumer_support import (
     wait_until,
 )
 from harness.node import DisposableBroker
+from reliable_amqp import Consumer, Delivery
 
 pytestmark = [pytest.mark.broker]
 
@@ -241,3 +246,192 @@ def test_crash_loop_with_a_prefetch_window_dead_letters_only_the_poison(
 ) -> None:
     queue = broker.queue(unique("c-crash"), x_queue_type="quorum")
     check_crash_loop(amqp_url, queue, child_factory, prefetch=10)
+
+
+# --- in the test's process: a deleted queue, a long handler, prefetch, consumer_timeout ---------
+
+
+@contextlib.contextmanager
+def running(consumer: Consumer, handler: Callable[[Delivery], Any]) -> Iterator[None]:
+    """``consumer.run(handler)`` on a thread for the block; stopped (and run()'s own error
+    raised) at its end."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            consumer.run(handler)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name="test-consumer")
+    thread.start()
+    try:
+        yield
+    finally:
+        consumer.stop()
+        thread.join(60)
+    assert not thread.is_alive(), "run() did not return after stop()"
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def own_queues(amqp_url: str) -> Iterator[list[str]]:
+    """Queues a consumer declared for itself (dead letters, delay levels), deleted after."""
+    queues: list[str] = []
+    yield queues
+    for queue in queues:
+        delete_queues(amqp_url, side_queues(queue, QUICK))
+
+
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "reliable_amqp" and r.levelno >= logging.WARNING
+    ]
+
+
+@pytest.mark.rabbitmq_only(
+    reason="RabbitMQ's basic.cancel on queue deletion (consumer_cancel_notify)"
+)
+def test_queue_deleted_and_declared_again_consumes_what_arrives_next(
+    amqp_url: str,
+    broker: BrokerAdmin,
+    own_queues: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="reliable_amqp")
+    queue = broker.queue(unique("c-deleted"))
+    own_queues.append(queue)
+    seen: list[str] = []
+    consumer = Consumer(amqp_url, queue, prefetch=10, redelivery=QUICK)
+    io = consumer._core.io
+    with running(consumer, lambda d: seen.append(d.message_id)):
+        fill(amqp_url, queue, [f"a{i}" for i in range(5)])
+        wait_until(lambda: len(seen) == 5, 30, "the first 5 messages handled")
+        broker.channel.queue_delete(queue)
+        # The broker's basic.cancel: the consumer drops its channel and subscribes again
+        wait_until(lambda: not io.consuming.is_set(), 30, "the subscription to end")
+        broker.queue(queue)
+        fill(amqp_url, queue, [f"b{i}" for i in range(5)])
+        wait_until(lambda: len(seen) == 10, 60, "the messages sent after the new declare")
+        assert io.consuming.is_set() and io.fatal is None
+    assert seen == [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(5)]
+    assert any("cancelled the consumer" in w for w in _warnings(caplog)), _warnings(caplog)
+    assert broker.count(queue) == 0
+
+
+def test_handler_three_heartbeats_long_is_no_reconnect(
+    amqp_url: str,
+    broker: BrokerAdmin,
+    own_queues: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="reliable_amqp")
+    queue = broker.queue(unique("c-long"))
+    own_queues.append(queue)
+    heartbeat, ids = 1, ["long-1", "long-2"]
+    fill(amqp_url, queue, ids)
+    calls: list[tuple[str, bool]] = []
+
+    def handler(delivery: Delivery) -> None:
+        calls.append((delivery.message_id or "", delivery.redelivered))
+        time.sleep(3.5 * heartbeat)  # blocks the calling thread: the I/O thread must not care
+
+    consumer = Consumer(amqp_url, queue, prefetch=10, heartbeat=heartbeat, redelivery=QUICK)
+    io = consumer._core.io
+    with running(consumer, handler):
+        wait_until(lambda: len(calls) == 2 and consumer.stats.handled == 2, 60, "both handled")
+        io.flush()
+        wait_until(lambda: broker.count(queue) == 0, 10, "the queue empty")
+        negotiated = io._connection.params.heartbeat if io._connection else None
+    assert negotiated == heartbeat  # the broker took the 1 s heartbeat
+    assert calls == [(i, False) for i in ids]  # each once, never redelivered
+    assert io.recoveries == 0 and io.generation == 1
+    assert not [w for w in _warnings(caplog) if "lost its" in w], _warnings(caplog)
+    assert broker.count(queue) == 0
+
+
+def test_a_blocked_handler_holds_exactly_prefetch_unacked(
+    amqp_url: str, broker: BrokerAdmin, own_queues: list[str]
+) -> None:
+    queue = broker.queue(unique("c-prefetch"))
+    own_queues.append(queue)
+    total, prefetch = 50, 7
+    ids = [f"m{i:02d}" for i in range(total)]
+    fill(amqp_url, queue, ids)
+    release = threading.Event()
+    seen: list[str] = []
+
+    def handler(delivery: Delivery) -> None:
+        seen.append(delivery.message_id or "")
+        if len(seen) == 1:
+            assert release.wait(60)
+
+    consumer = Consumer(amqp_url, queue, prefetch=prefetch, redelivery=QUICK)
+    with running(consumer, handler):
+        wait_until(lambda: bool(seen), 30, "the first handler call")
+        # total = ready + unacked, and nothing was acked: unacked = total - ready
+        wait_until(lambda: len(consumer._queue) == prefetch - 1, 30, "the prefetch window")
+        assert total - broker.count(queue) == prefetch
+        assert len(consumer._queue) == prefetch - 1  # and no more arrived meanwhile
+        release.set()
+        wait_until(lambda: len(seen) == total, 60, "every message handled")
+    assert seen == ids
+    assert broker.count(queue) == 0
+
+
+#: the broker's consumer_timeout on the disposable node for the test (ms), and how often a
+#: channel checks it (RabbitMQ 3.x checks on a channel tick, 60 s by default)
+TIMEOUT_MS, TICK_MS = 2000, 500
+
+
+@pytest.mark.faults
+@pytest.mark.rabbitmq_only(reason="sets consumer_timeout on the node with rabbitmqctl eval")
+def test_consumer_timeout_closes_the_channel_and_the_consumer_recovers(
+    disposable_broker: DisposableBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="reliable_amqp")
+    node = disposable_broker
+    url = node.url
+    admin = BrokerAdmin(url)
+    queue = admin.queue(unique("c-timeout"))
+    node.ctl(
+        "eval",
+        f"application:set_env(rabbit, consumer_timeout, {TIMEOUT_MS}), "
+        f"application:set_env(rabbit, channel_tick_interval, {TICK_MS}).",
+    )
+    try:
+        fill(url, queue, ["slow"])
+        calls: list[tuple[int, bool]] = []
+        consumer = Consumer(url, queue, prefetch=5, redelivery=QUICK, handler_timeout=1.0)
+        io = consumer._core.io
+
+        def handler(delivery: Delivery) -> None:
+            calls.append((delivery.attempt, delivery.redelivered))
+            if len(calls) == 1:
+                # A sync handler past the broker's consumer_timeout: it returns only once the
+                # broker closed the channel and the consumer opened a new one.
+                generation = delivery.generation
+                wait_until(lambda: io.live_generation > generation, 30, "a new channel")
+
+        with running(consumer, handler):
+            wait_until(lambda: consumer.stats.handled == 2, 60, "the message handled again")
+            io.flush()
+            wait_until(lambda: admin.count(queue) == 0, 10, "the queue empty")
+        assert calls == [(1, False), (2, True)]  # handled again after the broker's requeue
+        assert io.recoveries == 1 and io.fatal is None
+        assert io.stale_settlements >= 1  # the late ack of the old channel was never sent
+        warnings = _warnings(caplog)
+        assert any("lost its channel" in w and "timed out" in w for w in warnings), warnings
+        assert len([w for w in warnings if "handler_timeout" in w]) == 1, warnings
+        assert admin.count(queue) == 0
+    finally:
+        node.ctl(
+            "eval",
+            "application:set_env(rabbit, consumer_timeout, 1800000), "
+            "application:set_env(rabbit, channel_tick_interval, 60000).",
+        )
+        delete_queues(url, side_queues(queue, QUICK))
+        admin.close()
