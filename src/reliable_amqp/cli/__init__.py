@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 from reliable_amqp._core.errors import ConfigurationError, SpoolError
 from reliable_amqp.cli._bench import add_bench_arguments, run_bench
-from reliable_amqp.cli._consume import CONSUME_COMMANDS, run_consume, run_dead_letters
+from reliable_amqp.cli._consume import CONSUME_COMMANDS, run_consume
+from reliable_amqp.cli._dead_letters import DEAD_LETTERS_COMMANDS, run_dead_letters
 from reliable_amqp.cli._inbox import INBOX_COMMANDS
 from reliable_amqp.cli._outbox import add_outbox_arguments
 from reliable_amqp.cli._parse import (
@@ -49,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             add_bench_arguments,
             add_spool_arguments,
             add_outbox_arguments,
-            more=(*CONSUME_COMMANDS, *INBOX_COMMANDS),
+            more=(*CONSUME_COMMANDS, *DEAD_LETTERS_COMMANDS, *INBOX_COMMANDS),
         )
         args = parser.parse_args(argv)
     except KeyboardInterrupt:  # while starting: nothing was done yet
