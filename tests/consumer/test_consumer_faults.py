@@ -9,55 +9,38 @@ prefetch, ``consumer_timeout``) kill no process and run the Consumer on a thread
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from broker_support import BrokerAdmin, unique
 from consumer.consumer_support import (
+    COLLATERAL,
     QUICK,
     ChildConsumer,
+    check_crash_loop,
+    child_factories,
     delete_queues,
-    drain_all,
     fill,
-    ready_count,
+    running,
     side_queues,
-    supervise_crash_loop,
     wait_until,
+    warnings_logged,
 )
 from harness.node import DisposableBroker
 from reliable_amqp import Consumer, Delivery
 
 pytestmark = [pytest.mark.broker]
 
-#: the child's redelivery policy (a RetryPolicy's fields: JSON to the child)
-QUICK_CONFIG = {"max_attempts": 3, "initial_delay": 0.1, "max_delay": 0.2, "jitter": 0.0}
-
 
 @pytest.fixture
 def child_factory(tmp_path: Path) -> Iterator[Callable[..., ChildConsumer]]:
-    """``child_factory(url, queue, **config)``: a ChildConsumer whose processes die with the
-    test; the consumer's own queues (dead letters, delay levels) are deleted after it."""
-    made: list[ChildConsumer] = []
-
-    def factory(url: str, queue: str, **config: Any) -> ChildConsumer:
-        config.setdefault("redelivery", QUICK_CONFIG)
-        place = tmp_path / f"child{len(made)}"
-        place.mkdir()
-        child = ChildConsumer(place, url, queue, **config)
-        made.append(child)
-        return child
-
-    yield factory
-    for child in made:
-        child.close()
-        delete_queues(child.config["url"], side_queues(child.config["queue"], QUICK))
+    """``child_factory(url, queue, **config)``: child consumers, killed and cleaned up after."""
+    yield from child_factories(tmp_path)
 
 
 # --- kill -9 ---------------------------------------------------------------------------------
@@ -189,36 +172,6 @@ def test_sigterm_during_slow_handler_acks_it_and_gives_back_the_rest(
 
 # --- crash loop on a quorum queue -------------------------------------------------------------
 
-CRASH_TOTAL = 30
-
-
-def check_crash_loop(
-    url: str, queue: str, child_factory: Callable[..., ChildConsumer], prefetch: int
-) -> None:
-    """A message whose handler kills the process, each time, on quorum queue ``queue``: with a
-    supervisor restarting the consumer, it ends in ``<queue>.dead`` (the broker's
-    x-delivery-count gives its attempt), the handler having run on it ``max_attempts`` times,
-    and every other message is handled. Shared with tests/rabbitmq4 (its delivery-count rules)."""
-    ids = [f"m{i:02d}" for i in range(CRASH_TOTAL)]
-    poison = ids[5]
-    fill(url, queue, ids)
-    child = child_factory(url, queue, prefetch=prefetch, crash_on=poison)
-    max_attempts = QUICK_CONFIG["max_attempts"]
-    record, deaths = supervise_crash_loop(child, ids, poison, max_restarts=max_attempts + 2)
-    dead = drain_all(url, f"{queue}.dead")
-    assert [props.message_id for props, _ in dead] == [poison], (
-        "dead-lettered besides the poison: "
-        f"{[(p.message_id, p.headers.get('x-attempts')) for p, _ in dead]}"
-    )
-    assert record.started_ids()[poison] == max_attempts, record.started
-    assert deaths == max_attempts
-    assert set(record.handled_ids()) == set(ids) - {poison}
-    headers = dead[0][0].headers
-    assert headers["x-exception-type"] == "AttemptsExceeded", headers
-    assert headers["x-attempts"] == max_attempts + 1
-    assert headers["x-original-queue"] == queue
-    assert ready_count(url, queue) == 0
-
 
 @pytest.mark.faults
 def test_crash_loop_on_a_quorum_queue_ends_dead_lettered(
@@ -227,16 +180,6 @@ def test_crash_loop_on_a_quorum_queue_ends_dead_lettered(
     """prefetch=1: the poison is alone in flight when it kills the process."""
     queue = broker.queue(unique("c-crash"), x_queue_type="quorum")
     check_crash_loop(amqp_url, queue, child_factory, prefetch=1)
-
-
-#: what the crash loop does to the messages prefetched with the poison (see the xfail reason)
-COLLATERAL = (
-    "bug (reported, not fixed): every crash returns the whole prefetch window to the quorum "
-    "queue, and the broker counts a delivery for each message in it (x-delivery-count); the "
-    "messages prefetched with the poison reach attempt max_attempts+1 with it and are "
-    "dead-lettered as AttemptsExceeded without their handler having failed (some were even "
-    "handled each time, their ack not yet sent when the process died)"
-)
 
 
 @pytest.mark.faults
@@ -251,30 +194,6 @@ def test_crash_loop_with_a_prefetch_window_dead_letters_only_the_poison(
 # --- in the test's process: a deleted queue, a long handler, prefetch, consumer_timeout ---------
 
 
-@contextlib.contextmanager
-def running(consumer: Consumer, handler: Callable[[Delivery], Any]) -> Iterator[None]:
-    """``consumer.run(handler)`` on a thread for the block; stopped (and run()'s own error
-    raised) at its end."""
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            consumer.run(handler)
-        except BaseException as exc:
-            errors.append(exc)
-
-    thread = threading.Thread(target=run, name="test-consumer")
-    thread.start()
-    try:
-        yield
-    finally:
-        consumer.stop()
-        thread.join(60)
-    assert not thread.is_alive(), "run() did not return after stop()"
-    if errors:
-        raise errors[0]
-
-
 @pytest.fixture
 def own_queues(amqp_url: str) -> Iterator[list[str]]:
     """Queues a consumer declared for itself (dead letters, delay levels), deleted after."""
@@ -282,14 +201,6 @@ def own_queues(amqp_url: str) -> Iterator[list[str]]:
     yield queues
     for queue in queues:
         delete_queues(amqp_url, side_queues(queue, QUICK))
-
-
-def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "reliable_amqp" and r.levelno >= logging.WARNING
-    ]
 
 
 @pytest.mark.rabbitmq_only(
@@ -318,7 +229,9 @@ def test_queue_deleted_and_declared_again_consumes_what_arrives_next(
         wait_until(lambda: len(seen) == 10, 60, "the messages sent after the new declare")
         assert io.consuming.is_set() and io.fatal is None
     assert seen == [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(5)]
-    assert any("cancelled the consumer" in w for w in _warnings(caplog)), _warnings(caplog)
+    assert any("cancelled the consumer" in w for w in warnings_logged(caplog)), warnings_logged(
+        caplog
+    )
     assert broker.count(queue) == 0
 
 
@@ -349,7 +262,7 @@ def test_handler_three_heartbeats_long_is_no_reconnect(
     assert negotiated == heartbeat  # the broker took the 1 s heartbeat
     assert calls == [(i, False) for i in ids]  # each once, never redelivered
     assert io.recoveries == 0 and io.generation == 1
-    assert not [w for w in _warnings(caplog) if "lost its" in w], _warnings(caplog)
+    assert not [w for w in warnings_logged(caplog) if "lost its" in w], warnings_logged(caplog)
     assert broker.count(queue) == 0
 
 
@@ -423,7 +336,7 @@ def test_consumer_timeout_closes_the_channel_and_the_consumer_recovers(
         assert calls == [(1, False), (2, True)]  # handled again after the broker's requeue
         assert io.recoveries == 1 and io.fatal is None
         assert io.stale_settlements >= 1  # the late ack of the old channel was never sent
-        warnings = _warnings(caplog)
+        warnings = warnings_logged(caplog)
         assert any("lost its channel" in w and "timed out" in w for w in warnings), warnings
         assert len([w for w in warnings if "handler_timeout" in w]) == 1, warnings
         assert admin.count(queue) == 0
