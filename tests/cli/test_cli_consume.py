@@ -6,6 +6,7 @@ and synced, its republish confirmed); the lines are what `publish --format jsonl
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import resource
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,36 @@ def test_round_trip_publish_consume_publish(
     props = drained[1][0]
     assert props.message_id == "order-42" and props.headers == sent[1]["headers"]
     assert props.delivery_mode == 1 and props.priority == 5 and props.timestamp == 1714564800
+
+
+def test_headers_json_has_no_type_for_are_written_as_text(
+    amqp_url: str, broker: BrokerAdmin, tmp_path: Path
+) -> None:
+    """Bytes, decimals and timestamps in headers (which AMQP has and JSON has not) neither stop
+    the run nor drop the header: they are written as text (bytes as base64)."""
+    queue = broker.queue()
+    headers = {
+        "raw": b"\x00\xff",
+        "price": Decimal("-0.01"),
+        "at": dt.datetime(2024, 5, 1, 12, 0, tzinfo=dt.timezone.utc),
+        "plain": "text",
+    }
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    channel = connection.channel()
+    channel.confirm_delivery()
+    channel.basic_publish("", queue, b"x", pika.BasicProperties(headers=headers), mandatory=True)
+    connection.close()
+    out = tmp_path / "out.jsonl"
+    result = run_cli("consume", queue, "--to", str(out), "--count", "1", url=amqp_url)
+    assert result.returncode == 0, result.stderr
+    (line,) = _lines(out)
+    assert line["headers"] == {
+        "raw": "AP8=",
+        "price": "-0.01",
+        "at": "2024-05-01T12:00:00+00:00",
+        "plain": "text",
+    }
+    assert broker.count(queue) == 0
 
 
 def test_count_takes_the_first_n_and_leaves_the_rest(
