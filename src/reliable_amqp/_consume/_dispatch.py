@@ -7,6 +7,8 @@ once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from reliable_amqp._consume._io import ConsumerIO
 from reliable_amqp._consume._options import ConsumerOptions
 from reliable_amqp._consume._redeliver import Redeliverer
@@ -15,6 +17,9 @@ from reliable_amqp._core.acks import ACK
 from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import ReliableAmqpError
 from reliable_amqp._core.redelivery import Retry, before_handler, on_failure
+
+if TYPE_CHECKING:
+    from reliable_amqp._otel._consume import ConsumerTelemetry
 
 
 class Reject(ReliableAmqpError):
@@ -32,7 +37,7 @@ class Reject(ReliableAmqpError):
 class Dispatch:
     """The handler side's bookkeeping, shared by :class:`Consumer` and :class:`AsyncConsumer`."""
 
-    __slots__ = ("_io", "_max_attempts", "_options", "_redeliver", "stats")
+    __slots__ = ("_io", "_max_attempts", "_options", "_redeliver", "stats", "telemetry")
 
     def __init__(
         self,
@@ -46,6 +51,8 @@ class Dispatch:
         self._redeliver = redeliver
         self._max_attempts = options.max_attempts
         self.stats = stats
+        #: spans and metrics (None: OpenTelemetry is not in use), set when consuming starts
+        self.telemetry: ConsumerTelemetry | None = None
 
     def admit(self, delivery: Delivery) -> bool:
         """Whether the handler should run for ``delivery``.
@@ -61,6 +68,8 @@ class Dispatch:
         stats.consumed += 1
         if delivery.redelivered:
             stats.redelivered += 1
+            if self.telemetry is not None:
+                self.telemetry.count("redelivered")
         if delivery.header_error is not None or delivery.attempt > self._max_attempts:
             dead = before_handler(delivery.attempt, delivery.header_error, self._max_attempts)
             if dead is not None:
@@ -72,6 +81,8 @@ class Dispatch:
         """The handler returned: the delivery is acked (in the next batch)."""
         self.stats.handled += 1
         self._io.settle(delivery.generation, delivery.delivery_tag, ACK)
+        if self.telemetry is not None:
+            self.telemetry.count("handled")
 
     def failed(self, delivery: Delivery, error: BaseException) -> None:
         """The handler raised ``error``: retry later or dead-letter (the ack follows the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reliable_amqp._consume._io import ConsumerIO
 from reliable_amqp._consume._options import ConsumerOptions
@@ -29,6 +29,9 @@ from reliable_amqp._core.redelivery import (
     retry_headers,
 )
 from reliable_amqp._sync.publisher import Publisher
+
+if TYPE_CHECKING:
+    from reliable_amqp._otel._consume import ConsumerTelemetry
 
 log = logging.getLogger("reliable_amqp")
 
@@ -55,6 +58,8 @@ class Redeliverer:
         self._stats = stats
         self._publisher: Publisher | None = None
         self._lock = threading.Lock()
+        #: spans and metrics (None: OpenTelemetry is not in use), set when consuming starts
+        self.telemetry: ConsumerTelemetry | None = None
 
     def open(self) -> None:
         """Connect the publisher and declare the dead-letter and delay queues (idempotent)."""
@@ -98,6 +103,8 @@ class Redeliverer:
     def retry(self, delivery: Delivery, retry: Retry) -> None:
         """Republish ``delivery`` to its delay queue; ack the original once confirmed."""
         self._stats.retried += 1
+        if self.telemetry is not None:
+            self.telemetry.count("retried")
         headers = retry_headers(
             delivery.headers, retry, delivery.queue, delivery.exchange, delivery.routing_key
         )
@@ -128,6 +135,8 @@ class Redeliverer:
         if error is None and not future.cancelled():
             if dead is not None:
                 self._stats.dead_lettered += 1
+                if self.telemetry is not None:
+                    self.telemetry.count("dead_lettered")
                 log.warning(
                     "reliable-amqp: message %r from queue %r dead-lettered to %r after %d "
                     "attempt(s): %s (%s)",

@@ -206,6 +206,9 @@ class AsyncConsumer:
                 continue
             if not dispatch.admit(delivery):
                 continue
+            telemetry = dispatch.telemetry
+            span = telemetry.begin(delivery) if telemetry is not None else None
+            error: Exception | None = None
             started = clock()
             try:
                 if timeout is None:
@@ -218,11 +221,15 @@ class AsyncConsumer:
                             f"the handler ran past handler_timeout={timeout} s and was cancelled"
                         ) from None
             except Exception as exc:
+                error = exc
                 dispatch.failed(delivery, exc)
             else:
                 dispatch.succeeded(delivery)
             finally:
-                stats.handler_seconds += clock() - started
+                seconds = clock() - started
+                stats.handler_seconds += seconds
+                if telemetry is not None:
+                    telemetry.end(span, error, seconds)
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
         """SIGTERM and the first Ctrl-C stop gracefully (main thread, Unix); the second Ctrl-C

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType, TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reliable_amqp._consume._dispatch import Dispatch
 from reliable_amqp._consume._io import ConsumerIO
@@ -31,7 +31,11 @@ from reliable_amqp._consume._stats import ConsumerStats
 from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError
 from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._otel import otel_in_use
 from reliable_amqp._sync._pika import connection_parameters
+
+if TYPE_CHECKING:
+    from reliable_amqp._otel._consume import ConsumerTelemetry
 
 log = logging.getLogger("reliable_amqp")
 
@@ -82,6 +86,7 @@ class ConsumerCore:
     def start(self) -> None:
         """Open the redelivery publisher (declaring the delay and dead-letter queues), then
         start consuming."""
+        self.dispatch.telemetry = self.redeliver.telemetry = _telemetry(self.options)
         self.redeliver.open()
         self.io.start()
 
@@ -104,6 +109,16 @@ class ConsumerCore:
             io.drain(max(1.0, timeout))
         io.stop(timeout=max(1.0, timeout) if graceful else 2.0)
         self.redeliver.close(timeout if graceful else 0.0)
+
+
+def _telemetry(options: ConsumerOptions) -> ConsumerTelemetry | None:
+    if not otel_in_use(options.connection):
+        return None  # OpenTelemetry is not imported at all
+    try:
+        from reliable_amqp._otel._consume import consumer_telemetry
+    except ImportError:  # the otel extra is not installed
+        return None
+    return consumer_telemetry(options.connection, options.queue)
 
 
 class Consumer:
@@ -252,16 +267,23 @@ class Consumer:
                 return  # unstarted: given back to the queue by the drain
             if not dispatch.admit(delivery):
                 continue
+            telemetry = dispatch.telemetry
+            span = telemetry.begin(delivery) if telemetry is not None else None
+            error: Exception | None = None
             started = self._handler_started = clock()
             try:
                 handler(delivery)
             except Exception as exc:
+                error = exc
                 dispatch.failed(delivery, exc)
             else:
                 dispatch.succeeded(delivery)
             finally:
                 self._handler_started = None
-                stats.handler_seconds += clock() - started
+                seconds = clock() - started
+                stats.handler_seconds += seconds
+                if telemetry is not None:
+                    telemetry.end(span, error, seconds)
 
     def _install_signals(self) -> Callable[[], None]:
         """SIGTERM stops; the first Ctrl-C stops, the second raises (main thread only)."""
