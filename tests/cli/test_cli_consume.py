@@ -283,10 +283,19 @@ def test_a_queue_deleted_under_it_is_a_loud_failure(
     assert [line["body"] for line in _lines(out)] == ["one"]
 
 
-def test_a_missing_queue_is_a_usage_error(amqp_url: str, tmp_path: Path) -> None:
+def test_a_missing_queue_or_a_bad_flag_is_a_usage_error(amqp_url: str, tmp_path: Path) -> None:
     result = run_cli("consume", unique("absent"), "--to", str(tmp_path / "o"), url=amqp_url)
     assert result.returncode == 2
     assert "no queue" in result.stderr
+    for flags, says in (
+        (["--prefetch", "70000"], "--prefetch is at most 65,535"),
+        (["--count", "0"], "expected a whole number >= 1"),
+        (["--batch", "x"], "expected a whole number"),
+    ):
+        to = tmp_path / "bad.jsonl"
+        result = run_cli("consume", "q", "--to", str(to), *flags, url=amqp_url)
+        assert result.returncode == 2 and says in result.stderr, result.stderr
+        assert not to.exists()  # refused before anything was opened
 
 
 # --- dead-letters ----------------------------------------------------------------------------

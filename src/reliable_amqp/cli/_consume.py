@@ -50,6 +50,8 @@ from reliable_amqp.cli._parse import (
 
 DEFAULT_PREFETCH = 500
 DEFAULT_BATCH = 250
+#: basic.qos carries the prefetch count in 16 bits
+MAX_PREFETCH = 65_535
 
 
 def add_consume_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,6 +212,8 @@ def problem(options: PublisherOptions, exc: BaseException) -> str:
 def run_consume(args: argparse.Namespace) -> int:
     """Run ``reliable-amqp consume``; returns the exit code."""
     options = check_options(args)
+    if args.prefetch > MAX_PREFETCH:  # before the file is created
+        raise UsageError(f"--prefetch is at most {MAX_PREFETCH:,} (AMQP's prefetch count)")
     sink = Sink(args.to)
     stop = _Stop()
     try:
