@@ -294,7 +294,6 @@ def check_crash_loop(
     assert ready_count(url, queue) == 0
 
 
-#: what the crash loop does to the messages prefetched with the poison (see the xfail reason)
 COLLATERAL = (
     "bug (reported, not fixed): every crash returns the whole prefetch window to the quorum "
     "queue, and the broker counts a delivery for each message in it (x-delivery-count); the "

@@ -19,7 +19,6 @@ import pytest
 
 from broker_support import BrokerAdmin, unique
 from consumer.consumer_support import (
-    COLLATERAL,
     QUICK,
     ChildConsumer,
     check_crash_loop,
@@ -183,7 +182,6 @@ def test_crash_loop_on_a_quorum_queue_ends_dead_lettered(
 
 
 @pytest.mark.faults
-@pytest.mark.xfail(strict=True, reason=COLLATERAL)
 def test_crash_loop_with_a_prefetch_window_dead_letters_only_the_poison(
     amqp_url: str, broker: BrokerAdmin, child_factory: Callable[..., ChildConsumer]
 ) -> None:

@@ -18,7 +18,6 @@ import pytest
 
 from broker_support import BrokerAdmin, unique
 from consumer.consumer_support import (
-    COLLATERAL,
     QUICK,
     ChildConsumer,
     check_crash_loop,
@@ -71,7 +70,6 @@ def test_crash_loop_on_a_rabbitmq4_quorum_queue_ends_dead_lettered(
     check_crash_loop(rmq4.url, queue, child_factory, prefetch=1)
 
 
-@pytest.mark.xfail(strict=True, reason=COLLATERAL)
 def test_crash_loop_with_a_prefetch_window_on_rabbitmq4_dead_letters_only_the_poison(
     rmq4: Rabbitmq4Node, admin: BrokerAdmin, child_factory: Callable[..., ChildConsumer]
 ) -> None:

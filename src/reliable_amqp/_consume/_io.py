@@ -139,6 +139,7 @@ class ConsumerIO:
         self._failures = 0
         self._first_failure: float | None = None
         self._cancelled = False
+        self._careful = False  # consuming one at a time until a fresh delivery (see below)
         self._draining = False  # stop(): cancel, ack what finishes, requeue the rest
         self._drained = threading.Event()
         self.stale_settlements = 0
@@ -322,7 +323,14 @@ class ConsumerIO:
         connection.scanner = DeliveryScanner(channel.channel_number, self.generation, self.queue)
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_cancel_callback(self._on_server_cancel)
-        channel.basic_qos(prefetch_count=self.prefetch, callback=self._on_qos)
+        # A careful start: one message at a time while the broker redelivers (a consumer died
+        # with them). A crash loop then charges the broker's delivery count of the poison
+        # alone, not of every message prefetched with it; the first fresh delivery opens the
+        # full prefetch (see _leave_careful).
+        self._careful = self.prefetch > 1
+        channel.basic_qos(
+            prefetch_count=1 if self._careful else self.prefetch, callback=self._on_qos
+        )
 
     def _on_qos(self, _frame: Any) -> None:
         channel = self._channel
@@ -419,7 +427,32 @@ class ConsumerIO:
         if book is not None:
             for d in batch:
                 book.delivered(d.delivery_tag)
+        if self._careful and any(not d.redelivered for d in batch):
+            self._leave_careful()
         self._on_deliveries(batch)
+
+    def _leave_careful(self) -> None:
+        """The redelivered messages are through: consume with the full prefetch.
+
+        RabbitMQ applies a per-consumer ``basic.qos`` to consumers created after it, so the
+        subscription is made again on the same channel (the deliveries in hand stay ours, and
+        their tags stay valid).
+        """
+        self._careful = False
+        channel = self._channel
+        tag = self._consumer_tag
+        if channel is None or not channel.is_open or tag is None or self._draining:
+            return
+
+        same: Channel = channel
+
+        def resubscribe(_frame: Any) -> None:
+            if same.is_open and same is self._channel and not self._draining:
+                self._on_declared(None)
+
+        channel.basic_qos(prefetch_count=self.prefetch)
+        self._consumer_tag = None
+        channel.basic_cancel(tag, callback=resubscribe)
 
     def _on_wake(self) -> None:
         with self._wake_lock:
