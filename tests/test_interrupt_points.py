@@ -26,14 +26,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import aio_pika
+import aiormq
+import pika
 import pytest
 
+import reliable_amqp
 from broker_support import BrokerAdmin
 from reliable_amqp import AsyncPublisher, Publisher, PublisherClosed
 
@@ -44,12 +50,40 @@ pytestmark = [pytest.mark.broker]
 FLUSH = 10.0
 
 
+#: the code a sweep interrupts: the library's, the AMQP clients' it calls in the caller's
+#: thread, and this module's (the call under test)
+SWEPT = (
+    *(os.path.dirname(m.__file__ or "") + os.sep for m in (reliable_amqp, pika, aiormq, aio_pika)),
+    __file__,
+)
+#: the standard library (threading's locks and events, collections...): swept where the code
+#: above calls it, never where pytest, coverage or a plugin does
+STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+def under_test(frame: FrameType | None) -> bool:
+    """Whether a profile event in ``frame`` belongs to the call under test: the frame runs
+    :data:`SWEPT` code, or the standard library's on behalf of the nearest caller that does.
+    Not pytest's, coverage's or a plugin's (a finalizer of theirs run by the garbage collector
+    in the middle of the call, an import hook compiling a module), nor the import machinery's:
+    an interrupt there is no Ctrl-C the library could meet in a user's program, and pytest's
+    and coverage's own state is not built to survive one."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith(SWEPT):
+            return True
+        if not filename.startswith(STDLIB) or "site-packages" in filename:
+            return False  # (pytest, coverage, plugins, "<frozen importlib._bootstrap>"...)
+        frame = frame.f_back
+    return False
+
+
 def _raise_at(
-    point: int, counted: Callable[[FrameType], bool] = lambda frame: True
+    point: int, counted: Callable[[FrameType], bool] = under_test
 ) -> Callable[[FrameType, str, Any], None]:
     """A profile function (``sys.setprofile``) that raises ``KeyboardInterrupt`` at the
     ``point``-th point (1-based) where the interpreter would take a signal, among the frames
-    ``counted`` admits."""
+    ``counted`` admits (by default those :func:`under_test`)."""
     seen = 0
 
     def profile(frame: FrameType, event: str, arg: Any) -> None:
@@ -247,6 +281,7 @@ def test_an_interrupt_anywhere_in_the_async_publishers_code_leaks_and_delays_not
                             asyncio.current_task() is me
                             and "asyncio" not in frame.f_code.co_filename
                             and frame.f_code.co_filename != __file__
+                            and under_test(frame)
                         ),
                     )
                 )
