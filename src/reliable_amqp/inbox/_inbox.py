@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from reliable_amqp._core.errors import ConfigurationError, MissingMessageId
 from reliable_amqp.inbox import _schema
 from reliable_amqp.inbox._handler import async_handler, sync_handler
+from reliable_amqp.inbox._prune import async_prune_batch, pause, prune_batch, take_turns
 from reliable_amqp.inbox._schema import (
     DEFAULT_RETENTION,
     DEFAULT_TABLE,
@@ -31,7 +32,7 @@ from reliable_amqp.inbox._schema import (
     InboxTables,
 )
 from reliable_amqp.inbox._telemetry import InboxMetrics
-from reliable_amqp.outbox._adapters import AsyncWriter, SyncWriter, async_writer, sync_writer
+from reliable_amqp.outbox._adapters import async_writer, sync_writer
 
 #: the header that carries the consumer's attempt number (1 the first time)
 ATTEMPT_HEADER = "x-consume-attempt"
@@ -240,7 +241,7 @@ class Inbox(_Base):
         dialect = _known(writer.dialect(conn))
         owned = not writer.in_transaction(conn)
         plan = self._prune_plan(dialect, older_than, batch, all_scopes)
-        # a sqlite3 connection polls for the write lock itself (see _take_turns)
+        # a sqlite3 connection polls for the write lock itself (see _prune.take_turns)
         polling = owned and isinstance(conn, sqlite3.Connection)
         saved = conn.execute("PRAGMA busy_timeout").fetchone()[0] if polling else 0
         if polling:
@@ -251,18 +252,18 @@ class Inbox(_Base):
                 while True:
                     began = time.monotonic()
                     if polling:
-                        found, deleted = _take_turns(writer, conn, step, params, saved)
+                        found, deleted = take_turns(writer, conn, step, params, saved)
                     elif owned:
                         with writer.transaction(conn):
-                            found, deleted = _prune_batch(writer, conn, step, params)
+                            found, deleted = prune_batch(writer, conn, step, params)
                     else:
-                        found, deleted = _prune_batch(writer, conn, step, params)
+                        found, deleted = prune_batch(writer, conn, step, params)
                     total += deleted
                     self._pruned(deleted)
                     if found < batch:
                         break
                     if owned and dialect == "sqlite":
-                        time.sleep(_pause(began))
+                        time.sleep(pause(began))
         finally:
             if polling:
                 conn.execute(f"PRAGMA busy_timeout = {int(saved)}")
@@ -365,15 +366,15 @@ class AsyncInbox(_Base):
                 began = time.monotonic()
                 if owned:
                     async with writer.transaction(conn):
-                        found, deleted = await _async_prune_batch(writer, conn, step, params)
+                        found, deleted = await async_prune_batch(writer, conn, step, params)
                 else:
-                    found, deleted = await _async_prune_batch(writer, conn, step, params)
+                    found, deleted = await async_prune_batch(writer, conn, step, params)
                 total += deleted
                 self._pruned(deleted)
                 if found < batch:
                     break
                 if owned and dialect == "sqlite":
-                    await asyncio.sleep(_pause(began))
+                    await asyncio.sleep(pause(began))
         return total
 
     async def record_attempt(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
@@ -425,75 +426,6 @@ class AsyncInbox(_Base):
         """An ``async handler(delivery)`` for ``AsyncConsumer.run``: :meth:`Inbox.handler`,
         awaited."""
         return async_handler(self, connect, handle, key)
-
-
-def _pause(began: float) -> float:
-    """SQLite: how long prune lets go of the database after a batch. One writer at a time, and a
-    waiting writer polls: SQLite's busy handler sleeps 1, 2, 5, 10, 15, 20, 25... ms between its
-    tries. Without a pause the next batch takes the lock again at once, and a claim waited for
-    the whole prune (132 ms for 20 batches, measured). A pause of twice the batch's time holds
-    one of the writer's tries, however long the batch: the writer's wait stays within about
-    one and a half batches."""
-    return min(2 * (time.monotonic() - began), 0.1)
-
-
-def _take_turns(
-    writer: SyncWriter,
-    conn: sqlite3.Connection,
-    step: _schema.PruneStep,
-    params: tuple[Any, ...],
-    timeout_ms: int,
-) -> tuple[int, int]:
-    """One batch on a sqlite3 connection, polling for the write lock every millisecond. SQLite's
-    busy handler backs off to 100 ms sleeps, so against a writer that claims without pause
-    prune waited most of a second a batch (17 s for 20 batches, measured); polling gets a turn
-    as soon as the writer commits."""
-    deadline = time.monotonic() + max(timeout_ms, 5000) / 1000
-    while True:
-        try:
-            with writer.transaction(conn):
-                return _prune_batch(writer, conn, step, params)
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise
-        time.sleep(0.001)
-
-
-def _by_scope(rows: list[tuple[Any, ...]]) -> dict[str, list[str]]:
-    keys: dict[str, list[str]] = {}
-    for scope, message_id in rows:
-        keys.setdefault(scope, []).append(message_id)
-    return keys
-
-
-def _prune_batch(
-    writer: SyncWriter, conn: Any, step: _schema.PruneStep, params: tuple[Any, ...]
-) -> tuple[int, int]:
-    """One batch: (rows found, rows deleted)."""
-    if step.delete is not None:
-        deleted = max(writer.run(conn, step.delete, params), 0)
-        return deleted, deleted
-    assert step.select is not None
-    rows = writer.fetch(conn, step.select, params)
-    deleted = 0
-    for scope, ids in _by_scope(rows).items():
-        deleted += writer.run(conn, step.delete_keys(len(ids)), (scope, *ids, params[0]))
-    return len(rows), deleted
-
-
-async def _async_prune_batch(
-    writer: AsyncWriter, conn: Any, step: _schema.PruneStep, params: tuple[Any, ...]
-) -> tuple[int, int]:
-    """:func:`_prune_batch`, awaited."""
-    if step.delete is not None:
-        deleted = max(await writer.run(conn, step.delete, params), 0)
-        return deleted, deleted
-    assert step.select is not None
-    rows = await writer.fetch(conn, step.select, params)
-    deleted = 0
-    for scope, ids in _by_scope(rows).items():
-        deleted += await writer.run(conn, step.delete_keys(len(ids)), (scope, *ids, params[0]))
-    return len(rows), deleted
 
 
 def _ledger_in_transaction() -> ConfigurationError:
