@@ -10,7 +10,7 @@ from typing import Any
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.policy import RetryPolicy
-from reliable_amqp._core.redelivery import delay_levels
+from reliable_amqp._core.redelivery import delay_levels, delay_queue
 
 #: the prefetch when none is given: enough to keep a fast handler busy on a quorum queue (which
 #: wants 100 or more), small enough that a slow one holds few messages; see docs/consumer.md
@@ -80,6 +80,13 @@ class ConsumerOptions:
         attempts = self.redelivery.max_attempts
         assert attempts is not None  # checked in __post_init__
         return attempts
+
+    @property
+    def own_queues(self) -> tuple[str, ...]:
+        """The queues the consumer declares for itself: the dead letters, then one delay queue
+        per delay level of ``redelivery``."""
+        delays = [delay_queue(self.queue, level) for level in delay_levels(self.redelivery)]
+        return (self.dead_letter_queue, *delays)
 
     @classmethod
     def create(

@@ -71,7 +71,7 @@ class Redeliverer:
             publisher.connect()
             try:
                 publisher.declare_queue(options.dead_letter_queue, durable=True)
-                for level in delay_levels(options.redelivery):
+                for level in delay_levels(options.redelivery):  # options.own_queues, with TTLs
                     publisher.declare_queue(
                         delay_queue(options.queue, level),
                         durable=True,

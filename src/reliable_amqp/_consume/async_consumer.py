@@ -88,6 +88,13 @@ class AsyncConsumer:
         self.options = self._core.options
 
     @property
+    def own_queues(self) -> tuple[str, ...]:
+        """The queues this consumer declares for itself (durable, kept after it stops): its
+        dead-letter queue, then one delay queue per delay level of its ``redelivery`` policy
+        (``<queue>.retry.<ms>ms``, each dead-lettering back to the queue)."""
+        return self.options.own_queues
+
+    @property
     def stats(self) -> ConsumerStats:
         """Counters: consumed, handled, retried, dead-lettered, redelivered... (live)."""
         return self._core.stats

@@ -179,6 +179,13 @@ class Consumer:
         self._handler_started: float | None = None
 
     @property
+    def own_queues(self) -> tuple[str, ...]:
+        """The queues this consumer declares for itself (durable, kept after it stops): its
+        dead-letter queue, then one delay queue per delay level of its ``redelivery`` policy
+        (``<queue>.retry.<ms>ms``, each dead-lettering back to the queue)."""
+        return self.options.own_queues
+
+    @property
     def stats(self) -> ConsumerStats:
         """Counters: consumed, handled, retried, dead-lettered, redelivered... (live)."""
         return self._core.stats

@@ -179,7 +179,10 @@ def on_failure(
 
     ``rejected`` (the handler raised :class:`~reliable_amqp.Reject`) is dead at once.
     """
-    exc_type = f"{type(error).__module__}.{type(error).__qualname__}"
+    module = type(error).__module__
+    if module.startswith("reliable_amqp."):
+        module = "reliable_amqp"  # the public name (Reject, HandlerTimeout), not a private path
+    exc_type = f"{module}.{type(error).__qualname__}"
     text = str(error) or type(error).__name__
     if len(text) > MAX_REASON:
         text = text[: MAX_REASON - 1] + "\u2026"
