@@ -261,9 +261,12 @@ def test_the_attempts_ledger_counts_redeliveries_outside_the_handlers_transactio
     ledger = db.connect()
 
     def ledger_rows() -> list[tuple[Any, ...]]:
-        rows = fetch(check, "SELECT message_id, attempt, redeliveries FROM amqp_inbox_attempts")
+        rows = fetch(
+            check,
+            "SELECT message_id, attempt, redeliveries FROM amqp_inbox_attempts ORDER BY attempt",
+        )
         check.commit()
-        return rows
+        return [tuple(row) for row in rows]
 
     # a first delivery pays nothing: no statement, no row
     assert inbox.record_attempt(ledger, FakeDelivery("m1")) == 1
@@ -277,9 +280,18 @@ def test_the_attempts_ledger_counts_redeliveries_outside_the_handlers_transactio
     assert ledger_rows() == [("m1", 1, 3)]
     # a factory opens a connection of its own (closed afterwards)
     assert inbox.record_attempt(db.connect, FakeDelivery("m1", redelivered=True)) == 5
-    # a copy the consumer republished (attempt 3 in its header) counts from its own number
-    assert inbox.record_attempt(ledger, FakeDelivery("m1", attempt=3)) == 3
-    assert inbox.record_attempt(ledger, FakeDelivery("m1", redelivered=True, attempt=3)) == 4
+    # a copy the consumer republished (attempt 3 in its header) counts from its own number;
+    # Delivery.attempt says 3, then 4 once redelivered (the header plus one): the ledger
+    # agrees the first time and counts on where the broker's flag cannot
+    third = {"x-consume-attempt": 3}
+    assert inbox.record_attempt(ledger, FakeDelivery("m1", headers=third, attempt=3)) == 3
+    for expected in (4, 5):
+        copy = FakeDelivery("m1", redelivered=True, headers=third, attempt=4)
+        assert inbox.record_attempt(ledger, copy) == expected
+    # a quorum queue's x-delivery-count, in Delivery.attempt, wins when it says more
+    quorum = FakeDelivery("m1", redelivered=True, headers=third, attempt=9)
+    assert inbox.record_attempt(ledger, quorum) == 9
+    assert ledger_rows() == [("m1", 1, 4), ("m1", 3, 3)]
     # the handler's connection, with its transaction open, is refused
     assert inbox.claim(handler_conn, FakeDelivery("m2")) is True
     with pytest.raises(ConfigurationError, match="transaction of its own"):

@@ -60,17 +60,19 @@ class InboxStats:
     redeliveries_recorded: int = 0
 
 
-def attempt_of(delivery: Any) -> int:
-    """The consumer's attempt number of ``delivery`` (``.attempt``, else the
-    ``x-consume-attempt`` header, else 1)."""
+def copy_attempt(delivery: Any) -> int:
+    """The attempt number of the copy delivered: the ``x-consume-attempt`` header a retried
+    copy carries, else 1. The ledger counts the broker's redeliveries of that copy on top."""
+    headers = getattr(delivery, "headers", None) or {}
+    attempt = headers.get(ATTEMPT_HEADER, 1)
+    return attempt if type(attempt) is int and attempt >= 1 else 1
+
+
+def _reported(delivery: Any, base: int) -> int:
+    """The delivery's own attempt number (``reliable_amqp.Delivery.attempt``: the header, plus
+    one when redelivered, or the header plus a quorum queue's ``x-delivery-count``)."""
     attempt = getattr(delivery, "attempt", None)
-    if not isinstance(attempt, int) or isinstance(attempt, bool):
-        headers = getattr(delivery, "headers", None) or {}
-        attempt = headers.get(ATTEMPT_HEADER, 1)
-    try:
-        return max(1, int(attempt))
-    except (TypeError, ValueError):
-        return 1
+    return attempt if type(attempt) is int and attempt >= 1 else base
 
 
 class _Base:
@@ -271,9 +273,11 @@ class Inbox(_Base):
 
     def record_attempt(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
         """This delivery's attempt number, counting the crashes the broker's redeliveries
-        reveal: call it before the handler runs. Returns the consumer's attempt number
-        (``delivery.attempt``, 1 the first time) plus the redeliveries of that attempt recorded
-        so far, this one included.
+        reveal: call it before the handler runs, and dead-letter the message past
+        ``max_attempts``. The ledger counts the redeliveries of the copy delivered (its
+        ``x-consume-attempt`` header, 1 for the original), this one included; this returns that
+        copy's number plus the count, or ``delivery.attempt`` when that says more (a quorum
+        queue's ``x-delivery-count``).
 
         A first delivery (``redelivered`` false) costs nothing: no statement runs. A redelivered
         one is counted durably in the attempts ledger in a short transaction of its own,
@@ -282,19 +286,23 @@ class Inbox(_Base):
         connection: pass a connection with no transaction open, or a callable that opens a
         new connection (closed after use).
         """
-        attempt = attempt_of(delivery)
+        base = copy_attempt(delivery)
+        reported = _reported(delivery, base)
         if not getattr(delivery, "redelivered", False):
-            return attempt
+            return reported
         claim_key = self.key_of(delivery, key)
         if _is_factory(conn, sync_writer):
             opened = conn()
             try:
-                return self._record(opened, claim_key, attempt)
+                redeliveries = self._record(opened, claim_key, base)
             finally:
                 _closing(opened)
-        return self._record(conn, claim_key, attempt)
+        else:
+            redeliveries = self._record(conn, claim_key, base)
+        return max(reported, base + redeliveries)
 
     def _record(self, conn: Any, claim_key: str, attempt: int) -> int:
+        """Count one redelivery of (scope, key, copy attempt); the redeliveries counted."""
         writer = sync_writer(conn)
         dialect = _known(writer.dialect(conn))
         if writer.in_transaction(conn):
@@ -304,7 +312,7 @@ class Inbox(_Base):
             writer.run(conn, _schema.attempt_upsert_sql(dialect, self.tables), (*key, time.time()))
             rows = writer.fetch(conn, _schema.attempt_select_sql(dialect, self.tables), key)
         self._recorded()
-        return attempt + int(rows[0][0])
+        return int(rows[0][0])
 
     def forget_attempts(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
         """Delete the ledger rows of ``delivery``'s message, in the caller's transaction (the
@@ -380,21 +388,24 @@ class AsyncInbox(_Base):
     async def record_attempt(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
         """:meth:`Inbox.record_attempt`, awaited (``conn`` may be a callable returning a
         connection or an awaitable of one)."""
-        attempt = attempt_of(delivery)
+        base = copy_attempt(delivery)
+        reported = _reported(delivery, base)
         if not getattr(delivery, "redelivered", False):
-            return attempt
+            return reported
         claim_key = self.key_of(delivery, key)
         if _is_factory(conn, async_writer):
             opened = conn()
             if inspect.isawaitable(opened):
                 opened = await opened
             try:
-                return await self._record(opened, claim_key, attempt)
+                redeliveries = await self._record(opened, claim_key, base)
             finally:
                 closed = _closing(opened)
                 if inspect.isawaitable(closed):
                     await closed
-        return await self._record(conn, claim_key, attempt)
+        else:
+            redeliveries = await self._record(conn, claim_key, base)
+        return max(reported, base + redeliveries)
 
     async def _record(self, conn: Any, claim_key: str, attempt: int) -> int:
         writer = async_writer(conn)
@@ -407,7 +418,7 @@ class AsyncInbox(_Base):
             await writer.run(conn, upsert, (*key, time.time()))
             rows = await writer.fetch(conn, _schema.attempt_select_sql(dialect, self.tables), key)
         self._recorded()
-        return attempt + int(rows[0][0])
+        return int(rows[0][0])
 
     async def forget_attempts(self, conn: Any, delivery: Any, *, key: str | None = None) -> int:
         """:meth:`Inbox.forget_attempts`, awaited."""
