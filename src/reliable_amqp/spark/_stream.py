@@ -120,17 +120,31 @@ def _close(connection: pika.BlockingConnection) -> None:
         log.debug("closing a stream connection failed", exc_info=True)
 
 
+def _not_a_stream(queue: str, why: str) -> NotAStream:
+    return NotAStream(
+        f"{queue!r} is a queue, not a stream ({why}). Queues are not replayable, so Spark "
+        "cannot read them exactly once: read it with a consumer (reliable_amqp.Consumer), or "
+        "publish into a stream in front of the queue and read that"
+    )
+
+
 def _offset_of(properties: Any, queue: str) -> int:
     headers = properties.headers or {}
     value = headers.get(OFFSET_HEADER)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise NotAStream(
-            f"{queue!r} delivered a message without an {OFFSET_HEADER} header: it is a queue, "
-            "not a stream. Queues are not replayable, so Spark cannot read them exactly once: "
-            "read it with a consumer (reliable_amqp.Consumer), or publish into a stream in "
-            "front of the queue and read that"
-        )
+        raise _not_a_stream(queue, f"its delivery had no {OFFSET_HEADER} header")
     return value
+
+
+def _consume(channel: Any, queue: str, on_message: Any, where: Any) -> None:
+    """``basic.consume`` at offset ``where``; RabbitMQ refuses ``x-stream-offset`` on a queue
+    that is not a stream (406 "invalid arg"), which :class:`NotAStream` reports."""
+    try:
+        channel.basic_consume(queue, on_message, arguments={OFFSET_HEADER: where})
+    except pika.exceptions.ChannelClosedByBroker as exc:
+        if exc.reply_code == 406 and OFFSET_HEADER in str(exc.reply_text):
+            raise _not_a_stream(queue, str(exc.reply_text)) from None
+        raise
 
 
 def check_stream(connection: pika.BlockingConnection, queue: str) -> bool | None:
@@ -165,12 +179,14 @@ def check_stream(connection: pika.BlockingConnection, queue: str) -> bool | None
 def refuse_queue(queue: str, connection: pika.BlockingConnection) -> None:
     """Raise :class:`NotAStream` unless ``queue`` is a stream (see :func:`check_stream`).
 
-    When the redeclare cannot tell, the first message is looked at (prefetch 1, never acked):
-    on a queue that message goes back to its queue, marked redelivered, and nothing is lost.
+    When the redeclare cannot tell, a consumer at offset ``first`` asks: RabbitMQ refuses
+    ``x-stream-offset`` on other queue types; a broker that took it would deliver a message
+    without an offset header (prefetch 1, never acked: it goes back to its queue, marked
+    redelivered, and nothing is lost).
     """
     kind = check_stream(connection, queue)
     if kind is False:
-        _offset_of(pika.BasicProperties(headers={}), queue)  # raises NotAStream
+        raise _not_a_stream(queue, "the broker refuses x-queue-type stream for it")
     if kind is None:
         _first_delivery(connection, queue, "first")
 
@@ -181,9 +197,7 @@ def _first_delivery(connection: pika.BlockingConnection, queue: str, where: Any)
     channel = connection.channel()
     channel.basic_qos(prefetch_count=1)
     got: list[Any] = []
-    channel.basic_consume(
-        queue, lambda _c, _m, props, _b: got.append(props), arguments={OFFSET_HEADER: where}
-    )
+    _consume(channel, queue, lambda _c, _m, props, _b: got.append(props), where)
     deadline = time.monotonic() + PROBE_WAIT
     while not got and time.monotonic() < deadline:
         connection.process_data_events(0.02)
@@ -219,7 +233,7 @@ def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
             ch.basic_ack(method.delivery_tag, multiple=True)
             state["unacked"] = 0
 
-    channel.basic_consume(queue, on_message, arguments={OFFSET_HEADER: "last"})
+    _consume(channel, queue, on_message, "last")
     started = time.monotonic()
     deadline = started + PROBE_WAIT
     seen = 0
@@ -327,7 +341,7 @@ def read_range(
                 ch.basic_ack(may_ack, multiple=True)
                 state["acked"] = may_ack
 
-        channel.basic_consume(queue, on_message, arguments={OFFSET_HEADER: start})
+        _consume(channel, queue, on_message, start)
         position = start  # the next offset this read expects
         checked_head = False
         last_delivery = time.monotonic()
