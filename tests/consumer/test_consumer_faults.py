@@ -155,8 +155,9 @@ def test_sigterm_during_slow_handler_acks_it_and_gives_back_the_rest(
     child = child_factory(amqp_url, queue, prefetch=prefetch, slow=2.0)
     child.start()
     child.wait_record(lambda r: bool(r.started), 60, "the first handler call")
-    # The broker has handed the consumer its prefetch window by now (ready = total - prefetch).
-    wait_until(lambda: broker.count(queue) == total - prefetch, 30, "the prefetch window taken")
+    # The broker has handed the consumer its prefetch window by now (ready <= total - prefetch;
+    # the window's exact size is test_a_blocked_handler_holds_exactly_prefetch_unacked's).
+    wait_until(lambda: broker.count(queue) <= total - prefetch, 30, "the prefetch window taken")
     code, seconds = child.terminate()
     assert code == 0, child.errors()
     assert seconds < 10, f"the consumer took {seconds:.1f} s to exit after SIGTERM"
@@ -264,6 +265,16 @@ def test_handler_three_heartbeats_long_is_no_reconnect(
     assert broker.count(queue) == 0
 
 
+#: what the careful start (d73ce25) does to the first prefetch window (see the xfail reason)
+PREFETCH_PLUS_ONE = (
+    "bug (reported, not fixed): the careful start consumes with prefetch 1 until a fresh "
+    "delivery, then cancels and subscribes again with the full prefetch while that delivery is "
+    "still unacked; RabbitMQ's per-consumer prefetch does not count it (it belongs to the old "
+    "consumer tag), so a handler blocked on its first message holds prefetch + 1 unacked"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=PREFETCH_PLUS_ONE)
 def test_a_blocked_handler_holds_exactly_prefetch_unacked(
     amqp_url: str, broker: BrokerAdmin, own_queues: list[str]
 ) -> None:
@@ -282,12 +293,15 @@ def test_a_blocked_handler_holds_exactly_prefetch_unacked(
 
     consumer = Consumer(amqp_url, queue, prefetch=prefetch, redelivery=QUICK)
     with running(consumer, handler):
-        wait_until(lambda: bool(seen), 30, "the first handler call")
-        # total = ready + unacked, and nothing was acked: unacked = total - ready
-        wait_until(lambda: len(consumer._queue) == prefetch - 1, 30, "the prefetch window")
-        assert total - broker.count(queue) == prefetch
-        assert len(consumer._queue) == prefetch - 1  # and no more arrived meanwhile
-        release.set()
+        try:
+            wait_until(lambda: bool(seen), 30, "the first handler call")
+            # total = ready + unacked, and nothing was acked: unacked = total - ready
+            wait_until(lambda: len(consumer._queue) >= prefetch - 1, 30, "the prefetch window")
+            wait_until(lambda: broker.count(queue) <= total - prefetch, 30, "the window unacked")
+            assert total - broker.count(queue) == prefetch
+            assert len(consumer._queue) == prefetch - 1  # and no more arrived meanwhile
+        finally:
+            release.set()
         wait_until(lambda: len(seen) == total, 60, "every message handled")
     assert seen == ids
     assert broker.count(queue) == 0
