@@ -318,3 +318,38 @@ def test_install_twice_and_ddl() -> None:
         Inbox("")
     with pytest.raises(ConfigurationError):
         inbox.key_of(FakeDelivery("x" * 256))
+
+
+def test_two_handlers_racing_on_the_same_duplicates_give_one_effect_each(db: Database) -> None:
+    """Two threads, each with its own connections, run the handler over the same 150 ids in
+    different orders (each id twice per thread): exactly one effect per id, and every id was
+    claimed by exactly one of them."""
+    inbox = Inbox("billing")
+    check = _installed(db, inbox)
+    ids = [f"r{i}" for i in range(150)]
+    errors: list[BaseException] = []
+    go = threading.Barrier(2)
+
+    def worker(seed: int) -> None:
+        conn = db.connect()  # one connection a thread, given as it is
+        run_one = inbox.handler(lambda: contextlib.nullcontext(conn), _effect)
+        copies = [FakeDelivery(i) for i in ids] * 2
+        random.Random(seed).shuffle(copies)
+        try:
+            go.wait(30)
+            for delivery in copies:
+                run_one(delivery)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=worker, args=(seed,), daemon=True) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    assert db.effects(check) == sorted(ids)
+    assert inbox.stats.claimed == len(ids) and inbox.stats.duplicates == 3 * len(ids)
+    check.close()
