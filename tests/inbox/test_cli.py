@@ -23,6 +23,9 @@ def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:
 
 
 def test_init_status_prune(db: Database, capsys: pytest.CaptureFixture[str]) -> None:
+    for action in ("status", "prune"):  # before init: the missing table is named
+        assert main(["inbox", action, "--db", db.dsn]) == EXIT_USAGE
+        assert "no inbox table amqp_inbox" in capsys.readouterr().err
     for _ in range(2):
         assert main(["inbox", "init", "--db", db.dsn]) == EXIT_OK
     assert "ready" in capsys.readouterr().out

@@ -7,6 +7,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp.inbox import _schema
 from reliable_amqp.inbox._inbox import Inbox
 from reliable_amqp.inbox._schema import DEFAULT_RETENTION, DEFAULT_TABLE, PRUNE_BATCH, InboxTables
@@ -33,6 +34,30 @@ def _raw(dialect: str, conn: Any) -> Any:
     return conn.raw if dialect == "mysql" else conn
 
 
+def _check_tables(dialect: str, raw: Any, tables: InboxTables) -> None:
+    """Raise :class:`~reliable_amqp.ConfigurationError` unless the inbox's claims table exists
+    (rather than the driver's "no such table", which reads like a database gone away)."""
+    schema, _, name = tables.name.rpartition(".")
+    params: tuple[str, ...]
+    if dialect == "postgresql":
+        sql, params = "SELECT to_regclass(%s) IS NOT NULL", (tables.name,)
+    elif dialect == "mysql":
+        where = "%s" if schema else "DATABASE()"
+        sql = (
+            "SELECT count(*) FROM information_schema.tables"
+            f" WHERE table_schema = {where} AND table_name = %s"
+        )
+        params = (schema, name) if schema else (name,)
+    else:
+        master = f"{schema}.sqlite_master" if schema else "sqlite_master"
+        sql, params = f"SELECT count(*) FROM {master} WHERE type = 'table' AND name = %s", (name,)
+    if not sync_writer(raw).fetch(raw, sql, params)[0][0]:
+        raise ConfigurationError(
+            f"no inbox table {tables.name} in this database: create it with "
+            "`reliable-amqp inbox init --db DSN` or Inbox(scope).install(conn)"
+        )
+
+
 def install(db: str, table: str = DEFAULT_TABLE) -> None:
     """Create the inbox's tables if missing (``inbox init``)."""
     inbox = Inbox("-", table)
@@ -45,6 +70,7 @@ def status(db: str, table: str = DEFAULT_TABLE) -> InboxStatus:
     tables = InboxTables.named(table)
     with connect(db) as (dialect, conn):
         raw = _raw(dialect, conn)
+        _check_tables(dialect, raw, tables)
         writer = sync_writer(raw)
         claims, ledger = _schema.status_sql(dialect, tables)
         rows, oldest = writer.fetch(raw, claims)[0]
@@ -68,4 +94,5 @@ def prune(
     all), one committed batch at a time; how many."""
     inbox = Inbox(scope or "-", table)
     with connect(db) as (dialect, conn):
+        _check_tables(dialect, _raw(dialect, conn), inbox.tables)
         return inbox.prune(_raw(dialect, conn), older_than, batch=batch, all_scopes=scope is None)
