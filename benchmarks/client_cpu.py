@@ -339,7 +339,29 @@ def main() -> int:
         if name in in_gc:
             line += f" {statistics.median(in_gc[name]):7.2f}"
         print(line)
+    for line in spool_ratios({name: statistics.median(values) for name, values in cpu.items()}):
+        print(line)
     return 0
+
+
+#: each spool row's spool-less row (issue 21's budget: at most 1.8x its CPU per message)
+SPOOL_BASE = {
+    "Publisher.publish(), spool, persist() every 10,000": "Publisher.publish()",
+    "AsyncPublisher.publish(), spool, persist() every 10,000": "AsyncPublisher.publish()",
+}
+
+
+def spool_ratios(medians: dict[str, float]) -> list[str]:
+    """Each spool row's CPU per message against its publisher's without a spool, measured in
+    the same run (a ``--compare`` tree's rows against that tree's)."""
+    lines = []
+    for name, median in medians.items():
+        prefix, _, row = name.rpartition("] ")
+        base = SPOOL_BASE.get(row or name)
+        plain = medians.get(f"{prefix}] {base}" if prefix else str(base))
+        if base is not None and plain:
+            lines.append(f"  {name}: {median / plain:.2f}x the CPU of {base} without a spool")
+    return lines
 
 
 if __name__ == "__main__":
