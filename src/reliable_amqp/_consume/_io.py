@@ -23,73 +23,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import pika
 import pika.exceptions
-from pika import frame as pika_frame
-from pika.adapters.select_connection import SelectConnection
 from pika.channel import Channel
 
+from reliable_amqp._compat.pika import ScanningConnection
 from reliable_amqp._core.acks import ACK, AckBook
-from reliable_amqp._core.delivery import Delivery, DeliveryScanner, HeaderDecodeError
+from reliable_amqp._core.delivery import Delivery, DeliveryScanner
 from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed, ReliableAmqpError
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._logs import own_context, own_loop
 from reliable_amqp._sync._pika import call_threadsafe, translate_connection_error
 
 log = logging.getLogger("reliable_amqp")
-
-
-class ScanningConnection(SelectConnection):  # type: ignore[misc]
-    """A SelectConnection whose consuming channel's deliveries bypass pika's frame decoding.
-
-    Overrides ``Connection._on_data_available`` (pika hands it every read from the socket): the
-    scanner takes the delivery frames of its channel, every other frame goes through pika's own
-    ``decode_frame``/``_process_frame``, in order. ``bytes_received`` moves as pika's does, so
-    its heartbeat checker sees the traffic.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.scanner: DeliveryScanner | None = None
-        self.on_deliveries: Callable[[list[Delivery]], None] = lambda batch: None
-        super().__init__(*args, **kwargs)
-
-    def _on_data_available(self, data_in: bytes) -> None:
-        buffer: bytes = cast(bytes, self.__dict__["_frame_buffer"])
-        data = buffer + data_in if buffer else data_in
-        pos = 0
-        size = len(data)
-        try:
-            while pos < size:
-                scanner = self.scanner
-                if scanner is None:
-                    consumed, value = pika_frame.decode_frame(data[pos:])
-                    if not value:
-                        break
-                    pos += consumed
-                    self.bytes_received += consumed
-                    self._process_frame(value)
-                    continue
-                start = pos
-                pos, end = scanner.scan(data, pos)
-                self.bytes_received += pos - start
-                if scanner.ready:
-                    batch = scanner.ready
-                    scanner.ready = []
-                    self.on_deliveries(batch)
-                if end == pos:
-                    break
-                consumed, value = pika_frame.decode_frame(data[pos:end])
-                pos = end
-                self.bytes_received += consumed
-                if value:
-                    self._process_frame(value)
-        except HeaderDecodeError as exc:
-            self._frame_buffer = b""
-            self._terminate_stream(exc)
-            return
-        self._frame_buffer = data[pos:] if pos < size else b""
 
 
 class ConsumerIO:
@@ -450,9 +398,15 @@ class ConsumerIO:
             if same.is_open and same is self._channel and not self._draining:
                 self._on_declared(None)
 
-        channel.basic_qos(prefetch_count=self.prefetch)
+        def cancelled(_frame: Any) -> None:
+            if same.is_open and same is self._channel and not self._draining:
+                same.basic_qos(prefetch_count=self.prefetch, callback=resubscribe)
+
+        # The cancel before the new prefetch: on a quorum queue a basic.qos also raises the
+        # credit of the consumer already there, which then takes a message that its cancel
+        # gives back, redelivered and charged a delivery (x-delivery-count) it never had.
         self._consumer_tag = None
-        channel.basic_cancel(tag, callback=resubscribe)
+        channel.basic_cancel(tag, callback=cancelled)
 
     def _on_wake(self) -> None:
         with self._wake_lock:
