@@ -31,7 +31,7 @@ from consumer.consumer_support import (
     warnings_logged,
 )
 from harness.node import DisposableBroker
-from reliable_amqp import Consumer, Delivery
+from reliable_amqp import Consumer, Delivery, RetryPolicy
 
 pytestmark = [pytest.mark.broker]
 
@@ -360,3 +360,26 @@ def test_consumer_timeout_closes_the_channel_and_the_consumer_recovers(
         )
         delete_queues(url, side_queues(queue, QUICK))
         admin.close()
+
+
+def test_a_fresh_start_on_a_quorum_queue_charges_no_delivery_it_never_had(
+    amqp_url: str, broker: BrokerAdmin, own_queues: list[str]
+) -> None:
+    """The careful start's switch to the full prefetch must not make the broker give a message
+    back: on a quorum queue that is a delivery charged (x-delivery-count), and with
+    max_attempts=1 a message dead-lettered without its handler ever running."""
+    queue = broker.queue(unique("c-fresh"), x_queue_type="quorum")
+    own_queues.append(queue)
+    ids = [f"m{i:02d}" for i in range(20)]
+    fill(amqp_url, queue, ids)
+    once = RetryPolicy(max_attempts=1)
+    calls: list[tuple[str, int, bool]] = []
+    consumer = Consumer(amqp_url, queue, prefetch=5, redelivery=once)
+    with running(consumer, lambda d: calls.append((d.message_id or "", d.attempt, d.redelivered))):
+        wait_until(
+            lambda: len(calls) + consumer.stats.dead_lettered >= len(ids), 30, "every message"
+        )
+    assert consumer.stats.dead_lettered == 0, "dead-lettered without a handler call"
+    assert calls == [(m, 1, False) for m in ids]
+    assert consumer.stats.dead_lettered == 0 and broker.count(f"{queue}.dead") == 0
+    assert broker.count(queue) == 0
