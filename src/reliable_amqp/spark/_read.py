@@ -50,6 +50,7 @@ from reliable_amqp.spark._stream import (
     Connector,
     Delivery,
     StreamDataLost,
+    StreamReadStalled,
     connector_from_strings,
     end_offset,
     first_offset,
@@ -265,6 +266,8 @@ def check_heads(config: ReadConfig, start: Offsets, end: Offsets, connection: An
             out[stream] = begin
             continue
         first = first_offset(connection, stream)
+        if first is None and stop != FIRST:  # the stream held offsets before stop
+            raise StreamReadStalled(f"stream {stream!r}: its first offset did not come")
         if begin == FIRST:
             out[stream] = stop if first is None else min(first, stop)
             continue
@@ -272,8 +275,8 @@ def check_heads(config: ReadConfig, start: Offsets, end: Offsets, connection: An
             if config.fail_on_data_loss:
                 raise StreamDataLost(stream, begin, first)
             driver_log().warning(
-                "amqp: stream %r: skipping %d messages (offsets %d..%d) removed by retention "
-                "before this query read them (failOnDataLoss=false)",
+                "amqp: stream %r: skipping %d offsets (%d..%d) removed by retention before "
+                "this query read them (failOnDataLoss=false)",
                 stream,
                 min(first, stop) - begin,
                 begin,

@@ -7,10 +7,11 @@ Everything here runs in one process and talks to the broker through pika's
 How a stream is read over AMQP 0-9-1, on RabbitMQ (3.9+) and LavinMQ: ``basic.qos`` is required,
 ``basic.consume`` takes ``{"x-stream-offset": N}`` (or ``"first"``, ``"last"``, ``"next"``), each
 delivery carries its offset in the ``x-stream-offset`` header, and acks only return credit: the
-broker sends at most ``prefetch`` unacked deliveries. A range ``[start, end)`` holds
-``end - start`` messages when every offset is a message (streams written over AMQP 0-9-1;
-RabbitMQ's stream protocol can add tracking entries, which take offsets no consumer sees), so a
-reader that never returns more credit than the range needs is sent nothing past it.
+broker sends at most ``prefetch`` unacked deliveries. A range ``[start, end)`` holds at most
+``end - start`` messages: not every offset is a message (on RabbitMQ a new segment file can
+begin with an entry of the stream's own, and the stream protocol's offset tracking adds
+entries; no consumer sees them), so a reader that never returns more credit than the range's
+size is sent at most a few deliveries past it, which it drops.
 
 Ending a consumer: pika's ``basic_cancel`` (and ``BlockingChannel.close``, which cancels first)
 rejects deliveries still on the wire, and RabbitMQ answers a ``basic.reject`` on a stream by
@@ -64,7 +65,7 @@ class StreamDataLost(ReliableAmqpError):
         self.start = start
         self.first = first
         super().__init__(
-            f"stream {stream!r}: offsets {start}..{first - 1} ({first - start} messages) were "
+            f"stream {stream!r}: offsets {start}..{first - 1} ({first - start} offsets) were "
             f"removed by retention before this query read them (the stream now starts at "
             f'{first}). Set .option("failOnDataLoss", "false") to skip them and go on, '
             "or start a new query (a new checkpoint) from startingOffsets"
@@ -191,16 +192,32 @@ def refuse_queue(queue: str, connection: pika.BlockingConnection) -> None:
         _first_delivery(connection, queue, "first")
 
 
+def _in_order(connection: pika.BlockingConnection) -> bool:
+    """Whether the broker sends a new consumer's first deliveries before its answer to the
+    channel's next method. RabbitMQ does (its channel process reads the stream when a consumer
+    starts or an ack returns credit, before it handles the next method; checked on 3.10), so a
+    ``basic.qos`` right after is a barrier: what was not delivered before its ``qos-ok`` was not
+    in the stream. Other brokers (LavinMQ runs consumers apart from the channel) get a wait."""
+    impl = getattr(connection, "_impl", None)
+    product = (getattr(impl, "server_properties", None) or {}).get("product", b"")
+    if isinstance(product, bytes):
+        product = product.decode("utf-8", "replace")
+    return str(product) == "RabbitMQ"
+
+
 def _first_delivery(connection: pika.BlockingConnection, queue: str, where: Any) -> int | None:
-    """The offset of the first message a consumer at ``where`` gets, or None if none comes
-    within :data:`PROBE_WAIT` (prefetch 1 and no ack: the broker sends one at most)."""
+    """The offset of the first message a consumer at ``where`` gets, or None if there is none
+    (prefetch 1 and no ack: the broker sends one at most). See :func:`_in_order`."""
     channel = connection.channel()
     channel.basic_qos(prefetch_count=1)
     got: list[Any] = []
     _consume(channel, queue, lambda _c, _m, props, _b: got.append(props), where)
-    deadline = time.monotonic() + PROBE_WAIT
-    while not got and time.monotonic() < deadline:
-        connection.process_data_events(0.02)
+    channel.basic_qos(prefetch_count=1)  # the barrier
+    connection.process_data_events(0)
+    if not got and not _in_order(connection):
+        deadline = time.monotonic() + PROBE_WAIT
+        while not got and time.monotonic() < deadline:
+            connection.process_data_events(0.02)
     _close_quietly(channel, connection)
     return _offset_of(got[0], queue) if got else None
 
@@ -214,36 +231,41 @@ def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
     """One past the last offset the broker delivers now, or None if the stream is empty.
 
     There is no AMQP 0-9-1 method that tells a stream's end (RabbitMQ 3.10 reports 0 messages
-    for a stream in ``queue.declare-ok``), so this reads the stream's last chunk (``"last"``)
-    until no delivery comes for :data:`END_IDLE` seconds. The answer is exact when nothing is
-    being written; otherwise it is a lower bound (offsets it returns always exist), which is
-    all a micro-batch needs: the next one reads what this one did not.
+    for a stream in ``queue.declare-ok``), so this reads the stream's last chunk (``"last"``):
+    on RabbitMQ up to a barrier (:func:`_in_order`), elsewhere until no delivery comes for
+    :data:`END_IDLE` seconds. The answer is exact when nothing is being written; otherwise it
+    is a lower bound (offsets it returns always exist), which is all a micro-batch needs: the
+    next one reads what this one did not.
     """
     channel = connection.channel()
     prefetch = 1000
     channel.basic_qos(prefetch_count=prefetch)
-    last: list[int] = []
-    state = {"unacked": 0, "tag": 0}
-
-    def on_message(ch: Any, method: Any, props: Any, _body: bytes) -> None:
-        last.append(_offset_of(props, queue))
-        state["unacked"] += 1
-        state["tag"] = method.delivery_tag
-        if state["unacked"] >= prefetch // 2:
-            ch.basic_ack(method.delivery_tag, multiple=True)
-            state["unacked"] = 0
-
-    _consume(channel, queue, on_message, "last")
+    offsets: list[int] = []
+    _consume(
+        channel, queue, lambda _c, _m, props, _b: offsets.append(_offset_of(props, queue)), "last"
+    )
     started = time.monotonic()
-    deadline = started + PROBE_WAIT
-    seen = 0
-    while time.monotonic() < deadline and time.monotonic() - started < END_BUDGET:
-        connection.process_data_events(0.02)
-        if len(last) != seen:
-            seen = len(last)
-            deadline = time.monotonic() + END_IDLE
+    acked = 0
+    while time.monotonic() - started < END_BUDGET:
+        channel.basic_qos(prefetch_count=prefetch)  # the barrier
+        connection.process_data_events(0)
+        if len(offsets) - acked < prefetch:
+            break  # the broker had credit left: it sent all it had
+        channel.basic_ack(len(offsets), multiple=True)  # tags count deliveries (one consumer)
+        acked = len(offsets)
+    if not _in_order(connection):
+        seen = len(offsets)
+        deadline = time.monotonic() + (END_IDLE if offsets else PROBE_WAIT)
+        while time.monotonic() < deadline and time.monotonic() - started < END_BUDGET:
+            connection.process_data_events(0.02)
+            if len(offsets) != seen:
+                seen = len(offsets)
+                deadline = time.monotonic() + END_IDLE
+                if seen - acked >= prefetch // 2:
+                    channel.basic_ack(seen, multiple=True)
+                    acked = seen
     _close_quietly(channel, connection)
-    return max(last) + 1 if last else None
+    return max(offsets) + 1 if offsets else None
 
 
 def super_stream_partitions(connection: pika.BlockingConnection, name: str) -> list[str]:
@@ -306,8 +328,8 @@ def read_range(
     The broker is never given more credit than the range needs, and acks (which on a stream
     only return credit) are batched with ``multiple``. Messages before ``start`` (RabbitMQ starts
     a consumer at the chunk that holds ``start``) and from ``end`` on are dropped. A first
-    delivery past ``start`` means retention removed the range's head (or, rarely, that those
-    offsets were stream-protocol tracking entries): the stream's first offset tells which;
+    delivery past ``start`` means retention removed the range's head (or that those offsets are
+    entries of the stream's own, not messages): the stream's first offset tells which;
     removed offsets raise :class:`StreamDataLost` or, with ``fail_on_data_loss=False``, are
     skipped with a WARNING. No delivery for ``stall_timeout`` seconds raises
     :class:`StreamReadStalled` (Spark retries the task; the retry reads the same range).
@@ -379,14 +401,16 @@ def _head_gap(
 ) -> None:
     """The first delivery was ``got`` > ``start``: lost to retention, or never messages."""
     first = first_offset(connection, queue)
-    if first is None or first <= start:
-        return  # offsets start..got-1 exist but are not messages (stream-protocol tracking)
+    if first is None:
+        raise StreamReadStalled(f"stream {queue!r}: its first offset did not come")
+    if first <= start:
+        return  # offsets start..got-1 are the stream's own entries, not messages
     lost = min(first, got) - start
     if fail:
         raise StreamDataLost(queue, start, start + lost)
     log.warning(
-        "amqp: stream %r: skipped %d messages (offsets %d..%d) removed by retention before "
-        "they were read (failOnDataLoss=false)",
+        "amqp: stream %r: skipped %d offsets (%d..%d) removed by retention before they were "
+        "read (failOnDataLoss=false)",
         queue,
         lost,
         start,
