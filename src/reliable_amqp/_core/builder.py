@@ -489,7 +489,7 @@ class MessageBuilder(Generic[M]):
         message_id = check_message_id(properties.pop("message_id", None)) or new_message_id()
         base = self._base(properties) if properties else DEFAULT_BASE
         if base.expiration is not None and self._limits is not None:
-            self._limits.broker.check_expiration(base.expiration)
+            self._check_expiration(base.expiration)
         message = self._new(exchange, routing_key, body, base, mandatory, message_id)
         if base.headers and self._limits is not None and self._limits.frame_max:
             self._check_header_size(base, message_id)
@@ -532,7 +532,7 @@ class MessageBuilder(Generic[M]):
         ids = new_message_ids(len(data)) if message_ids is None else _ids(message_ids, len(data))
         base = self._base(properties) if properties else DEFAULT_BASE
         if base.expiration is not None and self._limits is not None:
-            self._limits.broker.check_expiration(base.expiration)
+            self._check_expiration(base.expiration)
         new = self._new
         messages = [
             new(exchange, routing_key, body, base, mandatory, message_id)
@@ -560,7 +560,7 @@ class MessageBuilder(Generic[M]):
         if base.user_id is not None:
             self._check_user(base.user_id)
         if base.expiration is not None and self._limits is not None:
-            self._limits.broker.check_expiration(base.expiration)
+            self._check_expiration(base.expiration)
         message_id = message.message_id or new_message_id()
         made = self._new(
             message.exchange, message.routing_key, message.body, base, message.mandatory, message_id
@@ -627,6 +627,12 @@ class MessageBuilder(Generic[M]):
             size = header_frame_size(base, message_id, extra)
             if size > frame_max:
                 raise InvalidMessage("headers", header_too_large(size, frame_max))
+
+    def _check_expiration(self, expiration: str) -> None:
+        assert self._limits is not None
+        broker = self._limits.broker
+        if broker.expiration_max < EXPIRATION_MAX:  # a broker with a lower limit (LavinMQ)
+            broker.check_expiration(expiration)
 
     def _check_user(self, user_id: str) -> None:
         users = self._users
