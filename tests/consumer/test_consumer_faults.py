@@ -362,6 +362,7 @@ def test_consumer_timeout_closes_the_channel_and_the_consumer_recovers(
         admin.close()
 
 
+@pytest.mark.rabbitmq_only(reason="a quorum queue and its x-delivery-count")
 def test_a_fresh_start_on_a_quorum_queue_charges_no_delivery_it_never_had(
     amqp_url: str, broker: BrokerAdmin, own_queues: list[str]
 ) -> None:
