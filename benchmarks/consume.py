@@ -40,6 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -75,13 +76,22 @@ CONSUMER = "reliable_amqp.Consumer (no-op handler)"
 ASYNC_CONSUMER = "reliable_amqp.AsyncConsumer (no-op async handler)"
 
 
+#: seconds a row may take before the run gives up on it, saying how far it got (a consumer that
+#: stops short would otherwise wait forever: the test that runs every row sets it low)
+ROW_TIMEOUT = float(os.environ.get("RELIABLE_AMQP_BENCH_ROW_TIMEOUT", "300"))
+
+
 class Span:
     """Wall and CPU time from the first message handled to the ``count``-th."""
+
+    #: the span of the row being measured, for the watchdog
+    current: Span | None = None
 
     def __init__(self, count: int) -> None:
         self.count = count
         self.seen = 0
         self.wall = self.cpu = 0.0
+        Span.current = self
 
     def tick(self) -> bool:
         """One message handled; True at the last one."""
@@ -233,7 +243,7 @@ def node_amqplib(url: str, queue: str, count: int, prefetch: int) -> tuple[float
         [node, str(NODE_SCRIPT), url, queue, str(count), str(prefetch)],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=ROW_TIMEOUT,
         check=False,
     )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -263,6 +273,20 @@ def _consumer_class(name: str) -> Any:
     return cls
 
 
+def _drop_own_queues(url: str, consumer: Any) -> None:
+    """Delete the queues a consumer declared for itself (its dead letters, its delay queues):
+    the broker is shared, and every row would leave seven more."""
+    own = getattr(consumer.options, "own_queues", None)
+    names = own() if callable(own) else own or ()
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        for name in names:
+            channel.queue_delete(name)
+    finally:
+        connection.close()
+
+
 def reliable_consumer(url: str, queue: str, count: int, prefetch: int) -> tuple[float, float, Row]:
     consumer = _consumer_class("Consumer")(url, queue, prefetch=prefetch)
     span = Span(count)
@@ -271,8 +295,11 @@ def reliable_consumer(url: str, queue: str, count: int, prefetch: int) -> tuple[
         if span.tick():
             consumer.stop()
 
-    with consumer:
-        consumer.run(handler)
+    try:
+        with consumer:
+            consumer.run(handler)
+    finally:
+        _drop_own_queues(url, consumer)
     return span.result("Consumer")
 
 
@@ -282,16 +309,16 @@ def reliable_async_consumer(
     cls = _consumer_class("AsyncConsumer")
     span = Span(count)
 
-    async def run() -> None:
-        consumer = cls(url, queue, prefetch=prefetch)
+    consumer = cls(url, queue, prefetch=prefetch)
 
-        async def handler(_delivery: Any) -> None:
-            if span.tick():
-                consumer.stop()
+    async def handler(_delivery: Any) -> None:
+        if span.tick():
+            consumer.stop()
 
-        await consumer.run(handler)
-
-    asyncio.run(run())
+    try:
+        asyncio.run(consumer.run(handler))
+    finally:
+        _drop_own_queues(url, consumer)
     return span.result("AsyncConsumer")
 
 
@@ -306,6 +333,30 @@ ROWS: dict[str, tuple[str, Measure]] = {
 }
 
 
+@contextmanager
+def watchdog(name: str) -> Iterator[None]:
+    """Exit the run (status 3) if the row takes longer than ROW_TIMEOUT, saying how far it got;
+    a little later than the Node row's own subprocess timeout, which ends that child first."""
+
+    def expire() -> None:
+        seen = Span.current.seen if Span.current is not None else 0
+        print(
+            f"consume.py: row {name!r} stuck: {seen} messages handled after {ROW_TIMEOUT:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(3)
+
+    Span.current = None
+    timer = threading.Timer(ROW_TIMEOUT + 10, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
 def measure(url: str, key: str, count: int, body: bytes, prefetch: int) -> Row | tuple[str, str]:
     """One row: fill its queue, wait for an idle broker, consume; a row, or (name, why not)."""
     name, fn = ROWS[key]
@@ -316,7 +367,8 @@ def measure(url: str, key: str, count: int, body: bytes, prefetch: int) -> Row |
             _node()
         with filled_queue(url, count, body) as queue:
             wait_idle()
-            seconds, cpu, extra = fn(url, queue, count, prefetch)
+            with watchdog(name):
+                seconds, cpu, extra = fn(url, queue, count, prefetch)
             left = ready(url, queue)
     except RowMissing as exc:
         return name, str(exc)

@@ -142,7 +142,12 @@ def test_consume_benchmark_runs_every_row(amqp_url: str) -> None:
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "RELIABLE_AMQP_BENCH_IDLE_TIMEOUT": "2", "AMQP_URL": amqp_url},
+        env={
+            **os.environ,
+            "RELIABLE_AMQP_BENCH_IDLE_TIMEOUT": "2",
+            "RELIABLE_AMQP_BENCH_ROW_TIMEOUT": "20",  # a stuck row says which, well before 180 s
+            "AMQP_URL": amqp_url,
+        },
         check=False,
     )
     assert result.returncode == 0, result.stderr
