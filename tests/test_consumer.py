@@ -347,3 +347,73 @@ def test_bad_options_are_refused_with_a_typed_error(kwargs: dict[str, Any], word
         cls("amqp://guest:guest@127.0.0.1/", "q", **kwargs)
     with pytest.raises(ConfigurationError, match="queue must be"):
         Consumer("amqp://guest:guest@127.0.0.1/", "")
+
+
+def _redeliver_once(url: str, queue: str) -> None:
+    """Take the queue's message without acking it and drop the channel: the broker gives it
+    back flagged redelivered (what a consumer killed mid-handler leaves)."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    channel = connection.channel()
+    method, _props, _body = channel.basic_get(queue, auto_ack=False)
+    assert method is not None
+    connection.close()
+
+
+def test_a_durable_attempt_count_dead_letters_a_redelivered_message_past_max_attempts(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
+) -> None:
+    """On a classic queue the broker only says "redelivered": the ``attempts`` option (the
+    inbox's ledger) supplies the count, and past max_attempts the handler is not called."""
+    queue = consumed_queue()
+    fill(amqp_url, queue, [b"poison", b"fine"])
+    _redeliver_once(amqp_url, queue)
+    asked: list[str | None] = []
+    handled: list[tuple[str | None, int]] = []
+
+    def attempts(delivery: Delivery) -> int:
+        asked.append(delivery.message_id)
+        return 99  # as a ledger would after a crash loop
+
+    consumer = Consumer(amqp_url, queue, redelivery=FAST, attempts=attempts)
+
+    def handler(delivery: Delivery) -> None:
+        handled.append((delivery.message_id, delivery.attempt))
+        consumer.stop()
+
+    thread = run_in_thread(consumer, handler)
+    join_clean(thread)
+    wait_until(lambda: dead_count(broker, queue) == 1, what="the dead letter")
+    assert asked == ["m0"]  # asked for the redelivered one only: first deliveries pay nothing
+    assert handled == [("m1", 1)]
+    [(props, _)] = broker.drain(f"{queue}.dead")
+    assert props.message_id == "m0"
+    assert props.headers["x-exception-type"] == "AttemptsExceeded"
+    assert props.headers["x-attempts"] == 99
+
+
+def test_a_failing_attempt_counter_is_a_failure_retried_later(
+    amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
+) -> None:
+    queue = consumed_queue()
+    fill(amqp_url, queue, [b"one"])
+    _redeliver_once(amqp_url, queue)
+    calls = 0
+
+    def attempts(delivery: Delivery) -> int:
+        nonlocal calls
+        calls += 1
+        raise ConnectionError("the ledger's database is away")
+
+    consumer = Consumer(amqp_url, queue, redelivery=FAST, attempts=attempts)
+    seen: list[int] = []
+
+    def handler(delivery: Delivery) -> None:
+        seen.append(delivery.attempt)
+        consumer.stop()
+
+    thread = run_in_thread(consumer, handler)
+    join_clean(thread)
+    # the redelivery was attempt 2 and the unknown count its failure: the retried copy (not
+    # redelivered, so not asked about) ran as attempt 3
+    assert calls == 1 and seen == [3]
+    assert broker.count(queue) == 0

@@ -54,13 +54,8 @@ class Dispatch:
         #: spans and metrics (None: OpenTelemetry is not in use), set when consuming starts
         self.telemetry: ConsumerTelemetry | None = None
 
-    def admit(self, delivery: Delivery) -> bool:
-        """Whether the handler should run for ``delivery``.
-
-        False for a delivery of a channel that died (the broker gives it back), and for one
-        that is dead before it starts (undecodable headers, past ``max_attempts``): that one is
-        dead-lettered here.
-        """
+    def fresh(self, delivery: Delivery) -> bool:
+        """False for a delivery of a channel that died (the broker gives it back): skip it."""
         stats = self.stats
         if delivery.generation != self._io.live_generation:
             stats.stale += 1
@@ -70,12 +65,26 @@ class Dispatch:
             stats.redelivered += 1
             if self.telemetry is not None:
                 self.telemetry.count("redelivered")
-        if delivery.header_error is not None or delivery.attempt > self._max_attempts:
-            dead = before_handler(delivery.attempt, delivery.header_error, self._max_attempts)
-            if dead is not None:
-                self._redeliver.dead(delivery, dead)
-                return False
         return True
+
+    def dead_before(self, delivery: Delivery) -> bool:
+        """True (and the delivery dead-lettered) when it is dead before its handler starts:
+        undecodable headers, or past ``max_attempts`` already (a crash loop)."""
+        if delivery.header_error is None and delivery.attempt <= self._max_attempts:
+            return False
+        dead = before_handler(delivery.attempt, delivery.header_error, self._max_attempts)
+        if dead is None:
+            return False
+        self._redeliver.dead(delivery, dead)
+        return True
+
+    def count_attempt(self, delivery: Delivery, counted: object) -> None:
+        """Take a durable attempt count (the ``attempts`` option's answer) into ``delivery``."""
+        if type(counted) is not int:
+            raise TypeError(
+                f"the attempts counter returned {counted!r}, not an int (the attempt number)"
+            )
+        delivery.attempt = max(delivery.attempt, counted)
 
     def succeeded(self, delivery: Delivery) -> None:
         """The handler returned: the delivery is acked (in the next batch)."""

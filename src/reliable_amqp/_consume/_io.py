@@ -107,7 +107,12 @@ class ConsumerIO:
         ``urgent``.
         """
         self._settled.append((generation, tag, kind))
-        if urgent or len(self._settled) >= self._batch:
+        if urgent:
+            # a republish was confirmed on another thread, maybe after the handler side went
+            # idle (its flush saw nothing): this ack must not wait for a batch
+            self._force = True
+            self._wake()
+        elif len(self._settled) >= self._batch:
             self._wake()
 
     @property
@@ -116,7 +121,8 @@ class ConsumerIO:
 
     def flush(self) -> None:
         """Send every ack that is due now (the handler side is idle)."""
-        if self._settled:
+        book = self._book  # read off the I/O thread: at worst one wake-up too many
+        if self._settled or (book is not None and book.due):
             self._force = True
             self._wake()
 
@@ -370,6 +376,10 @@ class ConsumerIO:
             self._consumer_tag = None
             self._on_generation_lost(self.generation)
 
+    def _current(self, channel: Channel) -> bool:
+        """Whether ``channel`` is still the consuming one, open and not draining."""
+        return bool(channel.is_open) and channel is self._channel and not self._draining
+
     def _deliver(self, batch: list[Delivery]) -> None:
         book = self._book
         if book is not None:
@@ -395,11 +405,11 @@ class ConsumerIO:
         same: Channel = channel
 
         def resubscribe(_frame: Any) -> None:
-            if same.is_open and same is self._channel and not self._draining:
+            if self._current(same):
                 self._on_declared(None)
 
         def cancelled(_frame: Any) -> None:
-            if same.is_open and same is self._channel and not self._draining:
+            if self._current(same):
                 same.basic_qos(prefetch_count=self.prefetch, callback=resubscribe)
 
         # The cancel before the new prefetch: on a quorum queue a basic.qos also raises the

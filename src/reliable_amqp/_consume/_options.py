@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,9 @@ class ConsumerOptions:
     queue_arguments: Mapping[str, Any] | None = None
     consumer_arguments: Mapping[str, Any] | None = None
     concurrency: int = 1
+    #: ``attempts(delivery) -> int`` for a redelivered delivery: a durable count of its tries
+    #: (the inbox's attempts ledger), where the broker gives none (classic queues)
+    attempts: Callable[[Any], Any] | None = None
     connection: PublisherOptions = field(default_factory=lambda: PublisherOptions.create("amqp://"))
 
     def __post_init__(self) -> None:
@@ -56,6 +59,10 @@ class ConsumerOptions:
             raise ConfigurationError(
                 f"concurrency must be an integer from 1 to prefetch ({self.prefetch}), "
                 f"got {self.concurrency!r}"
+            )
+        if self.attempts is not None and not callable(self.attempts):
+            raise ConfigurationError(
+                f"attempts must be a callable (delivery) -> int, got {self.attempts!r}"
             )
         if not isinstance(self.redelivery, RetryPolicy):
             object.__setattr__(self, "redelivery", RetryPolicy.from_dict(self.redelivery))

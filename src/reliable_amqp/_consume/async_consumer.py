@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import signal
 import threading
@@ -62,6 +63,7 @@ class AsyncConsumer:
         declare: bool = False,
         queue_arguments: Mapping[str, Any] | None = None,
         consumer_arguments: Mapping[str, Any] | None = None,
+        attempts: Callable[[Delivery], Any] | None = None,
         **options: Any,
     ) -> None:
         if heartbeat is not None:
@@ -76,6 +78,7 @@ class AsyncConsumer:
             "declare": declare,
             "queue_arguments": queue_arguments,
             "consumer_arguments": consumer_arguments,
+            "attempts": attempts,
         }
         self._ready: deque[Delivery] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -198,6 +201,7 @@ class AsyncConsumer:
         event = self._event
         assert event is not None
         timeout = self.options.handler_timeout
+        counter = self.options.attempts
         clock = time.monotonic
         while True:
             if self._stopping or io.ended.is_set():
@@ -211,7 +215,18 @@ class AsyncConsumer:
                     continue
                 await _wait(event, 1.0)  # the timeout bounds how late an ended thread is seen
                 continue
-            if not dispatch.admit(delivery):
+            if not dispatch.fresh(delivery):
+                continue
+            if counter is not None and delivery.redelivered:
+                try:
+                    counted = counter(delivery)
+                    if inspect.isawaitable(counted):
+                        counted = await counted
+                    dispatch.count_attempt(delivery, counted)
+                except Exception as exc:  # the count is unknown: try again later
+                    dispatch.failed(delivery, exc)
+                    continue
+            if dispatch.dead_before(delivery):
                 continue
             telemetry = dispatch.telemetry
             span = telemetry.begin(delivery) if telemetry is not None else None

@@ -155,6 +155,7 @@ class Consumer:
         declare: bool = False,
         queue_arguments: Mapping[str, Any] | None = None,
         consumer_arguments: Mapping[str, Any] | None = None,
+        attempts: Callable[[Delivery], Any] | None = None,
         **options: Any,
     ) -> None:
         if heartbeat is not None:
@@ -168,6 +169,7 @@ class Consumer:
             "declare": declare,
             "queue_arguments": queue_arguments,
             "consumer_arguments": consumer_arguments,
+            "attempts": attempts,
         }
         self._queue: deque[Delivery] = deque()
         self._cond = threading.Condition()
@@ -255,6 +257,7 @@ class Consumer:
         stats = self._core.stats
         stop = self._stop
         io = self._core.io
+        counter = self.options.attempts
         clock = time.monotonic
         while True:
             try:
@@ -272,7 +275,15 @@ class Consumer:
                 continue
             if stop.is_set():
                 return  # unstarted: given back to the queue by the drain
-            if not dispatch.admit(delivery):
+            if not dispatch.fresh(delivery):
+                continue
+            if counter is not None and delivery.redelivered:
+                try:
+                    dispatch.count_attempt(delivery, counter(delivery))
+                except Exception as exc:  # the count is unknown: try again later
+                    dispatch.failed(delivery, exc)
+                    continue
+            if dispatch.dead_before(delivery):
                 continue
             telemetry = dispatch.telemetry
             span = telemetry.begin(delivery) if telemetry is not None else None
