@@ -491,6 +491,7 @@ class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         for s in self.names:
             old = int(start.get(s, FIRST))
             out[s] = old if avail[s] == 0 else begin[s] + avail[s]
+        log.debug("amqp: latest offsets %s (stream ends %s)", out, self.latest)
         return out
 
     def reportLatestOffset(self) -> dict[str, int] | None:
@@ -506,7 +507,9 @@ class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             begin = check_heads(self.config, begin, stop, connection)
         finally:
             connection.close()
-        return split(self.config, begin, stop)
+        parts = split(self.config, begin, stop)
+        log.debug("amqp: micro-batch %s..%s in %d partitions", begin, stop, len(parts))
+        return parts
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         """Read one range."""
