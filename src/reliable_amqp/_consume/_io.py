@@ -29,7 +29,7 @@ import pika
 import pika.exceptions
 from pika.channel import Channel
 
-from reliable_amqp._compat.pika import ScanningConnection
+from reliable_amqp._compat.pika import ScanningConnection, terminate_stream
 from reliable_amqp._core.acks import ACK, AckBook
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner
 from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed, ReliableAmqpError
@@ -258,7 +258,33 @@ class ConsumerIO:
         if self.stopping.is_set():
             connection.close()
             return
+        self._watch_link(connection)
         self._open_channel()
+
+    def _watch_link(self, connection: ScanningConnection) -> None:
+        """Two heartbeats without a byte is a lost link (a frozen node closes nothing), checked
+        every half heartbeat as the publishers do: pika alone waits 2 x (heartbeat + 5) s."""
+        heartbeat = connection.params.heartbeat or 0  # the negotiated value
+        seen = [connection.bytes_received, time.monotonic()]
+        if not heartbeat:
+            return
+
+        def check() -> None:
+            if connection is not self._connection or not connection.is_open:
+                return
+            now = time.monotonic()
+            if connection.bytes_received != seen[0]:
+                seen[:] = [connection.bytes_received, now]
+            elif now - seen[1] > 2 * heartbeat:
+                self._loss = AmqpConnectionError(
+                    f"no data from the broker for {now - seen[1]:.1f} s (heartbeat {heartbeat} s)"
+                )
+                if not terminate_stream(connection, self._loss):
+                    connection.ioloop.stop()
+                return
+            connection.ioloop.call_later(heartbeat / 2, check)
+
+        connection.ioloop.call_later(heartbeat / 2, check)
 
     def _open_channel(self) -> None:
         connection = self._connection
@@ -410,7 +436,14 @@ class ConsumerIO:
 
         def cancelled(_frame: Any) -> None:
             if self._current(same):
-                same.basic_qos(prefetch_count=self.prefetch, callback=resubscribe)
+                # What the old subscription still holds unacked counts against no consumer's
+                # prefetch any more: the new one's is smaller by that much, so the channel never
+                # holds more than ``prefetch`` (one less for good, in the usual case: cheaper
+                # than a second resubscribe, which could make a quorum queue charge a delivery)
+                book = self._book
+                held = book.held if book is not None else 0
+                window = max(1, self.prefetch - held)
+                same.basic_qos(prefetch_count=window, callback=resubscribe)
 
         # The cancel before the new prefetch: on a quorum queue a basic.qos also raises the
         # credit of the consumer already there, which then takes a message that its cancel
