@@ -51,6 +51,11 @@ class AckBook:
         return len(self._state)
 
     @property
+    def held(self) -> int:
+        """Tags the broker still counts as unacked (delivered, no frame sent for them yet)."""
+        return sum(1 for mark in self._state.values() if mark != _SENT)
+
+    @property
     def due(self) -> int:
         """Finished tags waiting for their frame."""
         return self._due
