@@ -19,9 +19,11 @@ there, with the run paused at a known point). WARNINGs go to stderr.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import random
 import signal
 import sys
 import threading
@@ -29,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from reliable_amqp import Consumer, Delivery, RetryPolicy
+from reliable_amqp import AsyncConsumer, Consumer, Delivery, RetryPolicy
 
 
 def main(config: dict[str, Any]) -> int:
@@ -47,6 +49,8 @@ def main(config: dict[str, Any]) -> int:
             options[key] = config[key]
     if "redelivery" in config:
         options["redelivery"] = RetryPolicy(**config["redelivery"])
+    if config.get("concurrency"):
+        return run_async(config, options, record)
     consumer = Consumer(config["url"], config["queue"], **options)
 
     pace = float(config.get("pace", 0.0))
@@ -95,6 +99,37 @@ def main(config: dict[str, Any]) -> int:
                 "dead_lettered": stats.dead_lettered,
             }
         )
+    )
+    return 0
+
+
+def run_async(config: dict[str, Any], options: dict[str, Any], record: Any) -> int:
+    """An AsyncConsumer with ``concurrency`` handlers at once, each sleeping a random 0 to
+    2 ``pace`` so that they finish out of order (what the ack bookkeeping must get right)."""
+    consumer = AsyncConsumer(
+        config["url"], config["queue"], concurrency=int(config["concurrency"]), **options
+    )
+    pace = float(config.get("pace", 0.0))
+    rng = random.Random(os.getpid())
+
+    async def handler(delivery: Delivery) -> None:
+        facts = f"{delivery.message_id} {delivery.attempt} {int(delivery.redelivered)}"
+        record(f"S {facts}")
+        await asyncio.sleep(rng.uniform(0, 2 * pace))
+        record(f"H {facts}")
+
+    io = consumer._core.io
+
+    def announce() -> None:
+        if io.consuming.wait(120):
+            record(f"SUBSCRIBED {os.getpid()}")
+
+    threading.Thread(target=announce, daemon=True).start()
+    asyncio.run(consumer.run(handler))
+    stats = consumer.stats
+    record(
+        "EXIT "
+        + json.dumps({"recoveries": io.recoveries, "handled": stats.handled, "stale": stats.stale})
     )
     return 0
 

@@ -83,6 +83,36 @@ def test_kill_9_twice_mid_run_every_message_handled_queue_empty(
     assert record.exits and record.exits[-1]["dead_lettered"] == 0
 
 
+@pytest.mark.slow
+@pytest.mark.faults
+def test_kill_9_twice_under_async_concurrency_loses_nothing(
+    amqp_url: str, broker: BrokerAdmin, child_factory: Callable[..., ChildConsumer]
+) -> None:
+    """The same with AsyncConsumer(concurrency=16), handlers finishing out of order: an ack
+    (``multiple``) that covered a message still running would lose it at the kill."""
+    queue = broker.queue(unique("c-akill"))
+    ids = [f"m{i:05d}" for i in range(KILL_TOTAL)]
+    fill(amqp_url, queue, ids)
+    child = child_factory(amqp_url, queue, prefetch=KILL_PREFETCH, concurrency=16, pace=0.002)
+    for kill_at in (1000, 2500):
+        child.start()
+        child.wait_record(
+            lambda r, n=kill_at: len(r.handled_ids()) >= n, 120, f"{kill_at} messages handled"
+        )
+        child.kill9()
+        assert len(child.record().handled_ids()) < KILL_TOTAL, "the kill came after the run"
+    child.start()
+    child.wait_record(
+        lambda r: len(r.handled_ids()) == KILL_TOTAL, 180, "every message handled once at least"
+    )
+    code, _ = child.terminate()
+    assert code == 0, child.errors()
+    counts = child.record().handled_ids()
+    assert set(counts) == set(ids)
+    assert sum(counts.values()) - KILL_TOTAL <= 2 * KILL_PREFETCH
+    assert broker.count(queue) == 0
+
+
 # --- connections closed by the broker ----------------------------------------------------------
 
 CLOSE_TOTAL = 20_000
