@@ -23,6 +23,7 @@ import struct
 from typing import Any
 
 from reliable_amqp._core.errors import ReliableAmqpError
+from reliable_amqp._core.frames import FRAME_BODY, FRAME_END, FRAME_HEADER, FRAME_METHOD
 from reliable_amqp._core.message import MessageProperties
 from reliable_amqp._core.redelivery import (
     ATTEMPT_HEADER,
@@ -38,10 +39,7 @@ __all__ = [
     "decode_table",
 ]
 
-FRAME_METHOD = 1
-FRAME_HEADER = 2
-FRAME_BODY = 3
-_FRAME_END = 0xCE
+_FRAME_END = FRAME_END[0]
 
 _frame_head = struct.Struct(">BHI").unpack_from
 _deliver_id = struct.Struct(">HH").unpack_from
@@ -177,23 +175,6 @@ def decode_table(data: bytes) -> dict[str, Any]:
 
 # --- deliveries -----------------------------------------------------------------------------
 
-#: order of the basic class's properties (flag bit 15 first), with the ones held as text
-_PROPERTY_NAMES = (
-    "content_type",
-    "content_encoding",
-    "headers",
-    "delivery_mode",
-    "priority",
-    "correlation_id",
-    "reply_to",
-    "expiration",
-    "message_id",
-    "timestamp",
-    "type",
-    "user_id",
-    "app_id",
-    "cluster_id",
-)
 _EMPTY: dict[str, Any] = {}
 
 
@@ -306,8 +287,9 @@ def _shortstr(data: bytes, pos: int) -> tuple[str, int]:
 def decode_properties(data: bytes, pos: int, end: int) -> tuple[tuple[Any, ...], str | None]:
     """The 14 basic properties of a content header payload (``pos`` at the property flags).
 
-    Returns the values in :data:`_PROPERTY_NAMES` order (headers decoded) and an error text
-    when the header table could not be decoded (the table is then ``{}``).
+    Returns the values in :data:`~reliable_amqp._core.message.PROPERTY_ORDER` order, then
+    ``cluster_id`` (headers decoded), and an error text when the header table could not be
+    decoded (the table is then ``{}``).
     """
     flags = 0
     shift = 0
