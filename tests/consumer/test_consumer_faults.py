@@ -83,6 +83,26 @@ def test_kill_9_twice_mid_run_every_message_handled_queue_empty(
     assert record.exits and record.exits[-1]["dead_lettered"] == 0
 
 
+@pytest.mark.faults
+def test_kill_9_during_a_handler_gives_its_message_back(
+    amqp_url: str, broker: BrokerAdmin, child_factory: Callable[..., ChildConsumer]
+) -> None:
+    """Ack after the work: the message whose handler was running when the process died is not
+    acked, and comes back with the rest of the window (an ack at delivery would lose it)."""
+    queue = broker.queue(unique("c-kill1"))
+    total, prefetch = 20, 10
+    fill(amqp_url, queue, [f"m{i:02d}" for i in range(total)])
+    child = child_factory(amqp_url, queue, prefetch=prefetch, slow=60.0)
+    child.start()
+    child.wait_record(lambda r: bool(r.started), 60, "the first handler call")
+    wait_until(lambda: broker.count(queue) <= total - prefetch, 30, "the prefetch window taken")
+    child.kill9()
+    # The broker requeues a dead connection's unacked messages at once
+    wait_until(lambda: broker.count(queue) >= total - 1, 30, "the window back in the queue")
+    assert broker.count(queue) == total, "the message of the running handler was acked"
+    assert child.record().handled == []
+
+
 @pytest.mark.slow
 @pytest.mark.faults
 def test_kill_9_twice_under_async_concurrency_loses_nothing(
