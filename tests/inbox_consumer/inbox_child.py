@@ -4,8 +4,9 @@ Run as ``python inbox_child.py CONFIG_JSON`` by the tests of this directory. The
 what it does in the file ``out``, one line per event, each one ``os.write`` on an ``O_APPEND``
 descriptor (a kill -9 never leaves half a line; two processes never interleave within one):
 
-- ``S <message_id> <body> <attempt> <redelivered>``: the inbox handler was called;
-- ``H <message_id> <body> <attempt> <redelivered>``: it returned (committed; the ack follows);
+- ``S <message_id> <body> <attempt> <redelivered> <pid> <time>``: the inbox handler was
+  called (``time``: ``time.monotonic()``, one clock for every process of the machine);
+- ``H ...``: the same, when it returned (committed; the ack follows);
 - ``SUBSCRIBED <pid>``: the first subscription is live;
 - ``EXIT <json>``: ``run()`` returned; the consumer's counters and the inbox's.
 
@@ -27,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,13 +96,14 @@ def main(config: dict[str, Any]) -> int:
 
     # the connection is kept open between messages (nullcontext: the handler leaves it open)
     inbox_handler = inbox.handler(lambda: contextlib.nullcontext(conn), handle)
+    pid = os.getpid()
 
     def handler(delivery: Delivery) -> None:
         body = delivery.body.decode() if mode != "chain" else "-"
         facts = f"{delivery.message_id} {body} {delivery.attempt} {int(delivery.redelivered)}"
-        record(f"S {facts}")
+        record(f"S {facts} {pid} {time.monotonic()}")
         inbox_handler(delivery)
-        record(f"H {facts}")
+        record(f"H {facts} {pid} {time.monotonic()}")
 
     options: dict[str, Any] = {}
     if "prefetch" in config:

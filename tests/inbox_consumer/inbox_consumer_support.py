@@ -49,13 +49,21 @@ class Record:
         self.started: list[tuple[str, str, int, bool]] = []
         self.handled: list[tuple[str, str, int, bool]] = []
         self.exits: list[dict[str, Any]] = []
+        #: (message_id, pid, started, returned): each call that returned, on one clock
+        self.calls: list[tuple[str, int, float, float]] = []
         self.subscribed = 0
+        began: dict[tuple[str, str, int], float] = {}
         for line in text.splitlines():
             kind, _, rest = line.partition(" ")
             if kind in ("S", "H"):
-                message_id, body, attempt, redelivered = rest.split(" ")
+                message_id, body, attempt, redelivered, pid, at = rest.split(" ")
                 row = (message_id, body, int(attempt), redelivered == "1")
                 (self.started if kind == "S" else self.handled).append(row)
+                call = (message_id, body, int(pid))
+                if kind == "S":
+                    began[call] = float(at)
+                elif call in began:
+                    self.calls.append((message_id, int(pid), began.pop(call), float(at)))
             elif kind == "SUBSCRIBED":
                 self.subscribed += 1
             elif kind == "EXIT":
@@ -70,6 +78,22 @@ class Record:
 
     def handled_ids(self) -> Counter[str]:
         return Counter(m for m, _, _, _ in self.handled)
+
+    def races(self) -> int:
+        """Ids whose copies were in two processes' handlers at the same time (each in its own
+        open transaction: the second claim waited for the first's commit)."""
+        by_id: dict[str, list[tuple[int, float, float]]] = {}
+        for message_id, pid, began, ended in self.calls:
+            by_id.setdefault(message_id, []).append((pid, began, ended))
+        raced = 0
+        for calls in by_id.values():
+            if any(
+                p1 != p2 and b1 < e2 and b2 < e1
+                for i, (p1, b1, e1) in enumerate(calls)
+                for p2, b2, e2 in calls[i + 1 :]
+            ):
+                raced += 1
+        return raced
 
 
 class Children:
