@@ -127,6 +127,8 @@ class ConsumerIO:
             self._wake()
 
     def _wake(self) -> None:
+        if self._wake_pending:  # read without the lock: a wake-up is on its way already
+            return
         with self._wake_lock:
             if self._wake_pending:
                 return

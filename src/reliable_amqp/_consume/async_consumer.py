@@ -143,7 +143,6 @@ class AsyncConsumer:
         if self._running:
             raise ReliableAmqpError("run() is already running for this consumer")
         self._running = True
-        self._stopping = False
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._event = asyncio.Event()
@@ -186,6 +185,7 @@ class AsyncConsumer:
                 raise
             finally:
                 self._ready.clear()
+                self._stopping = False  # run() may be called again; a stop() before it is kept
                 restore()
                 self._loop = None
                 self._running = False

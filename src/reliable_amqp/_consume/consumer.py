@@ -247,6 +247,7 @@ class Consumer:
                 restore()
                 if watchdog is not None:
                     watchdog.join(1.0)
+                self._stop.clear()  # run() may be called again; a stop() before it is kept
                 self._running = False
         if core.io.fatal is not None:
             raise core.io.fatal
