@@ -294,15 +294,6 @@ def check_crash_loop(
     assert ready_count(url, queue) == 0
 
 
-COLLATERAL = (
-    "bug (reported, not fixed): every crash returns the whole prefetch window to the quorum "
-    "queue, and the broker counts a delivery for each message in it (x-delivery-count); the "
-    "messages prefetched with the poison reach attempt max_attempts+1 with it and are "
-    "dead-lettered as AttemptsExceeded without their handler having failed (some were even "
-    "handled each time, their ack not yet sent when the process died)"
-)
-
-
 @contextlib.contextmanager
 def running(consumer: Consumer, handler: Callable[[Delivery], Any]) -> Iterator[None]:
     """``consumer.run(handler)`` on a thread for the block; stopped (and run()'s own error

@@ -316,14 +316,6 @@ def test_handler_three_heartbeats_long_is_no_reconnect(
     assert broker.count(queue) == 0
 
 
-PREFETCH_PLUS_ONE = (
-    "bug (reported, not fixed): the careful start consumes with prefetch 1 until a fresh "
-    "delivery, then cancels and subscribes again with the full prefetch while that delivery is "
-    "still unacked; RabbitMQ's per-consumer prefetch does not count it (it belongs to the old "
-    "consumer tag), so a handler blocked on its first message holds prefetch + 1 unacked"
-)
-
-
 def test_a_blocked_handler_holds_exactly_prefetch_unacked(
     amqp_url: str, broker: BrokerAdmin, own_queues: list[str]
 ) -> None:
