@@ -324,30 +324,31 @@ def _header_bytes(value: Any) -> bytes | None:
     return str(value).encode()
 
 
+def _headers(headers: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if not headers:
+        return []
+    return [
+        {"key": str(k), "value": _header_bytes(v)} for k, v in headers.items() if k != OFFSET_HEADER
+    ]
+
+
 def to_batch(stream: str, deliveries: Sequence[Delivery]) -> pa.RecordBatch:
-    """One Arrow record batch of the read's schema."""
-    cols: dict[str, list[Any]] = {f.name: [] for f in _ARROW}
-    for d in deliveries:
-        p = d.properties
-        cols["value"].append(d.body)
-        cols["message_id"].append(p.message_id)
-        cols["stream"].append(stream)
-        cols["offset"].append(d.offset)
-        cols["routing_key"].append(d.routing_key)
-        cols["exchange"].append(d.exchange)
-        cols["timestamp"].append(p.timestamp * 1_000_000 if p.timestamp is not None else None)
-        headers = p.headers or {}
-        cols["headers"].append(
-            [
-                {"key": str(k), "value": _header_bytes(v)}
-                for k, v in headers.items()
-                if k != OFFSET_HEADER
-            ]
-        )
-        cols["content_type"].append(p.content_type)
-        cols["correlation_id"].append(p.correlation_id)
-        cols["type"].append(p.type)
-    arrays = [pa.array(cols[f.name], type=f.type) for f in _ARROW]
+    """One Arrow record batch of the read's schema (column by column: this runs per message)."""
+    props = [d.properties for d in deliveries]
+    columns: dict[str, list[Any]] = {
+        "value": [d.body for d in deliveries],
+        "message_id": [p.message_id for p in props],
+        "stream": [stream] * len(deliveries),
+        "offset": [d.offset for d in deliveries],
+        "routing_key": [d.routing_key for d in deliveries],
+        "exchange": [d.exchange for d in deliveries],
+        "timestamp": [None if p.timestamp is None else p.timestamp * 1_000_000 for p in props],
+        "headers": [_headers(p.headers) for p in props],
+        "content_type": [p.content_type for p in props],
+        "correlation_id": [p.correlation_id for p in props],
+        "type": [p.type for p in props],
+    }
+    arrays = [pa.array(columns[f.name], type=f.type) for f in _ARROW]
     return pa.RecordBatch.from_arrays(arrays, schema=_ARROW)
 
 

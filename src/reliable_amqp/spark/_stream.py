@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pika
 import pika.exceptions
@@ -302,9 +302,8 @@ def super_stream_partitions(connection: pika.BlockingConnection, name: str) -> l
 # --- reading a range ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """One message of a stream, as the reader hands it on."""
+class Delivery(NamedTuple):
+    """One message of a stream, as the reader hands it on (a tuple: one is made per message)."""
 
     offset: int
     body: bytes
