@@ -74,6 +74,7 @@ LONGEST_FIRST = (
     "async/test_async_faults.py",  # 81 s
     "outbox/test_relay.py",  # 77 s
     "spool/test_spool_publisher.py",  # 65 s
+    "consumer/test_consumer_faults.py",  # 60 s (its own disposable node: 12 s of it)
     "test_benchmarks.py",  # 57 s
     "test_publish_inputs_broker.py",  # 42 s
     "faults/test_sync_faults.py",  # 38 s
