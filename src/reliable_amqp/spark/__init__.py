@@ -45,9 +45,15 @@ from reliable_amqp.spark._publish import (
     SinkConfig,
     publish_partition,
 )
-from reliable_amqp.spark._read import AmqpBatchReader, AmqpStreamReader, ReadConfig
+from reliable_amqp.spark._read import AmqpBatchReader, AmqpStreamReader
+from reliable_amqp.spark._read_options import ReadConfig
 from reliable_amqp.spark._sink import AmqpSink, WriteSummary
-from reliable_amqp.spark._stream import NotAStream, StreamDataLost, StreamNotFound
+from reliable_amqp.spark._stream import (
+    NotAStream,
+    StreamDataLost,
+    StreamNotFound,
+    StreamReadStalled,
+)
 from reliable_amqp.spark._totals import SinkTotals
 
 __all__ = [
@@ -69,6 +75,7 @@ __all__ = [
     "SinkTotals",
     "StreamDataLost",
     "StreamNotFound",
+    "StreamReadStalled",
     "TaskInterrupted",
     "WriteSummary",
     "close_cached_publishers",

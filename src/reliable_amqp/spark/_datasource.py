@@ -33,7 +33,8 @@ from reliable_amqp import ConfigurationError
 from reliable_amqp.spark._logging import driver_log
 from reliable_amqp.spark._mapping import ColumnPlan
 from reliable_amqp.spark._publish import SinkConfig
-from reliable_amqp.spark._read import AmqpBatchReader, AmqpStreamReader, ReadConfig, read_schema
+from reliable_amqp.spark._read import AmqpBatchReader, AmqpStreamReader, read_schema
+from reliable_amqp.spark._read_options import ReadConfig
 from reliable_amqp.spark._sink import publish_arrow
 from reliable_amqp.spark._trace import capture
 from reliable_amqp.spark._workers import check_workers
