@@ -11,12 +11,13 @@ transaction, then answers as it ended. Statements go through the outbox's connec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from reliable_amqp.inbox._schema import (
     DEFAULT_TABLE,
     MAX_KEY,
     PRUNE_BATCH,
+    PRUNE_FLOOR,
     InboxTables,
 )
 from reliable_amqp.inbox._telemetry import InboxMetrics
@@ -138,25 +140,34 @@ class _Base:
         self.metrics.add(self.metrics.pruned, count)
 
     def _prune_plan(
-        self, dialect: str, older_than: float, batch: int, all_scopes: bool
-    ) -> list[tuple[_schema.PruneStep, tuple[Any, ...]]]:
-        if not isinstance(older_than, (int, float)) or older_than < 0:
-            raise ConfigurationError(f"older_than: expected seconds >= 0, got {older_than!r}")
-        if not isinstance(batch, int) or batch < 1:
-            raise ConfigurationError(f"batch: expected a positive int, got {batch!r}")
+        self, dialect: str, older_than: float, batch: int, scopes: Sequence[Sequence[str]]
+    ) -> list[tuple[_schema.PruneStep, str, float]]:
+        """(step, scope, cutoff) for each table and each of its ``scopes`` (claims, ledger)."""
         cutoff = time.time() - float(older_than)
-        scoped = not all_scopes
-        scope: tuple[Any, ...] = (self.scope,) if scoped else ()
         return [
-            (_schema.prune_step(dialect, table, column, scoped), (cutoff, *scope, batch))
-            for table, column in (
-                (self.tables.name, "claimed_at"),
-                (self.tables.attempts, "last_at"),
-            )
+            (_schema.prune_step(dialect, table, column), scope, cutoff)
+            for (table, column), names in zip(self._pruned_tables(), scopes, strict=True)
+            for scope in names
         ]
+
+    def _pruned_tables(self) -> tuple[tuple[str, str], ...]:
+        return ((self.tables.name, "claimed_at"), (self.tables.attempts, "last_at"))
+
+    def _scopes_sql(self, dialect: str) -> list[str]:
+        return [_schema.scopes_sql(dialect, table) for table, _ in self._pruned_tables()]
+
+    def _mine(self) -> list[list[str]]:
+        return [[self.scope] for _ in self._pruned_tables()]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.scope!r} {self.tables.name!r}>"
+
+
+def _check_prune(older_than: float, batch: int) -> None:
+    if not isinstance(older_than, (int, float)) or older_than < 0:
+        raise ConfigurationError(f"older_than: expected seconds >= 0, got {older_than!r}")
+    if not isinstance(batch, int) or batch < 1:
+        raise ConfigurationError(f"batch: expected a positive int, got {batch!r}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -239,10 +250,16 @@ class Inbox(_Base):
         short batch at most). Inside the caller's open transaction, the batches run in it and
         the caller commits. ``all_scopes=True`` prunes every scope's rows.
         """
+        _check_prune(older_than, batch)
         writer = sync_writer(conn)
         dialect = _known(writer.dialect(conn))
         owned = not writer.in_transaction(conn)
-        plan = self._prune_plan(dialect, older_than, batch, all_scopes)
+        scopes = self._mine()
+        if all_scopes:  # a plain read of which scopes have rows, in a transaction that ends
+            with writer.transaction(conn) if owned else contextlib.nullcontext():
+                listed = [writer.fetch(conn, sql) for sql in self._scopes_sql(dialect)]
+            scopes = [[str(row[0]) for row in rows] for rows in listed]
+        plan = self._prune_plan(dialect, older_than, batch, scopes)
         # a sqlite3 connection polls for the write lock itself (see _prune.take_turns)
         polling = owned and isinstance(conn, sqlite3.Connection)
         saved = conn.execute("PRAGMA busy_timeout").fetchone()[0] if polling else 0
@@ -250,16 +267,19 @@ class Inbox(_Base):
             conn.execute("PRAGMA busy_timeout = 0")
         total = 0
         try:
-            for step, params in plan:
+            for step, scope, cutoff in plan:
+                low = PRUNE_FLOOR
                 while True:
                     began = time.monotonic()
+                    params = (scope, low, cutoff, batch)
                     if polling:
-                        found, deleted = take_turns(writer, conn, step, params, saved)
+                        found, deleted, newest = take_turns(writer, conn, step, params, saved)
                     elif owned:
                         with writer.transaction(conn):
-                            found, deleted = prune_batch(writer, conn, step, params)
+                            found, deleted, newest = prune_batch(writer, conn, step, params)
                     else:
-                        found, deleted = prune_batch(writer, conn, step, params)
+                        found, deleted, newest = prune_batch(writer, conn, step, params)
+                    low = low if newest is None else newest
                     total += deleted
                     self._pruned(deleted)
                     if found < batch:
@@ -365,18 +385,27 @@ class AsyncInbox(_Base):
         all_scopes: bool = False,
     ) -> int:
         """:meth:`Inbox.prune`, awaited."""
+        _check_prune(older_than, batch)
         writer = async_writer(conn)
         dialect = _known(writer.dialect(conn))
         owned = not writer.in_transaction(conn)
+        scopes = self._mine()
+        if all_scopes:
+            async with writer.transaction(conn) if owned else contextlib.nullcontext():
+                listed = [await writer.fetch(conn, sql) for sql in self._scopes_sql(dialect)]
+            scopes = [[str(row[0]) for row in rows] for rows in listed]
         total = 0
-        for step, params in self._prune_plan(dialect, older_than, batch, all_scopes):
+        for step, scope, cutoff in self._prune_plan(dialect, older_than, batch, scopes):
+            low = PRUNE_FLOOR
             while True:
                 began = time.monotonic()
+                params = (scope, low, cutoff, batch)
                 if owned:
                     async with writer.transaction(conn):
-                        found, deleted = await async_prune_batch(writer, conn, step, params)
+                        found, deleted, newest = await async_prune_batch(writer, conn, step, params)
                 else:
-                    found, deleted = await async_prune_batch(writer, conn, step, params)
+                    found, deleted, newest = await async_prune_batch(writer, conn, step, params)
+                low = low if newest is None else newest
                 total += deleted
                 self._pruned(deleted)
                 if found < batch:

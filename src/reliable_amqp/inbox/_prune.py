@@ -28,7 +28,7 @@ def take_turns(
     step: PruneStep,
     params: tuple[Any, ...],
     timeout_ms: int,
-) -> tuple[int, int]:
+) -> Batch:
     """One batch on a sqlite3 connection, polling for the write lock every millisecond. SQLite's
     busy handler backs off to 100 ms sleeps, so against a writer that claims without pause
     prune waited most of a second a batch (17 s for 20 batches, measured); polling gets a turn
@@ -46,36 +46,44 @@ def take_turns(
 
 def _by_scope(rows: list[tuple[Any, ...]]) -> dict[str, list[str]]:
     keys: dict[str, list[str]] = {}
-    for scope, message_id in rows:
+    for scope, message_id, _at in rows:
         keys.setdefault(scope, []).append(message_id)
     return keys
 
 
-def prune_batch(
-    writer: SyncWriter, conn: Any, step: PruneStep, params: tuple[Any, ...]
-) -> tuple[int, int]:
-    """One batch: (rows found, rows deleted)."""
+#: one batch's outcome: (rows found, rows deleted, the newest column value found, if known)
+Batch = tuple[int, int, float | None]
+
+
+def prune_batch(writer: SyncWriter, conn: Any, step: PruneStep, params: tuple[Any, ...]) -> Batch:
+    """One batch (``params``: scope, low, cutoff, limit)."""
+    if step.fetch is not None:
+        found, newest, deleted = writer.fetch(conn, step.fetch, params)[0]
+        return int(found), int(deleted), None if newest is None else float(newest)
     if step.delete is not None:
         deleted = max(writer.run(conn, step.delete, params), 0)
-        return deleted, deleted
+        return deleted, deleted, None
     assert step.select is not None
     rows = writer.fetch(conn, step.select, params)
     deleted = 0
     for scope, ids in _by_scope(rows).items():
-        deleted += writer.run(conn, step.delete_keys(len(ids)), (scope, *ids, params[0]))
-    return len(rows), deleted
+        deleted += writer.run(conn, step.delete_keys(len(ids)), (scope, *ids, params[2]))
+    return len(rows), deleted, max((float(r[2]) for r in rows), default=None)
 
 
 async def async_prune_batch(
     writer: AsyncWriter, conn: Any, step: PruneStep, params: tuple[Any, ...]
-) -> tuple[int, int]:
+) -> Batch:
     """:func:`prune_batch`, awaited."""
+    if step.fetch is not None:
+        found, newest, deleted = (await writer.fetch(conn, step.fetch, params))[0]
+        return int(found), int(deleted), None if newest is None else float(newest)
     if step.delete is not None:
         deleted = max(await writer.run(conn, step.delete, params), 0)
-        return deleted, deleted
+        return deleted, deleted, None
     assert step.select is not None
     rows = await writer.fetch(conn, step.select, params)
     deleted = 0
     for scope, ids in _by_scope(rows).items():
-        deleted += await writer.run(conn, step.delete_keys(len(ids)), (scope, *ids, params[0]))
-    return len(rows), deleted
+        deleted += await writer.run(conn, step.delete_keys(len(ids)), (scope, *ids, params[2]))
+    return len(rows), deleted, max((float(r[2]) for r in rows), default=None)

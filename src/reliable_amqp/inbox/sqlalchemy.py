@@ -39,7 +39,7 @@ def inbox_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
         sa.Column("scope", _name(), primary_key=True),
         sa.Column("message_id", _name(), primary_key=True),
         sa.Column("claimed_at", _double(), nullable=False),
-        sa.Index(f"{table}_claimed_at", "claimed_at"),
+        sa.Index(f"{table}_scope_claimed_at", "scope", "claimed_at"),
         schema=schema or None,
         sqlite_with_rowid=False,
         **_MYSQL,
@@ -52,7 +52,7 @@ def inbox_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
         sa.Column("attempt", sa.Integer, primary_key=True, autoincrement=False),
         sa.Column("redeliveries", sa.Integer, nullable=False),
         sa.Column("last_at", _double(), nullable=False),
-        sa.Index(f"{table}_attempts_last_at", "last_at"),
+        sa.Index(f"{table}_attempts_scope_last_at", "scope", "last_at"),
         schema=schema or None,
         **_MYSQL,
     )
