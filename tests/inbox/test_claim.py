@@ -353,3 +353,23 @@ def test_two_handlers_racing_on_the_same_duplicates_give_one_effect_each(db: Dat
     assert db.effects(check) == sorted(ids)
     assert inbox.stats.claimed == len(ids) and inbox.stats.duplicates == 3 * len(ids)
     check.close()
+
+
+def test_repeatable_read_raises_a_serialization_failure_then_the_retry_skips(pg_dsn: str) -> None:
+    """PostgreSQL under REPEATABLE READ: a claim meeting a key committed after the snapshot was
+    taken raises (the handler fails and the message is retried); the retry returns False."""
+    inbox = Inbox("billing")
+    with psycopg.connect(pg_dsn) as conn:
+        inbox.install(conn)
+    first, second = psycopg.connect(pg_dsn), psycopg.connect(pg_dsn)
+    second.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    second.execute("SELECT 1")  # the snapshot is taken here
+    assert inbox.claim(first, FakeDelivery("m1")) is True
+    first.commit()
+    with pytest.raises(psycopg.errors.SerializationFailure):
+        inbox.claim(second, FakeDelivery("m1"))
+    second.rollback()
+    assert inbox.claim(second, FakeDelivery("m1")) is False
+    second.rollback()
+    for conn in (first, second):
+        conn.close()
