@@ -34,13 +34,15 @@ QUICK = RetryPolicy(max_attempts=3, initial_delay=0.1, max_delay=0.2, jitter=0.0
 
 def fill(url: str, queue: str, ids: Iterable[str], **properties: Any) -> int:
     """Publish one message per id (body and ``message_id`` both the id), all confirmed."""
-    count = 0
     with Publisher(url, max_in_flight=2000) as publisher:
-        for message_id in ids:
+        futures = [
             publisher.publish("", queue, message_id.encode(), message_id=message_id, **properties)
-            count += 1
+            for message_id in ids
+        ]
         assert publisher.flush(timeout=120) == 0, "the test's messages were not all confirmed"
-    return count
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    assert not failed, f"{len(failed)} of the test's messages failed: {failed[0]!r}"
+    return len(futures)
 
 
 def side_queues(queue: str, policy: RetryPolicy = QUICK) -> list[str]:

@@ -464,3 +464,85 @@ def test_a_stalled_link_is_noticed_by_heartbeats_and_consuming_resumes(
     # alone took 6 to 12 s at heartbeat=1); the rest is slack for a loaded machine.
     assert noticed < 5.5, f"a stalled link was noticed after {noticed:.1f} s"
     assert broker.count(queue) == 0
+
+
+@pytest.mark.rabbitmq_only(
+    reason="RabbitMQ's basic.cancel on queue deletion (consumer_cancel_notify)"
+)
+def test_a_declaring_consumer_declares_its_deleted_queue_again(
+    amqp_url: str, broker: BrokerAdmin, own_queues: list[str]
+) -> None:
+    """``declare=True``: after the broker's basic.cancel the consumer declares the queue again
+    itself (durable, with its arguments) and consumes what arrives next."""
+    queue = unique("c-redeclare")
+    own_queues.append(queue)
+    seen: list[str] = []
+    consumer = Consumer(
+        amqp_url,
+        queue,
+        prefetch=10,
+        redelivery=QUICK,
+        declare=True,
+        queue_arguments={"x-max-priority": 3},
+    )
+    io = consumer._core.io
+    try:
+        with running(consumer, lambda d: seen.append(d.message_id or "")):
+            wait_until(io.consuming.is_set, 30, "the first subscription")
+            fill(amqp_url, queue, ["a0", "a1"])
+            wait_until(lambda: len(seen) == 2, 30, "the first messages handled")
+            generation = io.generation
+            broker.channel.queue_delete(queue)
+            wait_until(
+                lambda: io.consuming.is_set() and io.generation > generation, 60, "resubscribed"
+            )
+            # Declared again with the same arguments: a declare with others would fail (406)
+            broker.channel.queue_declare(
+                queue, passive=False, durable=True, arguments={"x-max-priority": 3}
+            )
+            fill(amqp_url, queue, ["b0", "b1"])
+            wait_until(lambda: len(seen) == 4, 30, "the messages sent after the redeclare")
+        assert seen == ["a0", "a1", "b0", "b1"]
+        assert io.fatal is None
+    finally:
+        delete_queues(amqp_url, [queue])
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_broker_killed_and_restarted_under_a_running_consumer(
+    disposable_broker: DisposableBroker,
+) -> None:
+    """The node dies (kill -9) mid-run and comes back: the consumer reconnects under its
+    policy, subscribes again and handles every persistent message of the durable queue."""
+    node = disposable_broker
+    admin = BrokerAdmin(node.url)
+    queue = admin.queue(unique("c-nodekill"))
+    ids = [f"m{i:04d}" for i in range(2000)]
+    fill(node.url, queue, ids)  # persistent (the library's default), confirmed
+    go = threading.Event()
+    seen: list[str] = []
+
+    def handler(delivery: Delivery) -> None:
+        seen.append(delivery.message_id or "")
+        if len(seen) == 500:
+            assert go.wait(120)  # paused while the node dies and comes back
+
+    consumer = Consumer(node.url, queue, prefetch=100, redelivery=QUICK)
+    io = consumer._core.io
+    try:
+        with running(consumer, handler):
+            try:
+                wait_until(lambda: len(seen) >= 500, 60, "500 messages handled")
+                node.kill()
+                wait_until(lambda: not io.consuming.is_set(), 30, "the loss noticed")
+                node.start()
+            finally:
+                go.set()
+            wait_until(lambda: set(seen) >= set(ids), 120, "every message handled")
+            assert io.recoveries >= 1 and io.fatal is None
+        admin = BrokerAdmin(node.url)  # the first one died with the node
+        assert admin.count(queue) == 0
+    finally:
+        admin.close()
+        delete_queues(node.url, [queue, *side_queues(queue, QUICK)])
