@@ -1,8 +1,9 @@
 """Issue 40 at the consumer's level, when things fail: a handler that fails after claiming is
 retried and takes effect once; a message that kills the process every time, on a classic queue,
 is dead-lettered after ``max_attempts`` through the inbox's attempts ledger (the ``attempts``
-option) while the rest are handled once; a delivery without ``message_id`` is refused loudly,
-retried, then dead-lettered, and never handled as new."""
+option) while the rest are handled once (both on PostgreSQL, MariaDB and SQLite); a delivery
+without ``message_id`` is refused loudly, retried, then dead-lettered, and never handled as
+new."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pika
-import psycopg
 import pytest
 
 from broker_support import BrokerAdmin, unique
@@ -28,7 +28,7 @@ from consumer.consumer_support import (
     running,
     side_queues,
 )
-from inbox_consumer.inbox_consumer_support import Children, count_rows, wait_until
+from inbox_consumer.inbox_consumer_support import Children, wait_until
 from inbox_support import Database, fetch, run
 from reliable_amqp import Consumer, Delivery, MissingMessageId
 from reliable_amqp.inbox import Inbox
@@ -200,7 +200,7 @@ CRASH_COUNT = 30
 
 @pytest.mark.faults
 def test_crash_loop_on_a_classic_queue_is_dead_lettered_through_the_attempts_ledger(
-    pg_db: Database,
+    any_db: Database,
     amqp_url: str,
     broker: BrokerAdmin,
     children: Callable[..., Children],
@@ -214,7 +214,7 @@ def test_crash_loop_on_a_classic_queue_is_dead_lettered_through_the_attempts_led
     ids = [f"c{i:02d}" for i in range(CRASH_COUNT)]
     poison = ids[5]
     fill(amqp_url, queue, ids)
-    group = children(queue, pg_db, prefetch=10, crash_on=poison, ledger=True)
+    group = children(queue, any_db, prefetch=10, crash_on=poison, ledger=True)
     max_attempts = QUICK_CONFIG["max_attempts"]
     others = set(ids) - {poison}
     dead = f"{queue}.dead"
@@ -245,14 +245,21 @@ def test_crash_loop_on_a_classic_queue_is_dead_lettered_through_the_attempts_led
     assert record.started_ids()[poison] == max_attempts  # then dead without another call
     assert record.handled_ids()[poison] == 0
     assert ready_count(amqp_url, queue) == 0
-    with psycopg.connect(pg_db.dsn) as conn:
-        effects = Counter(r[0] for r in conn.execute("SELECT message_id FROM effects"))
-        ledger = conn.execute(
-            "SELECT message_id, attempt, redeliveries FROM amqp_inbox_attempts"
-        ).fetchall()
+    conn = any_db.connect()
+    try:
+        effects = Counter(any_db.effects(conn))
+        ledger = [
+            tuple(row)
+            for row in fetch(
+                conn, "SELECT message_id, attempt, redeliveries FROM amqp_inbox_attempts"
+            )
+        ]
+        claims = fetch(conn, "SELECT count(*) FROM amqp_inbox")[0][0]
+        conn.commit()
+    finally:
+        conn.close()
     assert effects == dict.fromkeys(others, 1)  # the rest handled exactly once
     # the ledger keeps only the message still in trouble: the others' rows were deleted in
     # the transaction that handled them (the poison's go with prune())
     assert ledger == [(poison, 1, max_attempts)], ledger
-    claims = count_rows(pg_db.connect, "SELECT count(*) FROM amqp_inbox")
     assert claims == len(others)
