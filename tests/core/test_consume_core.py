@@ -307,3 +307,12 @@ def test_retried_copies_drop_the_brokers_headers_and_keep_their_origin() -> None
         "x-original-exchange": "ex",
         "x-original-routing-key": "rk",
     }
+
+
+def test_a_copy_of_a_message_without_an_id_reads_as_without_one() -> None:
+    table = encode_table({ATTEMPT_HEADER: 2, "x-consume-no-message-id": True})
+    scanner = DeliveryScanner(1, 1, "q")
+    scanner.scan(deliver_frames(1, 1, b"x", headers=table, message_id="made-up-1"), 0)
+    [d] = scanner.ready
+    assert d.message_id is None and d.properties.message_id is None
+    assert d.attempt == 2

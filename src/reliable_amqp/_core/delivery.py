@@ -27,6 +27,7 @@ from reliable_amqp._core.frames import FRAME_BODY, FRAME_END, FRAME_HEADER, FRAM
 from reliable_amqp._core.message import MessageProperties
 from reliable_amqp._core.redelivery import (
     ATTEMPT_HEADER,
+    NO_ID_HEADER,
     ORIGIN_EXCHANGE_HEADER,
     ORIGIN_ROUTING_KEY_HEADER,
     attempt_of,
@@ -447,6 +448,9 @@ class DeliveryScanner:
         headers = d.headers
         if headers:
             d.attempt = attempt_of(headers, d.redelivered)
+            if NO_ID_HEADER in headers:  # a retried copy of a message that had no id
+                d.message_id = None
+                d._fields = (*d._fields[:8], None, *d._fields[9:])
             if ATTEMPT_HEADER in headers:
                 # a retried copy came back through its delay queue: report where it was first
                 # published, not the delay queue's dead-letter route

@@ -30,6 +30,7 @@ from reliable_amqp._core.policy import RetryPolicy
 __all__ = [
     "ATTEMPT_HEADER",
     "DEAD_HEADERS",
+    "NO_ID_HEADER",
     "MAX_DELAY_MS",
     "DeadLetter",
     "Retry",
@@ -44,6 +45,9 @@ __all__ = [
 
 #: the attempt a retried copy is on (1 is the first delivery)
 ATTEMPT_HEADER = "x-consume-attempt"
+#: on a copy of a message that had no message_id: the publisher had to give the copy one, and
+#: the consumer's decoder takes it back out (a copy must not look like a message of its own)
+NO_ID_HEADER = "x-consume-no-message-id"
 REASON_HEADER = "x-death-reason"
 EXCEPTION_HEADER = "x-exception-type"
 ATTEMPTS_HEADER = "x-attempts"
