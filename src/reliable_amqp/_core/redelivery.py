@@ -29,6 +29,7 @@ from reliable_amqp._core.policy import RetryPolicy
 
 __all__ = [
     "ATTEMPT_HEADER",
+    "BROKER_HEADERS",
     "DEAD_HEADERS",
     "NO_ID_HEADER",
     "MAX_DELAY_MS",
@@ -65,7 +66,7 @@ DEAD_HEADERS = (
 #: headers the broker adds when it delivers or dead-letters (a delay queue's TTL does): dropped
 #: from the copies the consumer republishes (they would grow with every retry, and a stale
 #: x-delivery-count would count the old copy's deliveries again)
-_BROKER_HEADERS = (
+BROKER_HEADERS = (
     "x-delivery-count",
     "x-death",
     "x-first-death-exchange",
@@ -201,7 +202,7 @@ def on_failure(
 
 
 def _carried(headers: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in headers.items() if k not in _BROKER_HEADERS}
+    return {k: v for k, v in headers.items() if k not in BROKER_HEADERS}
 
 
 def retry_headers(

@@ -23,6 +23,7 @@ import pika.exceptions
 from reliable_amqp._core.errors import PublishError, ReliableAmqpError
 from reliable_amqp._core.message import PROPERTY_ORDER
 from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.redelivery import ATTEMPT_HEADER, BROKER_HEADERS, DEAD_HEADERS
 from reliable_amqp._sync.publisher import Publisher
 from reliable_amqp.cli._consume import DEFAULT_BATCH, Sink, close, connect, dumps, problem, record
 from reliable_amqp.cli._parse import (
@@ -39,25 +40,7 @@ from reliable_amqp.cli._parse import (
 #: dropped on --requeue, for a fresh start: the headers the consumer puts on a dead letter and
 #: its attempt header (``_core/redelivery.py``), and those the broker adds when it delivers or
 #: dead-letters (a carried ``x-delivery-count`` would count the old copy's deliveries again)
-DEAD_LETTER_HEADERS = frozenset(
-    {
-        "x-death-reason",
-        "x-exception-type",
-        "x-attempts",
-        "x-original-queue",
-        "x-original-exchange",
-        "x-original-routing-key",
-        "x-consume-attempt",
-        "x-delivery-count",
-        "x-death",
-        "x-first-death-exchange",
-        "x-first-death-queue",
-        "x-first-death-reason",
-        "x-last-death-exchange",
-        "x-last-death-queue",
-        "x-last-death-reason",
-    }
-)
+DEAD_LETTER_HEADERS = frozenset((*DEAD_HEADERS, ATTEMPT_HEADER, *BROKER_HEADERS))
 
 
 def add_dead_letters_arguments(parser: argparse.ArgumentParser) -> None:
