@@ -76,13 +76,25 @@ def wait_for(predicate: Any, timeout: float, what: str, step: float = 0.2) -> No
         time.sleep(step)
 
 
-def parquet_ids(path: Path) -> list[str]:
-    """The message ids in a parquet directory (every part file)."""
+def committed_ids(output: Path) -> list[str]:
+    """The message ids in the files a parquet file sink committed (its ``_spark_metadata`` log;
+    a failed task's files are left out, as Spark's own reader leaves them out)."""
+    import json
+
     import pyarrow.parquet as pq
 
-    files = sorted(p for p in path.glob("*.parquet"))
-    if not files:
-        return []
-    return [
-        i for f in files for i in pq.read_table(f, columns=["message_id"])["message_id"].to_pylist()
-    ]
+    paths: set[str] = set()
+    for entry in sorted((output / "_spark_metadata").iterdir()):
+        if entry.name.startswith("."):
+            continue
+        for line in entry.read_text().splitlines()[1:]:  # first line: the log's version
+            record = json.loads(line)
+            if record.get("action") == "add":
+                paths.add(record["path"])
+            elif record.get("action") == "delete":
+                paths.discard(record["path"])
+    ids: list[str] = []
+    for path in sorted(paths):
+        local = path.removeprefix("file://").removeprefix("file:")
+        ids += pq.read_table(local, columns=["message_id"])["message_id"].to_pylist()
+    return ids

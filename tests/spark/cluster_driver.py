@@ -163,7 +163,31 @@ def stream(spark: SparkSession, c: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-MODES = {"ways": ways, "write": write, "stream": stream}
+def read_stream(spark: SparkSession, c: dict[str, Any]) -> dict[str, Any]:
+    """Read a stream (``spark.readStream.format("amqp")``) into a parquet file sink with a
+    checkpoint, up to the stream's end as it is now (``availableNow``)."""
+    query = (
+        spark.readStream.format("amqp")
+        .option("url", c["url"])
+        .option("stream", c["stream"])
+        .option("startingOffsets", "earliest")
+        .option("maxMessagesPerTrigger", str(c["per_trigger"]))
+        .option("minPartitions", "2")
+        .load()
+        .select("message_id", "offset")
+        .writeStream.format("parquet")
+        .option("path", c["output"])
+        .option("checkpointLocation", c["checkpoint"])
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(300)
+    if query.exception() is not None:
+        raise RuntimeError(f"the query failed: {query.exception()}")
+    return {"rows": sum(p["numInputRows"] for p in query.recentProgress)}
+
+
+MODES = {"ways": ways, "write": write, "stream": stream, "read_stream": read_stream}
 
 
 def serve(spark: SparkSession) -> None:

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,14 @@ import pytest
 
 from spark_cluster import SparkCluster
 from spark_support import Received, read_all, unique_name
+from stream_support import (
+    committed_ids,
+    declare_stream,
+    delete_queue,
+    publish,
+    stream_name,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker, pytest.mark.slow]
 
@@ -307,3 +316,45 @@ def test_named_streaming_query_stopped_mid_batch_resumes_from_its_checkpoint(
     assert counts.duplicates > 0  # the stopped batch was replayed, with the same ids
     tail = result["depth_settled"] - result["depth_when_stop_returned"]
     print(f"stream: {tail} messages reached the queue after query.stop() returned")
+
+
+def test_stream_read_with_an_executor_killed_reads_each_message_once(
+    app: Application, workers: SparkCluster, amqp_url: str, tmp_path: Path
+) -> None:
+    """issue 41: 50,000 messages (30,000 before the query, 20,000 while it runs) read from a
+    stream into a checkpointed parquet sink; an executor JVM killed -9 after two committed
+    micro-batches. The query goes on (Spark reruns the lost tasks on the same ranges), a second
+    run on the checkpoint reads the rest, and each message is in the output exactly once."""
+    stream = declare_stream(amqp_url, stream_name("cluster"))
+    output, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    config = {
+        "url": amqp_url,
+        "stream": stream,
+        "per_trigger": 10_000,
+        "output": str(output),
+        "checkpoint": str(checkpoint),
+    }
+    try:
+        publish(amqp_url, stream, 0, 30_000)
+        app.start("read_stream", config)
+        commits = checkpoint / "commits"
+        wait_for((commits / "0").exists, 180, "the first committed micro-batch", 0.05)
+        during = threading.Thread(target=publish, args=(amqp_url, stream, 30_000, 20_000))
+        during.start()
+        wait_for((commits / "1").exists, 180, "two committed micro-batches", 0.02)
+        executors = workers.executors()
+        assert executors, "no executor JVM runs under the workers"
+        os.kill(executors[0], signal.SIGKILL)
+        first = app.result(300)
+        during.join(120)
+        assert not during.is_alive()
+        workers.restart_dead_workers()
+        app.start("read_stream", config)  # the same checkpoint: only what is left
+        second = app.result(300)
+        ids = committed_ids(output)
+        counts = Counter(ids)
+        assert set(counts) == {f"m{i}" for i in range(50_000)}, (first, second, len(counts))
+        assert max(counts.values()) == 1  # each message exactly once
+        assert first["rows"] + second["rows"] >= 50_000  # (a replayed batch counts twice)
+    finally:
+        delete_queue(amqp_url, stream)
