@@ -528,7 +528,10 @@ def test_broker_killed_and_restarted_under_a_running_consumer(
         if len(seen) == 500:
             assert go.wait(120)  # paused while the node dies and comes back
 
-    consumer = Consumer(node.url, queue, prefetch=100, redelivery=QUICK)
+    # Retries at most 1 s apart, so the test does not wait out a long backoff once the node is
+    # back (the default policy's delays grow to 15 s)
+    patient = RetryPolicy(max_attempts=None, initial_delay=0.2, max_delay=1.0, deadline=120)
+    consumer = Consumer(node.url, queue, prefetch=100, redelivery=QUICK, connect_policy=patient)
     io = consumer._core.io
     try:
         with running(consumer, handler):
