@@ -66,6 +66,7 @@ class SpooledPublishing:
             self.release()
         spool = self.spool
         window = handoff.window
+        admission = handoff.admission  # (its fields, not Handoff's properties: the hot path)
         meta = b""  # the stored record, once the usual case did not take the message
         size = 0
         end = 0.0  # publish_timeout's deadline, once something waits
@@ -73,7 +74,7 @@ class SpooledPublishing:
         while True:
             waiter = None
             with handoff.lock:
-                if handoff.fatal is not None or not handoff.accepting:
+                if admission.fatal is not None or not admission.accepting:
                     check(entry)
                 # the usual case, in one call: nothing on disk ahead, room in the window and
                 # in the spool (InvalidMessage for what cannot be stored): its window index
