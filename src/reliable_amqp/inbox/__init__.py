@@ -19,7 +19,7 @@ from reliable_amqp.inbox._inbox import (
     InboxStats,
 )
 from reliable_amqp.inbox._schema import DEFAULT_RETENTION, DEFAULT_TABLE, PRUNE_BATCH
-from reliable_amqp.inbox._tools import InboxStatus, install, prune, status
+from reliable_amqp.inbox._tools import InboxStatus, install, observe, prune, status
 
 __all__ = [
     "ATTEMPT_HEADER",
@@ -33,6 +33,7 @@ __all__ = [
     "InboxStatus",
     "MissingMessageId",
     "install",
+    "observe",
     "prune",
     "status",
 ]

@@ -96,3 +96,58 @@ def prune(
     with connect(db) as (dialect, conn):
         _check_tables(dialect, _raw(dialect, conn), inbox.tables)
         return inbox.prune(_raw(dialect, conn), older_than, batch=batch, all_scopes=scope is None)
+
+
+def observe(db: str, table: str = DEFAULT_TABLE, *, meter_provider: Any = None) -> bool:
+    """Report the inbox's size to OpenTelemetry: observable gauges
+    ``reliable_amqp.inbox.rows`` (claims kept), ``reliable_amqp.inbox.attempts`` (the attempts
+    ledger's rows) and ``reliable_amqp.inbox.oldest_age`` (seconds), read with :func:`status`
+    on a connection of their own each time the SDK collects (its export interval, not per
+    message). True when registered; False without an SDK (nothing is made then).
+    """
+    try:
+        from opentelemetry import metrics
+    except ImportError:  # the otel extra is not installed
+        return False
+    from reliable_amqp._otel import _is_proxy_or_noop
+
+    provider = meter_provider if meter_provider is not None else metrics.get_meter_provider()
+    if _is_proxy_or_noop(provider, metrics):
+        return False
+    InboxTables.named(table)  # a bad name is refused now, not at every collection
+    attributes = {"reliable_amqp.inbox.table": table}
+    last: dict[str, InboxStatus] = {}
+
+    def read(_options: Any) -> InboxStatus:
+        # one query for the three gauges of a collection (they are called in turn)
+        found = status(db, table)
+        last["status"] = found
+        return found
+
+    def rows(options: Any) -> list[Any]:
+        return [metrics.Observation(read(options).rows, attributes)]
+
+    def attempts(_options: Any) -> list[Any]:
+        found = last.get("status")
+        return [] if found is None else [metrics.Observation(found.attempts, attributes)]
+
+    def oldest(_options: Any) -> list[Any]:
+        found = last.get("status")
+        if found is None or found.oldest_age_s is None:
+            return []
+        return [metrics.Observation(found.oldest_age_s, attributes)]
+
+    meter = provider.get_meter("reliable_amqp.inbox")
+    meter.create_observable_gauge(
+        "reliable_amqp.inbox.rows", [rows], unit="{row}", description="Claims kept"
+    )
+    meter.create_observable_gauge(
+        "reliable_amqp.inbox.attempts",
+        [attempts],
+        unit="{row}",
+        description="Rows of the attempts ledger (redelivered messages not yet handled)",
+    )
+    meter.create_observable_gauge(
+        "reliable_amqp.inbox.oldest_age", [oldest], unit="s", description="The oldest claim's age"
+    )
+    return True
