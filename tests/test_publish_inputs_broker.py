@@ -51,6 +51,7 @@ PublisherClass = Any
 LOSSES = (EventKind.CONNECTION_LOST, EventKind.CHANNEL_LOST)
 EXAMPLES = 2000
 #: valid expirations start here (see the module docstring); RabbitMQ's limit is ten years
+#: (on LavinMQ, publish() refuses those over its 2,147,483,647 ms: docs/brokers.md)
 LONG_TTL = 3_600_000
 TTL_MAX = 315_360_000_000
 
