@@ -7,6 +7,13 @@ hook, which must fire only in the call under test, never in pytest's or coverage
 (once it did, a run ended in an INTERNALERROR while pytest formatted a failure). Here a child
 pytest runs two of the sweeps under ``--cov`` and a failing test after a sweep-style interrupt:
 the sweeps pass, the failure is reported as a failure, and coverage reports the library.
+
+Give ``--cov`` the package (``reliable_amqp``) or a directory (``src/reliable_amqp/_async``),
+not a dotted subpackage: on CPython 3.11.7 ``--cov=reliable_amqp._async`` (or any dotted name,
+``--cov=asyncio.tasks`` too) makes nine async adapter tests fail with ``CancelledError``
+(tests/adapters: the heartbeat test's "3 left" among them; they pass with asyncio's pure-Python
+Task), and the coroutines they leave behind, reported while pytest parses a file, end the run
+in CPython's "AST constructor recursion depth mismatch" (gh-106905, fixed in 3.11.8).
 """
 
 from __future__ import annotations
