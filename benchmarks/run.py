@@ -175,6 +175,12 @@ def main() -> int:
             print("\n== Spark sink: 200,000 rows, 2 partitions (vs publish_many of the size) ==")
             for r in spark_rows:
                 print(f"{r['name']:<60} {r['rate']:>10,.0f} rows/s {r['vs_publisher']:>7.2f}x")
+    if "spark" in groups and (mod := _optional("rows_spark_read")) is not None:
+        read_rows = mod.rows(args.url)
+        everything.extend(read_rows)
+        if not args.json:
+            print("\n== Spark read: one stream of 200,000 messages (vs one pika consumer) ==")
+            print(mod.table(read_rows))
     if "consume" in groups and (mod := _optional("consume")) is not None:
         print(f"consume: {mod.COUNT:,} messages a row, prefetch {mod.PREFETCH}:", file=sys.stderr)
         consume_rows = mod.run(
