@@ -1,4 +1,4 @@
-"""Run by tests/inbox/test_stacks.py in a process of its own (Django's settings are once per
+"""Run by tests/inbox/test_inbox_stacks.py in a process of its own (Django's settings are once per
 process), on the database ``INBOX_DJANGO_DB`` (a ``postgresql://`` URL or a SQLite file): the
 inbox through Django's ``connection``: installed twice, each id delivered twice and one handler
 failing after its claim, a claim outside ``atomic()`` refused, the attempts ledger on a second
