@@ -45,6 +45,7 @@ def test_batch_read_returns_each_message_once_with_contiguous_offsets(
         assert r.value == f"event {r.offset - first}".encode()
 
 
+@pytest.mark.spark_connect
 def test_columns_and_kafka_shaped_headers(spark: SparkSession, amqp_url: str, stream: str) -> None:
     publish(amqp_url, stream, 0, 5)
     df = _read(spark, amqp_url, stream)
