@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from broker_support import BrokerAdmin, unique
-from consumer.consumer_support import (
+from consumer_support import (
     QUICK,
     ChildConsumer,
+    Record,
     check_crash_loop,
     child_factories,
     delete_queues,
@@ -35,6 +36,16 @@ from harness.node import DisposableBroker
 from reliable_amqp import Consumer, Delivery, RetryPolicy
 
 pytestmark = [pytest.mark.broker]
+
+
+def _handled_at_least(n: int) -> Callable[[Record], bool]:
+    """A wait_record predicate: at least ``n`` distinct messages handled."""
+    return lambda record: len(record.handled_ids()) >= n
+
+
+def _calls_at_least(n: int) -> Callable[[Record], bool]:
+    """A wait_record predicate: at least ``n`` handler calls."""
+    return lambda record: len(record.handled) >= n
 
 
 @pytest.fixture
@@ -61,9 +72,7 @@ def test_kill_9_twice_mid_run_every_message_handled_queue_empty(
     child = child_factory(amqp_url, queue, prefetch=KILL_PREFETCH, pace=0.0003)
     for kill_at in (1000, 2500):
         child.start()
-        child.wait_record(
-            lambda r, n=kill_at: len(r.handled_ids()) >= n, 120, f"{kill_at} messages handled"
-        )
+        child.wait_record(_handled_at_least(kill_at), 120, f"{kill_at} messages handled")
         child.kill9()
         assert len(child.record().handled_ids()) < KILL_TOTAL, "the kill came after the run"
     child.start()
@@ -116,9 +125,7 @@ def test_kill_9_twice_under_async_concurrency_loses_nothing(
     child = child_factory(amqp_url, queue, prefetch=KILL_PREFETCH, concurrency=16, pace=0.002)
     for kill_at in (1000, 2500):
         child.start()
-        child.wait_record(
-            lambda r, n=kill_at: len(r.handled_ids()) >= n, 120, f"{kill_at} messages handled"
-        )
+        child.wait_record(_handled_at_least(kill_at), 120, f"{kill_at} messages handled")
         child.kill9()
         assert len(child.record().handled_ids()) < KILL_TOTAL, "the kill came after the run"
     child.start()
@@ -174,7 +181,7 @@ def test_broker_closes_connections_three_times_every_message_handled(
         child = child_factory(url, queue, prefetch=200, connection_name=name, gates=CLOSE_GATES)
         child.start()
         for gate in CLOSE_GATES:
-            child.wait_record(lambda r, n=gate: len(r.handled) >= n, 120, f"{gate} handler calls")
+            child.wait_record(_calls_at_least(gate), 120, f"{gate} handler calls")
             assert close_connections(disposable_broker, name) >= 1
             child.gate(gate)
         child.wait_record(
@@ -265,7 +272,7 @@ def test_queue_deleted_and_declared_again_consumes_what_arrives_next(
     caplog.set_level(logging.WARNING, logger="reliable_amqp")
     queue = broker.queue(unique("c-deleted"))
     own_queues.append(queue)
-    seen: list[str] = []
+    seen: list[str | None] = []
     consumer = Consumer(amqp_url, queue, prefetch=10, redelivery=QUICK)
     io = consumer._core.io
     with running(consumer, lambda d: seen.append(d.message_id)):

@@ -65,8 +65,9 @@ def test_a_handler_that_fails_after_claiming_is_retried_and_takes_effect_once(
 
     def handle(delivery: FakeDelivery, conn: Any) -> None:
         _effect(delivery, conn)
-        if failures.get(delivery.message_id, 0) > 0:
-            failures[delivery.message_id] -= 1
+        key = str(delivery.message_id)
+        if failures.get(key, 0) > 0:
+            failures[key] -= 1
             raise RuntimeError("crash after the claim and the effect")
 
     handler = inbox.handler(db.connect, handle)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 
 from inbox_support import FakeDelivery
 from reliable_amqp.inbox import Inbox
@@ -22,7 +22,8 @@ def _sums(reader: InMemoryMetricReader) -> dict[str, Any]:
         for scope in resource.scope_metrics:
             for metric in scope.metrics:
                 for point in metric.data.data_points:
-                    found[metric.name] = (point.value, dict(point.attributes))
+                    assert isinstance(point, NumberDataPoint)
+                    found[metric.name] = (point.value, dict(point.attributes or {}))
     return found
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from consumer.consumer_support import QUICK, delete_queues, side_queues
-from inbox_consumer.inbox_consumer_support import Children
+from consumer_support import QUICK, delete_queues, side_queues
+from inbox_consumer_support import Children
 from inbox_support import Database
 from outbox_support import mysql_database, pg_database
 from reliable_amqp.inbox import Inbox

@@ -20,7 +20,7 @@ import psycopg
 import pytest
 
 from broker_support import BrokerAdmin, unique
-from inbox_consumer.inbox_consumer_support import Children, wait_until
+from inbox_consumer_support import Children, wait_until
 from inbox_support import Database
 from outbox_support import pg_database
 from reliable_amqp.inbox import Inbox

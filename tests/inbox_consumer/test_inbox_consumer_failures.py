@@ -18,7 +18,7 @@ import pika
 import pytest
 
 from broker_support import BrokerAdmin, unique
-from consumer.consumer_support import (
+from consumer_support import (
     QUICK,
     QUICK_CONFIG,
     delete_queues,
@@ -28,7 +28,7 @@ from consumer.consumer_support import (
     running,
     side_queues,
 )
-from inbox_consumer.inbox_consumer_support import Children, wait_until
+from inbox_consumer_support import Children, wait_until
 from inbox_support import Database, fetch, run
 from reliable_amqp import Consumer, Delivery, MissingMessageId
 from reliable_amqp.inbox import Inbox

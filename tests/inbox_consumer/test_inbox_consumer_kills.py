@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from broker_support import BrokerAdmin, unique
-from inbox_consumer.inbox_consumer_support import Children, publish_copies
+from inbox_consumer_support import Children, publish_copies
 from inbox_support import Database
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults, pytest.mark.slow]
@@ -20,6 +21,11 @@ pytestmark = [pytest.mark.broker, pytest.mark.faults, pytest.mark.slow]
 #: ids (each published twice), on each database
 COUNT = 2000
 PREFETCH = 50
+
+
+def _handled_at_least(n: int) -> Callable[[Any], bool]:
+    """A wait predicate: at least ``n`` deliveries handled, over every child."""
+    return lambda record: len(record.handled) >= n
 
 
 def test_duplicates_and_two_kills_give_each_effect_once(
@@ -37,7 +43,7 @@ def test_duplicates_and_two_kills_give_each_effect_once(
     for fraction in (0.3, 0.65):  # of the deliveries handled, cumulated over the children
         group.start()
         kill_at = int(len(copies) * fraction)
-        group.wait(lambda r, n=kill_at: len(r.handled) >= n, 180, f"{kill_at} deliveries handled")
+        group.wait(_handled_at_least(kill_at), 180, f"{kill_at} deliveries handled")
         group.kill9()
         assert len(group.record().handled_copies()) < len(copies), "the kill came after the run"
     group.start()

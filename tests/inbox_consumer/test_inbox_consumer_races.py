@@ -15,8 +15,8 @@ import psycopg
 import pytest
 
 from broker_support import BrokerAdmin, unique
-from consumer.consumer_support import QUICK, delete_queues, side_queues
-from inbox_consumer.inbox_consumer_support import Children, publish_copies
+from consumer_support import QUICK, delete_queues, side_queues
+from inbox_consumer_support import Children, publish_copies
 from inbox_support import Database
 from reliable_amqp import AsyncConsumer, Delivery
 from reliable_amqp.inbox import AsyncInbox

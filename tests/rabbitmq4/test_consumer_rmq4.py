@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from broker_support import BrokerAdmin, unique
-from consumer.consumer_support import (
+from consumer_support import (
     QUICK,
     ChildConsumer,
     check_crash_loop,

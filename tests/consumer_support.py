@@ -27,7 +27,7 @@ import pytest
 from reliable_amqp import Consumer, Delivery, Publisher, RetryPolicy
 from reliable_amqp._core.redelivery import delay_levels, delay_queue
 
-CHILD = Path(__file__).with_name("child_consumer.py")
+CHILD = Path(__file__).parent / "consumer" / "child_consumer.py"
 #: a short redelivery policy, so the delay queues a consumer declares are few and quick
 QUICK = RetryPolicy(max_attempts=3, initial_delay=0.1, max_delay=0.2, jitter=0.0)
 
@@ -229,7 +229,7 @@ def supervise_crash_loop(
 def drain_all(url: str, queue: str) -> list[tuple[pika.spec.BasicProperties, bytes]]:
     """Take every ready message of ``queue`` (basic.get, acked)."""
     connection = pika.BlockingConnection(pika.URLParameters(url))
-    out = []
+    out: list[tuple[pika.spec.BasicProperties, bytes]] = []
     try:
         channel = connection.channel()
         while True:
@@ -279,7 +279,7 @@ def check_crash_loop(
     poison = ids[5]
     fill(url, queue, ids)
     child = child_factory(url, queue, prefetch=prefetch, crash_on=poison)
-    max_attempts = QUICK_CONFIG["max_attempts"]
+    max_attempts = int(QUICK_CONFIG["max_attempts"])
     record, deaths = supervise_crash_loop(child, ids, poison, max_restarts=max_attempts + 2)
     dead = drain_all(url, f"{queue}.dead")
     assert [props.message_id for props, _ in dead] == [poison], (

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from consumer.consumer_support import QUICK_CONFIG
+from consumer_support import QUICK_CONFIG
 from reliable_amqp import Publisher
 
-CHILD = Path(__file__).with_name("inbox_child.py")
+CHILD = Path(__file__).parent / "inbox_consumer" / "inbox_child.py"
 
 
 def publish_copies(url: str, queue: str, ids: list[str], lag: int = 25) -> int:
