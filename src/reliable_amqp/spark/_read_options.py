@@ -21,6 +21,8 @@ from reliable_amqp.spark._stream import (
     super_stream_partitions,
 )
 
+#: the heartbeat a read's connections ask for unless the ``heartbeat`` option says otherwise
+READ_HEARTBEAT = 30
 #: options of the reader itself (lower-cased, as Spark passes them)
 READ_OPTIONS: tuple[str, ...] = (
     "url",
@@ -125,6 +127,9 @@ class ReadConfig:
             raise ConfigurationError(f"failOnDataLoss must be true or false, got {fail!r}")
         urls = [u.strip() for u in url.split(",") if u.strip()]
         connection = {k: v for k, v in given.items() if k in CONNECTION_OPTIONS}
+        # a task's connection waits while Spark consumes what it read (pika answers heartbeats
+        # only between batches): the publisher's 5 s would drop it under a slow downstream
+        connection.setdefault("heartbeat", str(READ_HEARTBEAT))
         limit = _positive("maxMessagesPerTrigger", per_trigger) if per_trigger else None
         return cls(
             connector=connector_from_strings(urls, connection),
