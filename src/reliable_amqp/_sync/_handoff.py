@@ -37,7 +37,7 @@ from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.window import Flush, Window
 from reliable_amqp._sync._future import PublishFuture, retrieved
 from reliable_amqp._sync._future import failed as report_if_unretrieved
-from reliable_amqp._sync.topology import Request
+from reliable_amqp._sync._topology import Request
 
 if TYPE_CHECKING:
     from types import FrameType

@@ -29,7 +29,7 @@ from reliable_amqp._logs import own_context, own_loop
 from reliable_amqp._sync._future import PublishFuture
 from reliable_amqp._sync._handoff import Flag, Handoff
 from reliable_amqp._sync._pika import call_threadsafe, translate_connection_error
-from reliable_amqp._sync.topology import apply_topology
+from reliable_amqp._sync._topology import apply_topology
 
 log = logging.getLogger("reliable_amqp")
 
