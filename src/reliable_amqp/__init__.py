@@ -12,6 +12,7 @@ import typing as _typing
 
 from reliable_amqp._compat import IncompatibleDependency
 from reliable_amqp._consume import AsyncConsumer, Consumer, ConsumerStats, HandlerTimeout, Reject
+from reliable_amqp._core.brokers import BrokerLimitExceeded
 from reliable_amqp._core.delivery import Delivery, HeaderDecodeError
 from reliable_amqp._core.errors import (
     AccessRefused,
@@ -82,7 +83,8 @@ __all__ = [
     # errors: the root of all of them
     "ReliableAmqpError",
     # ... raised by a call: bad input or options, timeouts, misuse
-    "ConfigurationError", "InvalidMessage", "PublishTimeout", "OperationTimeout",
+    "ConfigurationError", "InvalidMessage", "BrokerLimitExceeded", "PublishTimeout",
+    "OperationTimeout",
     "MissingMessageId",
     "WouldDeadlock", "PublisherForked",
     # ... the connection
