@@ -95,33 +95,44 @@ def dead_count(broker: BrokerAdmin, queue: str) -> int:
         return 0
 
 
-@pytest.mark.rabbitmq_only(reason="reads messages_unacknowledged with rabbitmqctl")
 def test_a_message_is_acked_only_after_its_handler_returned(
     amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
 ) -> None:
+    """While its handler runs, the message is not acked: the connection dying then gives it
+    back to the queue. Once the handler returned, it is acked: nothing comes back."""
     queue = consumed_queue()
-    fill(amqp_url, queue, [b"one"])
+    fill(amqp_url, queue, [b"one", b"two"])
     entered, release = threading.Event(), threading.Event()
-    consumer = Consumer(amqp_url, queue, redelivery=FAST)
+    consumer = Consumer(amqp_url, queue, prefetch=1, redelivery=FAST)
+    calls: list[str | None] = []
 
     def handler(delivery: Delivery) -> None:
-        entered.set()
-        assert release.wait(30)
-        consumer.stop()
+        calls.append(delivery.message_id)
+        if len(calls) == 1:
+            entered.set()
+            assert release.wait(30)
 
     thread = run_in_thread(consumer, handler)
     assert entered.wait(30)
-    # the handler runs: the message is delivered and not acked
-    assert broker.count(queue) == 0
-    assert _unacked_via_cli(queue) == 1
-    ch = broker._ch()
-    assert ch.queue_declare(queue, passive=True).method.consumer_count == 1
+    assert broker.count(queue) == 1  # "one" is with the handler, "two" waits (prefetch 1)
+    consumer._core.io.stop(timeout=10)  # the connection dies while the handler runs
+    wait_until(lambda: broker.count(queue) == 2, what="the unacked message back in the queue")
     release.set()
     join_clean(thread)
-    assert broker.count(queue) == 0
-    assert consumer.stats.handled == 1
-    # acked, not requeued: nothing comes back once the consumer is gone
-    assert broker.drain(queue) == []
+    assert calls == ["m0"]
+    assert sorted(p.message_id for p, _ in broker.drain(queue)) == ["m0", "m1"]
+
+    # a message handled to the end is acked: an abrupt end then gives nothing back
+    fill(amqp_url, queue, [b"three"])
+    second = Consumer(amqp_url, queue, redelivery=FAST)
+    done = threading.Event()
+    thread = run_in_thread(second, lambda delivery: done.set())
+    assert done.wait(30)
+    io = second._core.io
+    wait_until(lambda: io._book is not None and io._book.held == 0, what="the ack sent")
+    io.stop(timeout=10)  # anything unacked would be requeued
+    join_clean(thread)
+    assert broker.count(queue) == 0 and broker.drain(queue) == []
 
 
 def test_every_message_is_handled_once_and_acks_are_batched(
@@ -146,11 +157,11 @@ def test_every_message_is_handled_once_and_acks_are_batched(
     assert broker.drain(queue) == []  # nothing was left unacked to come back
 
 
-@pytest.mark.rabbitmq_only(reason="reads messages_unacknowledged with rabbitmqctl")
 def test_a_few_messages_are_acked_when_the_consumer_goes_idle(
     amqp_url: str, broker: BrokerAdmin, consumed_queue: Callable[..., str]
 ) -> None:
-    """Fewer than a batch of acks must not wait for more messages that never come."""
+    """Fewer than a batch of acks must not wait for more messages that never come: once the
+    consumer is idle they are sent, and a connection that then dies gives nothing back."""
     queue = consumed_queue()
     fill(amqp_url, queue, [b"a", b"b", b"c"])
     consumer = Consumer(amqp_url, queue, prefetch=100, redelivery=FAST)
@@ -165,29 +176,13 @@ def test_a_few_messages_are_acked_when_the_consumer_goes_idle(
 
     thread = run_in_thread(consumer, handler)
     assert handled.wait(30)
-    # while the consumer still runs, the three acks reach the broker (below a batch of 10)
-    ch = broker._ch()
-    wait_until(lambda: _unacked_via_cli(queue) == 0, what="the acks of 3 messages while running")
-    consumer.stop()
+    io = consumer._core.io
+    # below a batch (10): only the idle flush sends these acks
+    wait_until(lambda: io._book is not None and io._book.held == 0, what="the idle flush")
+    io.stop(timeout=10)  # an abrupt end: unacked messages would be requeued
     join_clean(thread)
-    assert ch.queue_declare(queue, passive=True).method.message_count == 0
-
-
-def _unacked_via_cli(queue: str) -> int:
-    import subprocess
-
-    out = subprocess.run(
-        ["rabbitmqctl", "-q", "list_queues", "name", "messages_unacknowledged"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    for line in out.splitlines():
-        parts = line.split()
-        if parts and parts[0] == queue:
-            return int(parts[1])
-    raise AssertionError(f"queue {queue} not listed")
+    assert broker.count(queue) == 0
+    assert broker.drain(queue) == []
 
 
 def test_a_failing_message_is_retried_after_the_delay_then_dead_lettered(
