@@ -25,6 +25,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pika
@@ -134,10 +135,11 @@ def rows(
         warm.option("endingOffsets", "100").option("minPartitions", str(partitions)).load().count()
         best: dict[str, float] = {}
         for _ in range(repeat):
-            for name, run in (
+            runs: tuple[tuple[str, Callable[[], float]], ...] = (
                 (PIKA_ROW, lambda: pika_alone(url, stream, count)),
                 (SPARK_ROW, lambda: spark_read(spark, url, stream, partitions, count)),
-            ):
+            )
+            for name, run in runs:
                 seconds = run()
                 best[name] = min(seconds, best.get(name, seconds))
         base = count / best[PIKA_ROW]
