@@ -51,7 +51,6 @@ class ConsumerIO:
         prefetch: int,
         connect_policy: RetryPolicy,
         on_deliveries: Callable[[list[Delivery]], None],
-        on_generation_lost: Callable[[int], None],
         declare: dict[str, Any] | None = None,
         consumer_arguments: dict[str, Any] | None = None,
     ) -> None:
@@ -60,7 +59,6 @@ class ConsumerIO:
         self.prefetch = prefetch
         self._policy = connect_policy
         self._on_deliveries = on_deliveries
-        self._on_generation_lost = on_generation_lost
         self._declare = declare
         self._consumer_arguments = consumer_arguments or {}
         self.stopping = threading.Event()
@@ -398,11 +396,9 @@ class ConsumerIO:
             connection.scanner = None
         self.consuming.clear()
         self.live_generation = 0
-        if self._channel is not None:
-            self._channel = None
-            self._book = None
-            self._consumer_tag = None
-            self._on_generation_lost(self.generation)
+        self._channel = None
+        self._book = None
+        self._consumer_tag = None
 
     def _current(self, channel: Channel) -> bool:
         """Whether ``channel`` is still the consuming one, open and not draining."""

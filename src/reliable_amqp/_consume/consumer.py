@@ -76,7 +76,6 @@ class ConsumerCore:
             prefetch=opts.prefetch,
             connect_policy=opts.connection.connect_policy,
             on_deliveries=on_deliveries,
-            on_generation_lost=lambda generation: None,
             declare=declare,
             consumer_arguments=dict(opts.consumer_arguments or {}),
         )

@@ -44,7 +44,6 @@ _FRAME_END = FRAME_END[0]
 
 _frame_head = struct.Struct(">BHI").unpack_from
 _deliver_id = struct.Struct(">HH").unpack_from
-_u8 = struct.Struct(">B").unpack_from
 _u16 = struct.Struct(">H").unpack_from
 _u32 = struct.Struct(">I").unpack_from
 _u64 = struct.Struct(">Q").unpack_from
