@@ -33,6 +33,7 @@ from reliable_amqp._compat.pika import ScanningConnection, terminate_stream
 from reliable_amqp._core.acks import ACK, AckBook
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner
 from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed, ReliableAmqpError
+from reliable_amqp._core.liveness import LinkWatch
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._logs import own_context, own_loop
 from reliable_amqp._sync._pika import call_threadsafe, translate_connection_error
@@ -262,29 +263,29 @@ class ConsumerIO:
         self._open_channel()
 
     def _watch_link(self, connection: ScanningConnection) -> None:
-        """Two heartbeats without a byte is a lost link (a frozen node closes nothing), checked
-        every half heartbeat as the publishers do: pika alone waits 2 x (heartbeat + 5) s."""
-        heartbeat = connection.params.heartbeat or 0  # the negotiated value
-        seen = [connection.bytes_received, time.monotonic()]
-        if not heartbeat:
-            return
+        """Two heartbeats without a byte is a lost link (a frozen node closes nothing): the
+        publishers' rule (:class:`~reliable_amqp._core.liveness.LinkWatch`), on a pika timer."""
+        watch = LinkWatch()
+        watch.reset(time.monotonic(), connection.params.heartbeat or 0)  # the negotiated value
+        watch.check(connection.bytes_received, time.monotonic())
 
         def check() -> None:
             if connection is not self._connection or not connection.is_open:
                 return
             now = time.monotonic()
-            if connection.bytes_received != seen[0]:
-                seen[:] = [connection.bytes_received, now]
-            elif now - seen[1] > 2 * heartbeat:
-                self._loss = AmqpConnectionError(
-                    f"no data from the broker for {now - seen[1]:.1f} s (heartbeat {heartbeat} s)"
-                )
-                if not terminate_stream(connection, self._loss):
+            loss = watch.check(connection.bytes_received, now)
+            if loss is not None:
+                self._loss = loss
+                if not terminate_stream(connection, loss):
                     connection.ioloop.stop()
                 return
-            connection.ioloop.call_later(heartbeat / 2, check)
+            due = watch.check_at
+            if due is not None:
+                connection.ioloop.call_later(max(0.0, due - now), check)
 
-        connection.ioloop.call_later(heartbeat / 2, check)
+        due = watch.check_at
+        if due is not None:
+            connection.ioloop.call_later(max(0.0, due - time.monotonic()), check)
 
     def _open_channel(self) -> None:
         connection = self._connection

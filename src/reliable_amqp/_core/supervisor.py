@@ -29,6 +29,7 @@ from reliable_amqp._core.errors import (
     ReliableAmqpError,
 )
 from reliable_amqp._core.lifecycle import Lifecycle
+from reliable_amqp._core.liveness import LinkWatch
 from reliable_amqp._core.options import PublisherOptions, redact_url
 from reliable_amqp._core.state import State, StateMachine
 from reliable_amqp._core.stats import EventKind, Stats
@@ -110,17 +111,13 @@ class Supervisor(Generic[E]):
         self._first_failure = 0.0
         self._round_opened = False
         self._channel_failures = 0
-        # (bytes received, or the time of the last frame read: anything that changes whenever the
-        # broker sends something; when it last changed)
-        self._rx: tuple[float, float] = (-1, 0.0)
-        self._check_at: float | None = None  # next liveness check, while a connection is up
+        self._link = LinkWatch()  # is the current connection alive (the heartbeat rule)
         self._blocked = False  # connection.blocked without unblocked, on this connection
         #: the frame_max the broker negotiated on the current (or last) connection; 0: unknown
         self.frame_max = 0
         #: the limits of the broker of the current (or last) connection, by its product name
         #: (``_core.brokers``); what every broker takes until one is known
         self.broker: BrokerLimits = ANY_BROKER
-        self._heartbeat = 0  # negotiated on the current connection (0: no liveness checks)
 
     # --- connecting ---------------------------------------------------------------------------
 
@@ -129,8 +126,7 @@ class Supervisor(Generic[E]):
         index = self._attempts % len(self.options.urls)
         self._attempts += 1
         self._round_opened = False
-        self._rx = (-1, 0.0)
-        self._check_at = None
+        self._link.reset()
         self._blocked = False
         return index
 
@@ -163,9 +159,7 @@ class Supervisor(Generic[E]):
             )
         self.frame_max = frame_max
         self.broker = broker_limits(server_properties)
-        self._heartbeat = max(0, heartbeat)
-        self._rx = (-1, now)
-        self._check_at = None
+        self._link.reset(now, heartbeat)
         self.check_liveness(received, now)
         return None
 
@@ -235,8 +229,7 @@ class Supervisor(Generic[E]):
             self._first_failure = now
         self._failures += 1
         self.state.transition(State.RECOVERING)
-        self._rx = (-1, now)
-        self._check_at = None  # no liveness checks until the next connection opens
+        self._link.reset(now)  # no liveness checks until the next connection opens
         policy = self.options.connect_policy
         failures = self._failures
         urls = len(self.options.urls)
@@ -356,7 +349,7 @@ class Supervisor(Generic[E]):
     def next_wakeup(self) -> float | None:
         """When :meth:`tick` or :meth:`check_liveness` next has work (None: nothing pending)."""
         due = self.engine.next_wakeup()
-        check = self._check_at
+        check = self._link.check_at
         if check is not None:
             due = check if due is None else min(due, check)
         return due
@@ -368,29 +361,10 @@ class Supervisor(Generic[E]):
         count, the time aiormq read its last frame. Call it when the connection opens and
         whenever :meth:`next_wakeup` comes due.
 
-        A broker sends heartbeats, so more than two heartbeat intervals without a byte means
-        the link is dead, although no socket error says so: a frozen node (SIGSTOP, a long GC
-        pause, a partition that drops packets) closes nothing. Checked every half heartbeat, so
-        the loss is reported 2 to 3 heartbeats after the last byte (pika alone waits
-        2 x (heartbeat + 5) s, aiormq 3 x (heartbeat + 1) s).
+        The rule (two heartbeats without a byte) is
+        :class:`~reliable_amqp._core.liveness.LinkWatch`, which the consumer uses too.
         """
-        heartbeat = self._heartbeat
-        if not heartbeat:
-            return None
-        last, since = self._rx
-        if received != last:
-            self._rx = (received, now)
-            self._check_at = now + heartbeat / 2
-            return None
-        silent = now - since
-        if silent <= 2 * heartbeat:
-            self._check_at = now + heartbeat / 2
-            return None
-        self._rx = (-1, now)
-        self._check_at = None
-        return AmqpConnectionError(
-            f"no data from the broker for {silent:.1f} s (heartbeat {heartbeat} s)"
-        )
+        return self._link.check(received, now)
 
     # --- closing --------------------------------------------------------------------------------
 
