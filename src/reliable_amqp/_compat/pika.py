@@ -10,10 +10,15 @@
   ``_process_frame`` and ``bytes_received``, and ``pika.frame.decode_frame``: the consumer's
   :class:`ScanningConnection` takes its deliveries' frames out of each read before pika decodes
   the rest (pika 1.3 to 1.4 alike).
+- ``BlockingConnection(parameters, _impl_class=...)``: the class a blocking connection drives
+  (pika calls the argument "for tests/debugging"); :func:`scanning_blocking_connection` passes
+  :class:`ScanningConnection`, so a blocking reader (the Spark stream reader) decodes its
+  deliveries the consumer's way.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -21,10 +26,16 @@ import pika
 from pika import frame as pika_frame
 from pika.adapters.select_connection import SelectConnection
 
-from reliable_amqp._compat import require_attributes
+from reliable_amqp._compat import IncompatibleDependency, require_attributes
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner, HeaderDecodeError
 
-__all__ = ["CoalescingConnection", "ScanningConnection", "probe", "terminate_stream"]
+__all__ = [
+    "CoalescingConnection",
+    "ScanningConnection",
+    "probe",
+    "scanning_blocking_connection",
+    "terminate_stream",
+]
 
 
 def probe(connection_class: Any = SelectConnection) -> None:
@@ -43,6 +54,8 @@ def probe(connection_class: Any = SelectConnection) -> None:
 
 probe()
 require_attributes("pika", pika_frame, ["decode_frame"], "its pika.frame module")
+if "_impl_class" not in inspect.signature(pika.BlockingConnection.__init__).parameters:
+    raise IncompatibleDependency("pika", "its BlockingConnection takes no _impl_class")
 
 
 class CoalescingConnection(SelectConnection):  # type: ignore[misc]
@@ -143,3 +156,8 @@ class ScanningConnection(SelectConnection):  # type: ignore[misc]
             self._terminate_stream(exc)
             return
         self._frame_buffer = data[pos:] if pos < size else b""
+
+
+def scanning_blocking_connection(parameters: pika.ConnectionParameters) -> pika.BlockingConnection:
+    """A ``BlockingConnection`` over a :class:`ScanningConnection` (reach it as ``._impl``)."""
+    return pika.BlockingConnection(parameters, _impl_class=ScanningConnection)

@@ -42,11 +42,11 @@ from pyspark.sql.types import (
 )
 
 from reliable_amqp import ConfigurationError
+from reliable_amqp._core.delivery import Delivery
 from reliable_amqp.spark._logging import driver_log
 from reliable_amqp.spark._read_options import ReadConfig
 from reliable_amqp.spark._stream import (
     OFFSET_HEADER,
-    Delivery,
     StreamDataLost,
     StreamReadStalled,
     end_offset,
@@ -188,28 +188,27 @@ def _header_bytes(value: Any) -> bytes | None:
 
 
 def _headers(headers: dict[str, Any] | None) -> list[dict[str, Any]]:
-    if not headers:
-        return []
+    if not headers or (len(headers) == 1 and OFFSET_HEADER in headers):
+        return []  # (most messages: the stream's offset is their only header)
     return [
         {"key": str(k), "value": _header_bytes(v)} for k, v in headers.items() if k != OFFSET_HEADER
     ]
 
 
-def to_batch(stream: str, deliveries: Sequence[Delivery]) -> pa.RecordBatch:
+def to_batch(stream: str, offsets: Sequence[int], deliveries: Sequence[Delivery]) -> pa.RecordBatch:
     """One Arrow record batch of the read's schema (column by column: this runs per message)."""
-    props = [d.properties for d in deliveries]
     columns: dict[str, list[Any]] = {
         "value": [d.body for d in deliveries],
-        "message_id": [p.message_id for p in props],
+        "message_id": [d.message_id for d in deliveries],
         "stream": [stream] * len(deliveries),
-        "offset": [d.offset for d in deliveries],
+        "offset": list(offsets),
         "routing_key": [d.routing_key for d in deliveries],
         "exchange": [d.exchange for d in deliveries],
-        "timestamp": [None if p.timestamp is None else p.timestamp * 1_000_000 for p in props],
-        "headers": [_headers(p.headers) for p in props],
-        "content_type": [p.content_type for p in props],
-        "correlation_id": [p.correlation_id for p in props],
-        "type": [p.type for p in props],
+        "timestamp": [None if (t := d.timestamp) is None else t * 1_000_000 for d in deliveries],
+        "headers": [_headers(d.headers) for d in deliveries],
+        "content_type": [d.content_type for d in deliveries],
+        "correlation_id": [d.correlation_id for d in deliveries],
+        "type": [d.type for d in deliveries],
     }
     arrays = [pa.array(columns[f.name], type=f.type) for f in _ARROW]
     return pa.RecordBatch.from_arrays(arrays, schema=_ARROW)
@@ -220,7 +219,8 @@ def read_partition(part: StreamRange) -> Iterator[pa.RecordBatch]:
     config = part.config
     started = time.monotonic()
     count = size = 0
-    buffer: list[Delivery] = []
+    offsets: list[int] = []
+    deliveries: list[Delivery] = []
     for chunk in read_range(
         config.connector,
         part.stream,
@@ -229,16 +229,17 @@ def read_partition(part: StreamRange) -> Iterator[pa.RecordBatch]:
         prefetch=config.prefetch,
         fail_on_data_loss=config.fail_on_data_loss,
     ):
-        buffer += chunk
-        if len(buffer) >= _ROWS_PER_BATCH:
-            count += len(buffer)
-            size += sum(len(d.body) for d in buffer)
-            yield to_batch(part.stream, buffer)
-            buffer = []
-    if buffer:
-        count += len(buffer)
-        size += sum(len(d.body) for d in buffer)
-        yield to_batch(part.stream, buffer)
+        offsets += chunk.offsets
+        deliveries += chunk.deliveries
+        if len(offsets) >= _ROWS_PER_BATCH:
+            count += len(offsets)
+            size += sum(len(d.body) for d in deliveries)
+            yield to_batch(part.stream, offsets, deliveries)
+            offsets, deliveries = [], []
+    if offsets:
+        count += len(offsets)
+        size += sum(len(d.body) for d in deliveries)
+        yield to_batch(part.stream, offsets, deliveries)
     log.info(
         "amqp: read %d messages (%d body bytes) of stream %r, offsets %d..%d, in %.2f s",
         count,
