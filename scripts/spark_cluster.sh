@@ -5,8 +5,8 @@
 #
 #   bash scripts/spark_cluster.sh
 #
-# The same cluster the tests use (tests/spark_cluster.py; tests/spark/test_cluster.py).
+# The same cluster the tests use (tests/support/spark_cluster.py; tests/spark/test_cluster.py).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${RELIABLE_AMQP_VENV:-$HOME/.cache/reliable-amqp/venv}
-exec "$VENV/bin/python" "$ROOT/tests/spark_cluster.py" "$@"
+exec "$VENV/bin/python" "$ROOT/tests/support/spark_cluster.py" "$@"

@@ -2,7 +2,7 @@
 
 Broker tests never skip: when no broker answers, the session fails (scripts/dev.sh starts the
 local RabbitMQ before pytest runs, so CI always has one). The broker is any AMQP 0-9-1 broker
-named by ``AMQP_TEST_URL`` or ``AMQP_TEST_HOST``/``AMQP_TEST_PORT`` (``broker_support``); a test
+named by ``AMQP_TEST_URL`` or ``AMQP_TEST_HOST``/``AMQP_TEST_PORT`` (``support.broker``); a test
 that needs RabbitMQ itself is marked ``rabbitmq_only(reason=...)``, and
 ``-m "broker and not faults and not rabbitmq_only"`` is the portable contract.
 """
@@ -21,9 +21,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `import harness` from any test module
 
-from broker_support import AMQP_HOST, AMQP_PORT, AMQP_URL, BrokerAdmin
 from harness.fixtures import *  # noqa: F403  (fault-injection fixtures)
-from run_summary import summary_sections
+from support.broker import AMQP_HOST, AMQP_PORT, AMQP_URL, BrokerAdmin
+from support.run_summary import summary_sections
 
 
 def _broker_answers() -> bool:
@@ -110,8 +110,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The sections tests added (``run_summary.add_summary``): the version matrix's legs, the
-    RabbitMQ 4 headlines; from this process's tests or from xdist workers' reports alike."""
+    """The sections tests added (``support.run_summary.add_summary``): the version matrix's
+    legs, the RabbitMQ 4 headlines; from this process's tests or from xdist workers' reports
+    alike."""
     reports = [
         report
         for category in terminalreporter.stats.values()

@@ -16,7 +16,6 @@ from typing import Any
 import pika.exceptions
 import pytest
 
-from broker_support import BrokerAdmin
 from reliable_amqp import (
     AsyncConsumer,
     ConfigurationError,
@@ -27,6 +26,7 @@ from reliable_amqp import (
     RetryPolicy,
 )
 from reliable_amqp._core.redelivery import delay_levels, delay_queue
+from support.broker import BrokerAdmin
 
 pytestmark = pytest.mark.broker
 

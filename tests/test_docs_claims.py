@@ -16,7 +16,6 @@ from typing import Any
 import aio_pika
 import pytest
 
-from broker_support import BrokerAdmin, unique
 from reliable_amqp import (
     AmqpConnectionError,
     AsyncPublisher,
@@ -25,6 +24,7 @@ from reliable_amqp import (
     RecoveryFailed,
     RetryPolicy,
 )
+from support.broker import BrokerAdmin, unique
 
 pytestmark = pytest.mark.broker
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
+from support.broker import BrokerAdmin, unique
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SCRIPTS = sorted(p for p in EXAMPLES.glob("*.py") if not p.name.startswith("spark_"))

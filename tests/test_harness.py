@@ -19,9 +19,9 @@ import pytest
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 from pika.exceptions import AMQPConnectionError, ChannelClosedByBroker
 
-from broker_support import AMQP_DEFAULT_PORT, AMQP_PORT, AMQP_URL
 from harness.node import DEFAULT_MEMORY_HIGH_WATERMARK, DisposableBroker
 from harness.proxy import TcpProxy
+from support.broker import AMQP_DEFAULT_PORT, AMQP_PORT, AMQP_URL
 
 if TYPE_CHECKING:
     # The fixtures reach this module through tests/conftest.py (`from harness.fixtures import *`).

@@ -34,9 +34,9 @@ from typing import IO, Any
 
 import pytest
 
-from broker_support import BrokerAdmin
 from reliable_amqp import Publisher
 from reliable_amqp._compat.futures import LightFuture, SharedLockCondition
+from support.broker import BrokerAdmin
 
 
 def _interrupted_while_waiting_for(lock: Any, call: Callable[[], object]) -> None:

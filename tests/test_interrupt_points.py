@@ -40,8 +40,8 @@ import pika
 import pytest
 
 import reliable_amqp
-from broker_support import BrokerAdmin
 from reliable_amqp import AsyncPublisher, Publisher, PublisherClosed
+from support.broker import BrokerAdmin
 
 pytestmark = [pytest.mark.broker]
 

@@ -23,8 +23,6 @@ from typing import Any
 
 import pytest
 
-from aio_blocking import BlockingAsyncPublisher
-from broker_support import unique
 from reliable_amqp import (
     AsyncPublisher,
     AuthenticationFailed,
@@ -35,7 +33,9 @@ from reliable_amqp import (
 )
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._spool import Spool, inspect
-from spool_support import SpooledAsync
+from support.aio_blocking import BlockingAsyncPublisher
+from support.broker import unique
+from support.spool import SpooledAsync
 
 pytestmark = pytest.mark.broker
 

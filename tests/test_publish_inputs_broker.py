@@ -34,7 +34,6 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
-from broker_support import BrokerAdmin, unique
 from reliable_amqp import (
     Confirmation,
     EventKind,
@@ -44,6 +43,7 @@ from reliable_amqp import (
     Publisher,
     PublisherEvent,
 )
+from support.broker import BrokerAdmin, unique
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(240)]
 
@@ -61,7 +61,7 @@ def publisher_class(request: pytest.FixtureRequest) -> PublisherClass:
     """Publisher, and AsyncPublisher through the blocking facade (as in test_publisher.py)."""
     if request.param == "sync":
         return Publisher
-    from aio_blocking import BlockingAsyncPublisher
+    from support.aio_blocking import BlockingAsyncPublisher
 
     return BlockingAsyncPublisher
 

@@ -11,7 +11,6 @@ from typing import Any
 import pika
 import pytest
 
-from broker_support import AMQP_DEFAULT_PORT, BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from reliable_amqp import (
     AuthenticationFailed,
@@ -32,6 +31,7 @@ from reliable_amqp import (
     RetryPolicy,
 )
 from reliable_amqp._core.builder import build_message
+from support.broker import AMQP_DEFAULT_PORT, BrokerAdmin, unique
 
 pytestmark = pytest.mark.broker
 
@@ -44,7 +44,7 @@ def publisher_class(request: pytest.FixtureRequest) -> PublisherClass:
     that drives it on an event loop thread), so both honour one contract."""
     if request.param == "sync":
         return Publisher
-    from aio_blocking import BlockingAsyncPublisher
+    from support.aio_blocking import BlockingAsyncPublisher
 
     return BlockingAsyncPublisher
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pika
 import pytest
 
-from broker_support import BrokerAdmin, unique
+from support.broker import BrokerAdmin, unique
 
 QUICKSTART = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
+from support.broker import BrokerAdmin, unique
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 FIRST_SCREEN = 45

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-from broker_support import BrokerAdmin
 from harness.fixtures import ProxyFactory
 from reliable_amqp import AsyncPublisher, Publisher, PublisherClosed
+from support.broker import BrokerAdmin
 
 # A close coroutine made and never awaited (a publisher finalized after its loop closed) is a
 # bug here, not noise: the same as `python -W error::RuntimeWarning -m pytest` on this file.

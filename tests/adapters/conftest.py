@@ -13,9 +13,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from aio_blocking import BlockingAsyncPublisher as BlockingAsync
 from fake import FakeBroker
 from reliable_amqp import EventKind, Publisher, PublisherEvent, RetryPolicy
+from support.aio_blocking import BlockingAsyncPublisher as BlockingAsync
 
 #: quick reconnects, few of them: a test that loses its peer ends in seconds, not a minute
 FAST_CONNECT = RetryPolicy(max_attempts=5, initial_delay=0.01, max_delay=0.05, jitter=0.0)

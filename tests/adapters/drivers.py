@@ -1,9 +1,9 @@
 """One blocking driver interface over both publishers, for tests that run against each, and the
 helpers those tests share.
 
-``Publisher`` already has it; :class:`BlockingAsync` (``tests/aio_blocking.py``, which the broker
-contract suite uses too) serves an :class:`AsyncPublisher` on an event loop thread of its own
-behind the same methods. It uses the public API only, so it keeps working while the adapters'
+``Publisher`` already has it; :class:`BlockingAsync` (``tests/support/aio_blocking.py``, which the
+broker contract suite uses too) serves an :class:`AsyncPublisher` on an event loop thread of its
+own behind the same methods. It uses the public API only, so it keeps working while the adapters'
 internals change.
 """
 

@@ -7,11 +7,11 @@ import asyncio
 import aio_pika
 import pytest
 
-from aio_support import aio, outcomes
-from broker_support import BrokerAdmin
 from harness.fixtures import ProxyFactory
 from reliable_amqp import Confirmation, PublisherClosed, State
 from reliable_amqp._async import AsyncPublisher
+from support.aio import aio, outcomes
+from support.broker import BrokerAdmin
 
 pytestmark = pytest.mark.broker
 

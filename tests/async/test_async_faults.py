@@ -14,8 +14,6 @@ from collections.abc import Callable
 import aio_pika
 import pytest
 
-from aio_support import aio, in_thread, outcomes
-from broker_support import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from harness.node import DisposableBroker
 from reliable_amqp import (
@@ -27,6 +25,8 @@ from reliable_amqp import (
     State,
 )
 from reliable_amqp._async import AsyncPublisher
+from support.aio import aio, in_thread, outcomes
+from support.broker import BrokerAdmin, unique
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
 

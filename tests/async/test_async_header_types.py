@@ -13,10 +13,10 @@ import decimal
 import aio_pika
 import pytest
 
-from aio_support import aio
-from broker_support import BrokerAdmin
 from reliable_amqp import InvalidMessage, Publisher
 from reliable_amqp._async import AsyncPublisher
+from support.aio import aio
+from support.broker import BrokerAdmin
 
 pytestmark = pytest.mark.broker
 

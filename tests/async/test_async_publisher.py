@@ -14,8 +14,6 @@ from typing import Any, cast
 import pika
 import pytest
 
-from aio_support import aio, outcomes
-from broker_support import AMQP_DEFAULT_PORT, BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from reliable_amqp import (
     AuthenticationFailed,
@@ -33,6 +31,8 @@ from reliable_amqp import (
     State,
 )
 from reliable_amqp._async import AsyncPublisher
+from support.aio import aio, outcomes
+from support.broker import AMQP_DEFAULT_PORT, BrokerAdmin, unique
 
 pytestmark = pytest.mark.broker
 

@@ -11,7 +11,7 @@ import pika
 import pika.exceptions
 import pytest
 
-from broker_support import BrokerAdmin, unique
+from support.broker import BrokerAdmin, unique
 
 pytestmark = pytest.mark.broker
 

@@ -21,9 +21,9 @@ from typing import Any
 import pika
 import pytest
 
-from broker_support import BrokerAdmin, unique
-from cli_support import run_cli
 from reliable_amqp import Publisher
+from support.broker import BrokerAdmin, unique
+from support.cli import run_cli
 
 pytestmark = pytest.mark.broker
 

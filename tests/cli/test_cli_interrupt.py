@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin
+from support.broker import BrokerAdmin
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

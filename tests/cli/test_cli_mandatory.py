@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from broker_support import BrokerAdmin
-from cli_support import run_cli
+from support.broker import BrokerAdmin
+from support.cli import run_cli
 
 pytestmark = pytest.mark.broker
 

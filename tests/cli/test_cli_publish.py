@@ -12,8 +12,8 @@ from typing import Any, cast
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
-from cli_support import run_cli
+from support.broker import BrokerAdmin, unique
+from support.cli import run_cli
 
 pytestmark = pytest.mark.broker
 

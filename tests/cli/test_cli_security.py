@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import AMQP_HOSTPORT, BrokerAdmin
-from cli_support import run_cli
+from support.broker import AMQP_HOSTPORT, BrokerAdmin
+from support.cli import run_cli
 
 pytestmark = pytest.mark.broker
 

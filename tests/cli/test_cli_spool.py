@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._spool import Spool, _files
 from reliable_amqp.cli._io import Defaults, read_messages
+from support.broker import BrokerAdmin, unique
 
 
 def run_cli(*args: str, url: str | None = None) -> subprocess.CompletedProcess[str]:

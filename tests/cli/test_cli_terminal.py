@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import pytest
 
-from broker_support import BrokerAdmin
+from support.broker import BrokerAdmin
 
 
 def refused_port() -> int:

@@ -30,10 +30,10 @@ from typing import Any
 import pika
 import pytest
 
-from broker_support import unique
 from harness.rabbitmq4 import Rabbitmq4Cluster, Rabbitmq4Node
 from harness.rabbitmq4_load import PublishLoad, Tally, drain_ids
-from run_summary import add_summary
+from support.broker import unique
+from support.run_summary import add_summary
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults, pytest.mark.slow]
 

@@ -21,7 +21,6 @@ from pamqp.body import ContentBody
 from pamqp.exceptions import AMQPInternalError
 from pamqp.header import ContentHeader
 
-from broker_support import AMQP_DEFAULT_PORT
 from reliable_amqp import _compat
 from reliable_amqp._compat import (
     AIORMQ_RANGE,
@@ -37,6 +36,7 @@ from reliable_amqp._compat import futures as compat_futures
 from reliable_amqp._compat import pika as compat_pika
 from reliable_amqp._core.errors import AmqpConnectionError, AuthenticationFailed
 from reliable_amqp._sync._pika import translate_connection_error as translate_pika
+from support.broker import AMQP_DEFAULT_PORT
 
 # --- the probes on the installed versions -----------------------------------------------------
 

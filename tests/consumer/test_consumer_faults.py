@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
-from consumer_support import (
+from harness.fixtures import ProxyFactory
+from harness.node import DisposableBroker
+from reliable_amqp import Consumer, Delivery, RetryPolicy
+from support.broker import BrokerAdmin, unique
+from support.consumer import (
     QUICK,
     ChildConsumer,
     Record,
@@ -31,9 +34,6 @@ from consumer_support import (
     wait_until,
     warnings_logged,
 )
-from harness.fixtures import ProxyFactory
-from harness.node import DisposableBroker
-from reliable_amqp import Consumer, Delivery, RetryPolicy
 
 pytestmark = [pytest.mark.broker]
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from engine_support import entry_for
 from reliable_amqp._core.admission import NO_ROOM, Admission
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import PublisherClosed, PublishTimeout, RecoveryFailed
 from reliable_amqp._core.window import Window
+from support.engine import entry_for
 
 Item = Entry[None]
 

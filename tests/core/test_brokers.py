@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from engine_support import accept as accept_entry
 from reliable_amqp import InvalidMessage, MessageRejected
 from reliable_amqp._core.brokers import (
     ANY_BROKER,
@@ -25,6 +24,7 @@ from reliable_amqp._core.frames import publish_frames
 from reliable_amqp._core.message import OutgoingMessage, new_outgoing
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.supervisor import Supervisor
+from support.engine import accept as accept_entry
 
 FRAME_MAX = 131072
 #: what LavinMQ 2.9.1 sends in connection.start (src/lavinmq/amqp/connection_factory.cr)

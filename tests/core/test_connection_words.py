@@ -7,9 +7,9 @@ import errno
 
 import pytest
 
-from broker_support import AMQP_DEFAULT_PORT as PORT
 from reliable_amqp import AmqpConnectionError, AuthenticationFailed
 from reliable_amqp._core.errors import connection_failure, unreachable
+from support.broker import AMQP_DEFAULT_PORT as PORT
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from engine_support import accept
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.entry import Entry
@@ -15,6 +14,7 @@ from reliable_amqp._core.message import Confirmation
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.supervisor import is_permanent_channel_close
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
+from support.engine import accept
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine_support import accept
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.engine import PublishEngine
 from reliable_amqp._core.entry import Entry
@@ -39,6 +38,7 @@ from reliable_amqp._core.message import Confirmation, OutgoingMessage
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.supervisor import is_permanent_channel_close
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
+from support.engine import accept
 
 TIMEOUT = 10.0
 # Dyadic numbers only, so that the model's float arithmetic is exactly the engine's.

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from broker_support import AMQP_DEFAULT_PORT as PORT
 from reliable_amqp._core.errors import (
     ConfigurationError,
 )
@@ -27,6 +26,7 @@ from reliable_amqp._core.options import (
 )
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.stats import PublisherEvent
+from support.broker import AMQP_DEFAULT_PORT as PORT
 
 PASSWORD = "s3cretPW"
 URL = f"amqp://guest:{PASSWORD}@localhost:{PORT}/%2F"

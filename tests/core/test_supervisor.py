@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 
-from engine_support import accept as accept_entry
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.engine import BATCH_BYTES, BATCH_COUNT
 from reliable_amqp._core.entry import Entry
@@ -31,6 +30,7 @@ from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import EventKind, PublisherEvent
 from reliable_amqp._core.supervisor import GiveUp, Reconnect, Supervisor
 from reliable_amqp._core.tracker import ATTEMPT_HEADER
+from support.engine import accept as accept_entry
 
 URLS = ("amqp://u:s3cret@a/", "amqp://b/", "amqp://c/")
 #: waits 1, 2, 4, 8, 8, ... after 1, 2, 3, 4, 5, ... failures

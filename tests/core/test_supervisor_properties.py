@@ -29,7 +29,6 @@ from hypothesis.stateful import (
     rule,
 )
 
-from engine_support import accept, entry_for
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import (
@@ -50,6 +49,7 @@ from reliable_amqp._core.stats import EventKind, PublisherEvent
 from reliable_amqp._core.supervisor import GiveUp, Reconnect, Supervisor
 from reliable_amqp._core.tracker import unpack_key
 from reliable_amqp._core.window import Barrier, Window
+from support.engine import accept, entry_for
 
 URLS = ("amqp://a/", "amqp://b/", "amqp://c/")
 INITIAL, MAX = 1.0, 8.0

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from engine_support import entry_for
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.tracker import (
@@ -20,6 +19,7 @@ from reliable_amqp._core.tracker import (
     returns_altered,
     unpack_key,
 )
+from support.engine import entry_for
 
 
 def _entry(name: str) -> Entry[str]:

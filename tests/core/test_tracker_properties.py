@@ -16,7 +16,6 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine_support import entry_for
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.message import MessageProperties, OutgoingMessage
 from reliable_amqp._core.tracker import (
@@ -26,6 +25,7 @@ from reliable_amqp._core.tracker import (
     parse_attempt_tag,
     unpack_key,
 )
+from support.engine import entry_for
 
 
 def _entry(n: int) -> Entry[int]:

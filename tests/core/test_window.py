@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine_support import entry_for
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import PublisherClosed, PublishTimeout
 from reliable_amqp._core.message import new_confirmation
 from reliable_amqp._core.window import Barrier, Flush, Window
+from support.engine import entry_for
 
 
 @dataclass

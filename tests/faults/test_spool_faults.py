@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin
 from harness.fixtures import ProxyFactory
 from reliable_amqp import AsyncPublisher, Publisher
 from reliable_amqp._spool import inspect
 from reliable_amqp._spool._feed import PACE_WAIT
+from support.broker import BrokerAdmin
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
 

@@ -13,7 +13,6 @@ from concurrent.futures import Future
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
 from harness.fixtures import ProxyFactory
 from harness.node import DisposableBroker
 from reliable_amqp import (
@@ -23,6 +22,7 @@ from reliable_amqp import (
     PublisherEvent,
     RetryPolicy,
 )
+from support.broker import BrokerAdmin, unique
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from broker_support import AMQP_DEFAULT_PORT, AMQP_HOST, AMQP_PORT
+from support.broker import AMQP_DEFAULT_PORT, AMQP_HOST, AMQP_PORT
 
 from .node import DisposableBroker
 from .proxy import TcpProxy

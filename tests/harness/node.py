@@ -40,7 +40,7 @@ from types import TracebackType
 
 import psutil
 
-from broker_support import AMQP_DEFAULT_PORT
+from support.broker import AMQP_DEFAULT_PORT
 
 __all__ = [
     "DEFAULT_DISK_FREE_LIMIT",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from inbox_support import Database
-from outbox_support import mysql_database, pg_database
+from support.inbox import Database
+from support.outbox import mysql_database, pg_database
 
 
 @pytest.fixture(params=["postgresql", "mariadb", "sqlite"])

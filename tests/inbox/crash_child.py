@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inbox_support import Database, FakeDelivery, run
 from reliable_amqp.inbox import Inbox
+from support.inbox import Database, FakeDelivery, run
 
 
 def main(dialect: str, dsn: str, count: int) -> None:

@@ -36,9 +36,9 @@ django.setup()
 
 from django.db import connection, connections, transaction  # noqa: E402
 
-from inbox_support import FakeDelivery  # noqa: E402
 from reliable_amqp import ConfigurationError  # noqa: E402
 from reliable_amqp.inbox import Inbox  # noqa: E402
+from support.inbox import FakeDelivery  # noqa: E402
 
 
 def main() -> None:

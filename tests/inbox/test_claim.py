@@ -16,10 +16,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from inbox_support import Database, FakeDelivery, fetch, run
-from outbox_support import wait_until
 from reliable_amqp import ConfigurationError, ReliableAmqpError
 from reliable_amqp.inbox import Inbox, MissingMessageId
+from support.inbox import Database, FakeDelivery, fetch, run
+from support.outbox import wait_until
 
 
 def _installed(db: Database, inbox: Inbox) -> Any:

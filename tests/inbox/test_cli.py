@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from inbox_support import Database, FakeDelivery
 from reliable_amqp.cli import EXIT_CONNECTION, EXIT_OK, EXIT_USAGE, main
 from reliable_amqp.cli._inbox import DEFAULT_RETENTION_DAYS, DEFAULT_TABLE
 from reliable_amqp.inbox import DEFAULT_RETENTION, Inbox
 from reliable_amqp.inbox import DEFAULT_TABLE as LIBRARY_TABLE
+from support.inbox import Database, FakeDelivery
 
 
 def _json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, object]:

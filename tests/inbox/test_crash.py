@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from inbox_support import Database
 from reliable_amqp.inbox import Inbox
+from support.inbox import Database
 
 CHILD = Path(__file__).resolve().parent / "crash_child.py"
 COUNT = 200

@@ -10,8 +10,8 @@ from typing import Any
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, NumberDataPoint
 
-from inbox_support import FakeDelivery
 from reliable_amqp.inbox import Inbox
+from support.inbox import FakeDelivery
 
 
 def _sums(reader: InMemoryMetricReader) -> dict[str, Any]:

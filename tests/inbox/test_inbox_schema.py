@@ -8,9 +8,9 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from inbox_support import Database, FakeDelivery
 from reliable_amqp.inbox import Inbox
 from reliable_amqp.inbox.sqlalchemy import attempts_table, inbox_table
+from support.inbox import Database, FakeDelivery
 
 
 def _engine(db: Database) -> sa.Engine:

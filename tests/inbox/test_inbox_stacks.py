@@ -25,10 +25,10 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import sessionmaker
 
-from inbox_support import FakeDelivery
 from reliable_amqp import ConfigurationError
 from reliable_amqp.inbox import AsyncInbox, Inbox
 from reliable_amqp.outbox._adapters import async_writer, sync_writer
+from support.inbox import FakeDelivery
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 HERE = Path(__file__).resolve().parent

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from consumer_support import QUICK, delete_queues, side_queues
-from inbox_consumer_support import Children
-from inbox_support import Database
-from outbox_support import mysql_database, pg_database
 from reliable_amqp.inbox import Inbox
+from support.consumer import QUICK, delete_queues, side_queues
+from support.inbox import Database
+from support.inbox_consumer import Children
+from support.outbox import mysql_database, pg_database
 
 
 def _database(kind: str, tmp_path: Path) -> Iterator[Database]:

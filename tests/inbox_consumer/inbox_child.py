@@ -34,10 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inbox_support import Database, run
 from reliable_amqp import Consumer, Delivery, RetryPolicy
 from reliable_amqp.inbox import Inbox
 from reliable_amqp.outbox import Outbox
+from support.inbox import Database, run
 
 
 def fast_commits(db: Database, conn: Any) -> None:

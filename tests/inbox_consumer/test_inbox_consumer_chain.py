@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 import psycopg
 import pytest
 
-from broker_support import BrokerAdmin, unique
-from inbox_consumer_support import Children, wait_until
-from inbox_support import Database
-from outbox_support import pg_database
 from reliable_amqp.inbox import Inbox
 from reliable_amqp.outbox import Outbox, status
+from support.broker import BrokerAdmin, unique
+from support.inbox import Database
+from support.inbox_consumer import Children, wait_until
+from support.outbox import pg_database
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults, pytest.mark.slow]
 

@@ -17,8 +17,10 @@ from typing import Any
 import pika
 import pytest
 
-from broker_support import BrokerAdmin, unique
-from consumer_support import (
+from reliable_amqp import Consumer, Delivery, MissingMessageId
+from reliable_amqp.inbox import Inbox
+from support.broker import BrokerAdmin, unique
+from support.consumer import (
     QUICK,
     QUICK_CONFIG,
     delete_queues,
@@ -28,10 +30,8 @@ from consumer_support import (
     running,
     side_queues,
 )
-from inbox_consumer_support import Children, wait_until
-from inbox_support import Database, fetch, run
-from reliable_amqp import Consumer, Delivery, MissingMessageId
-from reliable_amqp.inbox import Inbox
+from support.inbox import Database, fetch, run
+from support.inbox_consumer import Children, wait_until
 
 pytestmark = [pytest.mark.broker]
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
-from inbox_consumer_support import Children, publish_copies
-from inbox_support import Database
+from support.broker import BrokerAdmin, unique
+from support.inbox import Database
+from support.inbox_consumer import Children, publish_copies
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults, pytest.mark.slow]
 

@@ -14,12 +14,12 @@ import asyncpg
 import psycopg
 import pytest
 
-from broker_support import BrokerAdmin, unique
-from consumer_support import QUICK, delete_queues, side_queues
-from inbox_consumer_support import Children, publish_copies
-from inbox_support import Database
 from reliable_amqp import AsyncConsumer, Delivery
 from reliable_amqp.inbox import AsyncInbox
+from support.broker import BrokerAdmin, unique
+from support.consumer import QUICK, delete_queues, side_queues
+from support.inbox import Database
+from support.inbox_consumer import Children, publish_copies
 
 pytestmark = [pytest.mark.broker]
 

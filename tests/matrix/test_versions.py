@@ -39,8 +39,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from matrix_support import OPTIONAL, WITHOUT_OPTIONAL
-from run_summary import add_summary
+from support.matrix import OPTIONAL, WITHOUT_OPTIONAL
+from support.run_summary import add_summary
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX_DIR = Path(

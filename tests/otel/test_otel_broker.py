@@ -14,9 +14,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from broker_support import AMQP_HOST, AMQP_PORT, BrokerAdmin
 from harness.fixtures import ProxyFactory
-from otel_support import Otel, make_otel, points_by
 from reliable_amqp import (
     AsyncPublisher,
     Confirmation,
@@ -35,6 +33,8 @@ from reliable_amqp._otel._metrics import (
     RETURNED,
     SENT_MESSAGES,
 )
+from support.broker import AMQP_HOST, AMQP_PORT, BrokerAdmin
+from support.otel import Otel, make_otel, points_by
 
 pytestmark = [pytest.mark.broker]
 

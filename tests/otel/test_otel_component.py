@@ -29,9 +29,6 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from broker_support import AMQP_DEFAULT_PORT
-from engine_support import entry_for
-from otel_support import Otel, make_otel, points_by, stats
 from reliable_amqp import (
     Confirmation,
     EventKind,
@@ -56,6 +53,9 @@ from reliable_amqp._otel._metrics import (
     SENT_MESSAGES,
 )
 from reliable_amqp._otel._telemetry import Telemetry
+from support.broker import AMQP_DEFAULT_PORT
+from support.engine import entry_for
+from support.otel import Otel, make_otel, points_by, stats
 
 URL = f"amqp://guest:guest@127.0.0.1:{AMQP_DEFAULT_PORT}/%2F"
 

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import pytest
 from opentelemetry.trace import SpanKind, StatusCode
 
-from broker_support import BrokerAdmin
-from otel_support import Otel, make_otel, points_by
 from reliable_amqp import Consumer, Delivery, Publisher, RetryPolicy
+from support.broker import BrokerAdmin
+from support.otel import Otel, make_otel, points_by
 
 pytestmark = pytest.mark.broker
 

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from broker_support import BrokerAdmin
+from support.broker import BrokerAdmin
 
 pytestmark = [pytest.mark.broker]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox_support import pg_database
+from support.outbox import pg_database
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import random
 import psycopg
 import pytest
 
-from broker_support import BrokerAdmin
-from outbox_support import read_ids, wait_for_count
 from reliable_amqp.outbox import AsyncOutbox, AsyncOutboxRelay
+from support.broker import BrokerAdmin
+from support.outbox import read_ids, wait_for_count
 
 pytestmark = pytest.mark.broker
 

@@ -12,7 +12,7 @@ import importlib.util
 import subprocess
 import sys
 
-from matrix_support import OPTIONAL, WITHOUT_OPTIONAL
+from support.matrix import OPTIONAL, WITHOUT_OPTIONAL
 
 
 def test_every_optional_stack_is_installed_here() -> None:

@@ -22,8 +22,10 @@ from typing import Any
 import pymysql
 import pytest
 
-from broker_support import BrokerAdmin
-from outbox_support import (
+from reliable_amqp import ConfigurationError
+from reliable_amqp.outbox import PARTITIONS, Outbox, status
+from support.broker import BrokerAdmin
+from support.outbox import (
     RelayThread,
     mysql_connect,
     mysql_database,
@@ -32,8 +34,6 @@ from outbox_support import (
     wait_for_count,
     wait_until,
 )
-from reliable_amqp import ConfigurationError
-from reliable_amqp.outbox import PARTITIONS, Outbox, status
 
 pytestmark = pytest.mark.broker
 

@@ -11,9 +11,9 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from broker_support import BrokerAdmin
-from outbox_support import RelayThread, wait_for_count
 from reliable_amqp.outbox import Outbox, status
+from support.broker import BrokerAdmin
+from support.outbox import RelayThread, wait_for_count
 
 pytestmark = pytest.mark.broker
 

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from broker_support import BrokerAdmin
-from outbox_support import RelayThread, outbox_cli, read_ids, wait_for_count, wait_until
 from reliable_amqp.outbox import Outbox, status
+from support.broker import BrokerAdmin
+from support.outbox import RelayThread, outbox_cli, read_ids, wait_for_count, wait_until
 
 pytestmark = pytest.mark.broker
 

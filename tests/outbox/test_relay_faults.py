@@ -16,9 +16,9 @@ from collections import defaultdict
 import psycopg
 import pytest
 
-from broker_support import BrokerAdmin
-from outbox_support import read_ids, wait_for_count, wait_until
 from reliable_amqp.outbox import PARTITIONS, Outbox, status
+from support.broker import BrokerAdmin
+from support.outbox import read_ids, wait_for_count, wait_until
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
 

@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-from broker_support import BrokerAdmin
-from outbox_support import RelayThread, read_ids, wait_for_count, wait_until
 from reliable_amqp.outbox import PARTITIONS, Outbox, status
+from support.broker import BrokerAdmin
+from support.outbox import RelayThread, read_ids, wait_for_count, wait_until
 
 pytestmark = pytest.mark.broker
 

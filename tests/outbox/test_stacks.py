@@ -31,11 +31,11 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
-from broker_support import BrokerAdmin
-from outbox_support import RelayThread, mysql_database, pg_database, read_ids, wait_for_count
 from reliable_amqp import ConfigurationError
 from reliable_amqp.outbox import AsyncOutbox, Outbox, status
 from reliable_amqp.outbox.sqlalchemy import failed_table, outbox_table
+from support.broker import BrokerAdmin
+from support.outbox import RelayThread, mysql_database, pg_database, read_ids, wait_for_count
 
 DJANGO_PROJECT = Path(__file__).resolve().parent / "django_project"
 SRC = Path(__file__).resolve().parents[2] / "src"

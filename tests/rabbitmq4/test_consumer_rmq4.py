@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
-from consumer_support import (
+from harness.rabbitmq4 import Rabbitmq4Node
+from harness.rabbitmq4_fixtures import broker_versions
+from reliable_amqp import Consumer, Delivery
+from support.broker import BrokerAdmin, unique
+from support.consumer import (
     QUICK,
     ChildConsumer,
     check_crash_loop,
@@ -29,9 +32,6 @@ from consumer_support import (
     wait_until,
     warnings_logged,
 )
-from harness.rabbitmq4 import Rabbitmq4Node
-from harness.rabbitmq4_fixtures import broker_versions
-from reliable_amqp import Consumer, Delivery
 
 pytestmark = [
     pytest.mark.broker,

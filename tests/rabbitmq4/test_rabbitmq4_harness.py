@@ -14,8 +14,8 @@ from pathlib import Path
 import pika
 import pytest
 
-from broker_support import AMQP_DEFAULT_PORT
 from harness.rabbitmq4 import Rabbitmq4Node, versions
+from support.broker import AMQP_DEFAULT_PORT
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
 

@@ -23,7 +23,7 @@ from harness.fixtures import DISPOSABLE_BROKER_ENV
 from harness.rabbitmq4 import ROOT_ENV, Rabbitmq4Node, ensure_root, versions
 from harness.rabbitmq4_fixtures import broker_versions
 from matrix.test_versions import _VERSIONS, PACKAGES, LegResult, _clean_env, run_subset
-from run_summary import add_summary
+from support.run_summary import add_summary
 
 pytestmark = [
     pytest.mark.broker,

@@ -1,6 +1,6 @@
-"""A Spark application run against the standalone cluster of tests/spark_cluster.py, as users
-run one: its own driver process (``python cluster_driver.py MODE CONFIG_JSON``), executors on the
-cluster's workers. tests/spark/test_cluster.py starts it, kills parts of the cluster while it
+"""A Spark application run against the standalone cluster of tests/support/spark_cluster.py, as
+users run one: its own driver process (``python cluster_driver.py MODE CONFIG_JSON``), executors on
+the cluster's workers. tests/spark/test_cluster.py starts it, kills parts of the cluster while it
 runs, and checks the queue by message id. The last line it prints is its result, as JSON.
 
 Modes:

@@ -1,5 +1,5 @@
 """Spark fixtures: one local SparkSession at a time, classic or Spark Connect (helpers are in
-tests/spark_support.py).
+tests/support/spark.py).
 
 ``local[2,3]`` runs two tasks at once and gives each task three attempts, so the sink's retry
 behaviour is the real one. Workers run this interpreter (``PYSPARK_PYTHON``), where
@@ -29,7 +29,7 @@ os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 from pyspark.sql import SparkSession
 
 from reliable_amqp.spark import close_cached_publishers, register
-from spark_support import CONNECT_ENV
+from support.spark import CONNECT_ENV
 
 CONF = {
     "spark.app.name": "reliable-amqp-tests",

@@ -1,9 +1,9 @@
-"""The sink on a Spark standalone cluster (a master and two 1-core workers, tests/spark_cluster.py),
-driven by its own driver process (cluster_driver.py) as users run it: the three ways in, kill -9
-of an executor JVM mid-job, kill -9 of a whole worker mid-job, a named streaming query stopped
-mid-batch and restarted from its checkpoint. The tests share one Spark application (the driver
-in its ``serve`` mode: a job per command), as a long-running application sees those faults one
-after another; starting one per test cost most of each test's time (issue 33).
+"""The sink on a Spark standalone cluster (a master and two 1-core workers,
+tests/support/spark_cluster.py), driven by its own driver process (cluster_driver.py) as users run
+it: the three ways in, kill -9 of an executor JVM mid-job, kill -9 of a whole worker mid-job, a
+named streaming query stopped mid-batch and restarted from its checkpoint. The tests share one Spark
+application (the driver in its ``serve`` mode: a job per command), as a long-running application
+sees those faults one after another; starting one per test cost most of each test's time (issue 33).
 
 Each test checks by message id that every row arrived, and that every duplicate carries its first
 copy's message_id (at least once, duplicates droppable by id), and prints rows / distinct /
@@ -29,9 +29,9 @@ from typing import Any
 import pika
 import pytest
 
-from spark_cluster import SparkCluster
-from spark_support import Received, read_all, unique_name
-from stream_support import (
+from support.spark import Received, read_all, unique_name
+from support.spark_cluster import SparkCluster
+from support.stream import (
     committed_ids,
     declare_stream,
     delete_queue,

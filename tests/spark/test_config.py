@@ -23,7 +23,6 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from broker_support import AMQP_DEFAULT_PORT
 from reliable_amqp import (
     ConfigurationError,
     DeliveryTimeout,
@@ -37,6 +36,7 @@ from reliable_amqp.spark import AmqpSink, RowsNotConfirmed, SinkConfig
 from reliable_amqp.spark._cache import cached_publisher, retire_publisher
 from reliable_amqp.spark._mapping import JSON, _json
 from reliable_amqp.spark._publish import failure_reason
+from support.broker import AMQP_DEFAULT_PORT
 
 pytestmark = pytest.mark.spark
 

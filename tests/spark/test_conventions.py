@@ -17,11 +17,11 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
-from broker_support import AMQP_DEFAULT_PORT
 from reliable_amqp import ConfigurationError
 from reliable_amqp.spark import AmqpSink, SinkConfig
 from reliable_amqp.spark._publish import SPARK_OPTIONS
-from spark_support import read_all, unique_name
+from support.broker import AMQP_DEFAULT_PORT
+from support.spark import read_all, unique_name
 
 URL = f"amqp://guest:guest@127.0.0.1:{AMQP_DEFAULT_PORT}/%2F"
 

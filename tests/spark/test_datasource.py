@@ -13,7 +13,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from reliable_amqp.spark import AmqpSink
-from spark_support import read_all, unique_name
+from support.spark import read_all, unique_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 

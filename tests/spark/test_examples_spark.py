@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_support import CONNECT_ENV
+from support.spark import CONNECT_ENV
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SCRIPTS = ["spark_sink.py", "spark_datasource.py"]

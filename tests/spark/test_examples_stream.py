@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_support import CONNECT_ENV
+from support.spark import CONNECT_ENV
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "spark_stream_pipeline.py"
 

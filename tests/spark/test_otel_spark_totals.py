@@ -14,7 +14,7 @@ from reliable_amqp import ConfigurationError
 from reliable_amqp.spark import AmqpCommitMessage, AmqpSink, SinkTotals
 from reliable_amqp.spark._datasource import AmqpBatchWriter, AmqpStreamWriter
 from reliable_amqp.spark._sink import is_connect
-from spark_support import unique_name
+from support.spark import unique_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 

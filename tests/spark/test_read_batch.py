@@ -9,7 +9,7 @@ import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from stream_support import declare_stream, delete_queue, publish, stream_name
+from support.stream import declare_stream, delete_queue, publish, stream_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
-from spark_support import CONNECT_ENV
-from stream_support import declare_stream, delete_queue, publish, stream_name, wait_for
+from support.spark import CONNECT_ENV
+from support.stream import declare_stream, delete_queue, publish, stream_name, wait_for
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 

@@ -10,7 +10,7 @@ import pika
 import pytest
 from pyspark.sql import SparkSession
 
-from stream_support import declare_stream, delete_queue, publish, stream_name
+from support.stream import declare_stream, delete_queue, publish, stream_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 

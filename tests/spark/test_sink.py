@@ -20,7 +20,7 @@ from pyspark.sql import functions as F
 from reliable_amqp import ConfigurationError
 from reliable_amqp.spark import AmqpSink
 from reliable_amqp.spark._sink import is_connect
-from spark_support import Received, read_all, unique_name
+from support.spark import Received, read_all, unique_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 # Workers cannot import this test module: ship its functions (the flaky UDFs) by value.

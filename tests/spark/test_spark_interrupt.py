@@ -26,7 +26,7 @@ from reliable_amqp.spark import SinkConfig, TaskInterrupted, close_cached_publis
 from reliable_amqp.spark._interrupt import TaskLink
 from reliable_amqp.spark._mapping import Chunk
 from reliable_amqp.spark._publish import SLICE, publish_partition
-from spark_support import unique_name
+from support.spark import unique_name
 
 # Workers cannot import this test module: ship its classes (the probe data source) by value.
 register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]

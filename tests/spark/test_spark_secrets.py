@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from broker_support import AMQP_HOSTPORT
-from spark_support import read_all, unique_name
+from support.broker import AMQP_HOSTPORT
+from support.spark import read_all, unique_name
 
 pytestmark = [
     pytest.mark.spark,

@@ -14,7 +14,7 @@ from harness.fixtures import ProxyFactory
 from harness.proxy import TcpProxy
 from reliable_amqp import Publisher
 from reliable_amqp._spool import Spool
-from spool_support import Kind, SpooledAsync
+from support.spool import Kind, SpooledAsync
 
 
 @pytest.fixture

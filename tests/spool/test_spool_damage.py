@@ -21,7 +21,7 @@ import pytest
 
 from reliable_amqp import SpoolError
 from reliable_amqp._spool import Spool, _files, check
-from spool_support import messages
+from support.spool import messages
 
 
 def _ids(directory: Path) -> list[str]:

@@ -18,7 +18,7 @@ import pytest
 
 from reliable_amqp import PublishError, SpoolError, SpoolFull
 from reliable_amqp._spool import Spool
-from spool_support import messages
+from support.spool import messages
 
 
 class Disk:

@@ -1,12 +1,12 @@
-"""A spool of the SQLite format (reliable-amqp 0.1) is converted when opened: every pending
-message delivered in order with its id, the failed table kept with its reasons, ``spool.db``
-gone afterwards. Two spools:
+"""A spool of the SQLite format (the development builds before the segment files) is converted
+when opened: every pending message delivered in order with its id, the failed table kept with its
+reasons, ``spool.db`` gone afterwards. Two spools:
 
 - ``data/sqlite-spool.tar.gz``: made by the SQLite spool code itself (the last commit before the
   segment store, ``Spool`` of ``_spool/_store.py`` at a3c0f14): 300 messages appended, 35 of
   them confirmed (gaps in the seqs), 3 moved to the failed table, and the files copied while it
   was open (``spool.db`` and an unfolded ``spool.db-wal``: what a crash leaves);
-- one written row by row by ``spool_support.write_v1_spool``, as the format before it
+- one written row by row by ``support.spool.write_v1_spool``, as the format before it
   (``auto_vacuum`` off) had them.
 """
 
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin
 from reliable_amqp import SpoolError
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._spool import Spool, _files, failed_entries, inspect
-from spool_support import Kind, write_v1_spool
+from support.broker import BrokerAdmin
+from support.spool import Kind, write_v1_spool
 
 pytestmark = pytest.mark.broker
 
@@ -178,11 +178,11 @@ def test_a_conversion_cut_after_each_step_is_finished_or_redone(
 
 
 def test_a_directory_with_both_formats_is_refused(tmp_path: Path) -> None:
-    """0.1 run again on a converted directory writes a new spool.db beside the segments: neither
-    is touched, and the error says what to do."""
+    """A build of the SQLite format run again on a converted directory writes a new spool.db
+    beside the segments: neither is touched, and the error says what to do."""
     directory = _unpack(tmp_path / "a")
     assert _pending_ids(directory) == KEPT  # converted
-    again = _unpack(tmp_path / "b")  # what 0.1 wrote afterwards
+    again = _unpack(tmp_path / "b")  # what such a build wrote afterwards
     os.replace(again / "spool.db", directory / "spool.db")
     os.replace(again / "spool.db-wal", directory / "spool.db-wal")
     before = {name: (directory / name).read_bytes() for name in os.listdir(directory)}

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import AMQP_DEFAULT_PORT
 from reliable_amqp import ConfigurationError, PublisherOptions
 from reliable_amqp._core.options import (
     DEFAULT_CONNECT_POLICY,
     SPOOL_CONNECT_POLICY,
     SPOOL_DELIVERY_TIMEOUT,
 )
+from support.broker import AMQP_DEFAULT_PORT
 
 URL = f"amqp://guest:guest@127.0.0.1:{AMQP_DEFAULT_PORT}/%2F"
 

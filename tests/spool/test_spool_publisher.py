@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
 from harness.proxy import TcpProxy
 from reliable_amqp import (
     ConfigurationError,
@@ -28,7 +27,8 @@ from reliable_amqp import (
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._spool import Spool, failed_entries, inspect
 from reliable_amqp._spool._feed import PRUNE_MIN
-from spool_support import Kind, SpooledAsync
+from support.broker import BrokerAdmin, unique
+from support.spool import Kind, SpooledAsync
 
 pytestmark = pytest.mark.broker
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from broker_support import BrokerAdmin, unique
 from harness.proxy import TcpProxy
 from reliable_amqp import (
     EventKind,
@@ -24,7 +23,8 @@ from reliable_amqp import (
 )
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._spool import Spool, failed_entries, inspect
-from spool_support import Kind
+from support.broker import BrokerAdmin, unique
+from support.spool import Kind
 
 pytestmark = pytest.mark.broker
 

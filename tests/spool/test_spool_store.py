@@ -18,7 +18,7 @@ import pytest
 from reliable_amqp import ConfigurationError, PublishTimeout, SpoolError
 from reliable_amqp._core.message import OutgoingMessage, as_message
 from reliable_amqp._spool import Spool, _files, check, drop_failed, failed_entries, inspect
-from spool_support import messages
+from support.spool import messages
 
 OpenSpool = Callable[..., Spool]
 

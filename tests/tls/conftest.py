@@ -1,10 +1,10 @@
-"""The certificates fixture of the TLS tests (see ``tls_support``)."""
+"""The certificates fixture of the TLS tests (see ``support.tls``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tls_support import Certificates, make_certificates
+from support.tls import Certificates, make_certificates
 
 
 @pytest.fixture(scope="session")

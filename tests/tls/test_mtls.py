@@ -13,7 +13,7 @@ import pytest
 
 from harness.node import DisposableBroker, TlsListener
 from reliable_amqp import Confirmation, TlsError
-from tls_support import PUBLISHERS, Certificates, client_context, publish_one
+from support.tls import PUBLISHERS, Certificates, client_context, publish_one
 
 pytestmark = [
     pytest.mark.broker,

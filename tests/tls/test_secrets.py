@@ -15,7 +15,6 @@ from urllib.parse import quote
 
 import pytest
 
-from broker_support import AMQP_HOSTPORT
 from reliable_amqp import (
     AsyncPublisher,
     AuthenticationFailed,
@@ -23,6 +22,7 @@ from reliable_amqp import (
     Confirmation,
     Publisher,
 )
+from support.broker import AMQP_HOSTPORT
 
 pytestmark = pytest.mark.broker
 

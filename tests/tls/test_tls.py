@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker_support import AMQP_DEFAULT_PORT
 from harness.node import DisposableBroker, TlsListener
 from reliable_amqp import Confirmation, TlsError
-from tls_support import PUBLISHERS, Certificates, client_context, publish_one
+from support.broker import AMQP_DEFAULT_PORT
+from support.tls import PUBLISHERS, Certificates, client_context, publish_one
 
 pytestmark = [
     pytest.mark.broker,

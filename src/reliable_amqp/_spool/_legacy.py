@@ -1,6 +1,7 @@
 """Spools of the earlier format (an SQLite outbox, ``spool.db``) are converted when opened.
 
-Up to version 0.1 a spool was an SQLite database in WAL mode (``DIR/spool.db``): tables
+Before the segment files, in the development builds up to commit a3c0f14 (whose package version
+was already 0.1.0, as now), a spool was an SQLite database in WAL mode (``DIR/spool.db``): tables
 ``pending`` and ``failed`` of ``(seq, size, crc, meta, body)`` rows, marked as a spool
 (``application_id``) with its schema version (``user_version``). :func:`migrate` converts one,
 under the spool's lock, the first time this version opens it: every pending entry is checked
@@ -60,7 +61,8 @@ def migrate(directory: str) -> bool:
 
     Returns whether one was converted. Raises :class:`SpoolError` (leaving ``spool.db`` as it
     was) for a file that is not a spool of the earlier format or holds a damaged entry, and for
-    a directory that holds both formats (0.1 was run on it again after it was converted).
+    a directory that holds both formats (a build of the earlier format was run on it again
+    after it was converted).
 
     The steps, each safe to be cut short: the segments and the failed log are written from
     ``spool.db``; ``spool.db`` is renamed ``spool.db.converting``; the ledger is written (from
@@ -79,11 +81,11 @@ def migrate(directory: str) -> bool:
         return False
     elif os.path.exists(ledger):
         raise SpoolError(
-            f"{directory} holds a spool of this version and {DB_NAME}, a spool of "
-            f"reliable-amqp 0.1 written after the directory was converted (0.1 was run on it "
-            f"again?); neither was changed. Move {DB_NAME} (and {DB_NAME}-wal, if there is one) "
-            "into an empty directory and open a publisher of this version on that directory: "
-            "it converts the file and sends its messages"
+            f"{directory} holds a spool of this version and {DB_NAME}, a spool of the "
+            "earlier SQLite format written after the directory was converted (a build from "
+            f"before the segment files was run on it again?); neither was changed. Move {DB_NAME} "
+            f"(and {DB_NAME}-wal, if there is one) into an empty directory and open a publisher "
+            "of this version on that directory: it converts the file and sends its messages"
         )
     else:
         source = path
@@ -112,8 +114,7 @@ def migrate(directory: str) -> bool:
     _remove_db(converting)
     _files.sync_directory(directory)
     log.info(
-        "spool %s: converted from the SQLite format of reliable-amqp 0.1 (%d pending, "
-        "%d failed messages)",
+        "spool %s: converted from the earlier SQLite format (%d pending, %d failed messages)",
         directory,
         pending,
         failed,

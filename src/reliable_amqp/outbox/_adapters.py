@@ -111,13 +111,13 @@ def marks(sql: str, style: str) -> str:
 SYNC_ADAPTERS = {
     "sqlite3": "_sqlite",
     "psycopg": "_pg",
-    "sqlalchemy": "_sqlalchemy",
-    "django": "_django",
+    "sqlalchemy": "_sqlalchemy_writer",
+    "django": "_django_writer",
     "pymysql": "_mysql",
 }
 ASYNC_ADAPTERS = {
     "psycopg": "_pg",
-    "sqlalchemy": "_sqlalchemy",
+    "sqlalchemy": "_sqlalchemy_writer",
     "asyncpg": "_asyncpg",
 }
 

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from django.db import migrations
 
-from reliable_amqp.outbox._django import ddl_for
+from reliable_amqp.outbox._django_writer import ddl_for
 from reliable_amqp.outbox._schema import Tables
 from reliable_amqp.outbox.django import outbox_table_name
 

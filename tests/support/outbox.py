@@ -18,8 +18,8 @@ from typing import Any
 
 import psycopg
 
-from broker_support import BrokerAdmin
 from reliable_amqp.outbox import OutboxRelay
+from support.broker import BrokerAdmin
 
 PG_HOST = os.environ.get("PGTEST_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("PGTEST_PORT", "5432"))

@@ -27,7 +27,7 @@ import pytest
 from reliable_amqp import Consumer, Delivery, Publisher, RetryPolicy
 from reliable_amqp._core.redelivery import delay_levels, delay_queue
 
-CHILD = Path(__file__).parent / "consumer" / "child_consumer.py"
+CHILD = Path(__file__).resolve().parents[1] / "consumer" / "child_consumer.py"
 #: a short redelivery policy, so the delay queues a consumer declares are few and quick
 QUICK = RetryPolicy(max_attempts=3, initial_delay=0.1, max_delay=0.2, jitter=0.0)
 

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from consumer_support import QUICK_CONFIG
 from reliable_amqp import Publisher
+from support.consumer import QUICK_CONFIG
 
-CHILD = Path(__file__).parent / "inbox_consumer" / "inbox_child.py"
+CHILD = Path(__file__).resolve().parents[1] / "inbox_consumer" / "inbox_child.py"
 
 
 def publish_copies(url: str, queue: str, ids: list[str], lag: int = 25) -> int:
@@ -176,7 +176,7 @@ def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> No
 
 def count_rows(connect: Callable[[], Any], sql: str, params: Iterable[Any] = ()) -> int:
     """One ``count(*)`` on a new connection of the test's database (closed after)."""
-    from inbox_support import fetch
+    from support.inbox import fetch
 
     conn = connect()
     try:

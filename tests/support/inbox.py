@@ -10,8 +10,8 @@ from typing import Any
 
 import psycopg
 
-from outbox_support import mysql_connect
 from reliable_amqp.outbox._adapters import sync_writer
+from support.outbox import mysql_connect
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ daemon has its own ports and work directory under one run directory; each worker
 and 1 GiB. Python on the executors is this interpreter (``PYSPARK_PYTHON=sys.executable``),
 where ``reliable_amqp`` is installed.
 
-    python tests/spark_cluster.py            # start one, print its master URL, stop on Ctrl-C
+    python tests/support/spark_cluster.py    # start one, print its master URL, stop on Ctrl-C
 
 Used by tests/spark/test_cluster.py (a module-scoped fixture) and scripts/spark_cluster.sh.
 """

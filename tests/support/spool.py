@@ -8,10 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from aio_blocking import BlockingAsyncPublisher
 from reliable_amqp._core.builder import build_message
 from reliable_amqp._core.message import OutgoingMessage
 from reliable_amqp._spool import _codec as codec
+from support.aio_blocking import BlockingAsyncPublisher
 
 
 def messages(
