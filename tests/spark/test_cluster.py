@@ -338,10 +338,10 @@ def test_stream_read_with_an_executor_killed_reads_each_message_once(
         publish(amqp_url, stream, 0, 30_000)
         app.start("read_stream", config)
         commits = checkpoint / "commits"
-        wait_for((commits / "0").exists, 180, "the first committed micro-batch", 0.05)
+        wait_for((commits / "0").exists, 180, "the first committed micro-batch", 0.05, app._tail)
         during = threading.Thread(target=publish, args=(amqp_url, stream, 30_000, 20_000))
         during.start()
-        wait_for((commits / "1").exists, 180, "two committed micro-batches", 0.02)
+        wait_for((commits / "1").exists, 180, "two committed micro-batches", 0.02, app._tail)
         executors = workers.executors()
         assert executors, "no executor JVM runs under the workers"
         os.kill(executors[0], signal.SIGKILL)

@@ -91,9 +91,9 @@ def test_driver_killed_after_two_batches_then_restarted_reads_each_message_once(
     first = Child(*args, "run", *reader)
     during = threading.Thread(target=publish, args=(amqp_url, stream, 30_000, 20_000))
     try:
-        wait_for(lambda: len(first.batches()) >= 1, 180, "the first micro-batch", 0.05)
+        wait_for(lambda: len(first.batches()) >= 1, 180, "a micro-batch", 0.05, first.output)
         during.start()  # 20,000 more while the query runs
-        wait_for(lambda: len(first.batches()) >= 2, 120, "two committed micro-batches", 0.02)
+        wait_for(lambda: len(first.batches()) >= 2, 120, "two micro-batches", 0.02, first.output)
         first.kill()
     finally:
         if first.proc.poll() is None:

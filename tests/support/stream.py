@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +68,20 @@ def publish(
             future.result(0)
 
 
-def wait_for(predicate: Any, timeout: float, what: str, step: float = 0.2) -> None:
-    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds."""
+def wait_for(
+    predicate: Any,
+    timeout: float,
+    what: str,
+    step: float = 0.2,
+    detail: Callable[[], str] | None = None,
+) -> None:
+    """Poll ``predicate`` until it is true; fail after ``timeout`` seconds (with ``detail()``,
+    what the process under test printed, in the failure)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            extra = f"\n{detail()}" if detail is not None else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}{extra}")
         time.sleep(step)
 
 

@@ -103,7 +103,7 @@ class StreamRange(InputPartition):
         InputPartition.__init__(self, (self.stream, self.start, self.end))
 
 
-def _resolve(spec: str | int | dict[str, int], stream: str, connection: Any, *, edge: str) -> int:
+def _resolve(spec: str | int | dict[str, int], stream: str, connection: Any, edge: str) -> int:
     """An offset spec as a number for ``stream`` (``FIRST`` while the stream is empty)."""
     if isinstance(spec, dict):
         if stream not in spec:
@@ -125,8 +125,8 @@ def check_heads(config: ReadConfig, start: Offsets, end: Offsets, connection: An
     out: Offsets = {}
     for stream, stop in end.items():
         begin = start.get(stream, FIRST)
-        if begin >= stop and begin != FIRST:
-            out[stream] = begin
+        if (begin >= stop and begin != FIRST) or stop == FIRST:
+            out[stream] = begin  # nothing to read (an empty stream: no probe, no wait)
             continue
         first = first_offset(connection, stream)
         if first is None and stop != FIRST:  # the stream held offsets before stop
@@ -266,13 +266,14 @@ class AmqpBatchReader(DataSourceReader):
         """Fix every stream's range (on the driver) and split it."""
         connection = self.config.connector.connect()
         try:
-            start = {
-                s: _resolve(self.config.starting, s, connection, edge="start") for s in self.names
-            }
             end = {s: _resolve(self.config.ending, s, connection, edge="end") for s in self.names}
+            start = {
+                s: 0 if end[s] == FIRST else _resolve(self.config.starting, s, connection, "start")
+                for s in self.names
+            }
             for s in self.names:
                 if end[s] == FIRST:  # an empty stream: nothing to read
-                    end[s] = start[s] = 0
+                    end[s] = 0
             start = check_heads(self.config, start, end, connection)
         finally:
             connection.close()
@@ -336,7 +337,7 @@ class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             connection = self.config.connector.connect()
             try:
                 for s, b in begin.items():
-                    if b == FIRST:
+                    if b == FIRST and ends[s] != FIRST:  # (an empty stream: no probe)
                         found = first_offset(connection, s)
                         begin[s] = ends[s] if found is None else found
             finally:
