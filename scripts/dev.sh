@@ -202,7 +202,8 @@ case "$cmd" in
         # one unit of work (Spark's directory one), the longest first (tests/conftest.py). The
         # default is 0, one process: on a loaded 2-core machine two workers failed two tests
         # (the long outage over its 300 s timeout, a rabbitmqctl crash) and saved little.
-        RELIABLE_AMQP_NO_SKIP=1 "$VENV/bin/python" -m pytest \
+        # --durations: the 30 longest steps end the log, where the suite's budget is watched.
+        RELIABLE_AMQP_NO_SKIP=1 "$VENV/bin/python" -m pytest --durations=30 \
             -n "${RELIABLE_AMQP_TEST_WORKERS:-0}" --dist loadgroup --no-loadscope-reorder "$@"
         rc=$?
         set -e
