@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,6 +108,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(units[item], len(rank)))  # stable: collection order
     for item in items:
         item.add_marker(pytest.mark.xdist_group(units[item]))
+
+
+def _early_hooks(session: pytest.Session) -> Any:
+    """The version matrix's module, when its legs are among this run's tests."""
+    for item in session.items:
+        path = item.path
+        if (path.parent.name, path.name) == ("matrix", "test_versions.py") and item.name.startswith(
+            "test_contract_subset_passes"
+        ):
+            return getattr(item, "module", None)
+    return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In a one-process run, start the version matrix's legs now: they run beside the rest of
+    the suite (tests/matrix/test_versions.py ``start_early``). Not under ``--collect-only``,
+    nor in xdist workers (there the legs start when their tests do)."""
+    config = session.config
+    if config.option.collectonly or hasattr(config, "workerinput"):
+        return
+    if int(getattr(config.option, "numprocesses", 0) or 0) > 0:
+        return  # (the xdist controller: it runs no test)
+    module = _early_hooks(session)
+    if module is not None:
+        module.start_early(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Wait for (or cancel) the matrix legs started early, whatever the run's outcome."""
+    module = _early_hooks(session)
+    if module is not None:
+        module.finish_early()
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -178,7 +178,7 @@ def test_a_claim_that_would_commit_on_its_own_is_refused(pg_dsn: str) -> None:
 def test_prune_removes_old_rows_in_batches_while_a_writer_claims(db: Database) -> None:
     """20,000 rows older than the retention, pruned 1,000 a statement while another connection
     claims new messages without pause: every old row goes, every new claim stays, and no claim
-    takes more than 100 ms."""
+    waits for more than a few of prune's batches."""
     inbox = Inbox("billing")
     setup = _installed(db, inbox)
     old = time.time() - 10 * 86400
@@ -231,8 +231,13 @@ def test_prune_removes_old_rows_in_batches_while_a_writer_claims(db: Database) -
     worst = max(seconds for _, seconds in latencies)
     print(f"{db.dialect}: prune {ended - began:.3f} s, {len(during)} claims meanwhile, "
           f"worst claim {worst * 1000:.1f} ms")  # fmt: skip
-    assert during, "no claim ran while prune did"
-    assert worst < 0.1, f"a claim waited {worst * 1000:.0f} ms while prune ran"
+    # batches: claims go on between them, and none waits for more than a few of the 20
+    # batches (one lock over the whole prune would make a claim wait for all of it); a bound
+    # relative to the prune's own time, so that it holds when everything runs slowly
+    assert len(during) >= 3, f"{len(during)} claims while prune ran"
+    assert worst < (ended - began) / 4, (
+        f"a claim waited {worst * 1000:.0f} ms while prune ran {(ended - began) * 1000:.0f} ms"
+    )
     assert inbox.prune(pruner, older_than=86400) == 0
     for conn in (pruner, setup):
         conn.close()

@@ -26,8 +26,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -224,16 +226,51 @@ def run_leg(leg: str, workdir: Path) -> LegResult:
     return result
 
 
+#: the legs :func:`start_early` started, and their pool and work directory
+_EARLY: dict[str, Future[LegResult]] = {}
+_EARLY_POOL: list[tuple[ThreadPoolExecutor, Path]] = []
+
+
+def _jobs() -> int:
+    return max(1, int(os.environ.get("RELIABLE_AMQP_MATRIX_JOBS", "4")))
+
+
+def start_early(items: list[pytest.Item]) -> None:
+    """Start the selected legs as soon as collection is done (``pytest_collection_finish`` in
+    tests/conftest.py), so that they run beside the rest of the suite instead of after it:
+    each leg is mostly waiting on sockets, and the longest of them takes about two minutes."""
+    selected = _selected_legs(items)
+    if not selected or _EARLY:
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="reliable-amqp-matrix-"))
+    pool = ThreadPoolExecutor(max_workers=_jobs(), thread_name_prefix="matrix-leg")
+    _EARLY_POOL.append((pool, workdir))
+    _EARLY.update({leg: pool.submit(run_leg, leg, workdir) for leg in LEGS if leg in selected})
+
+
+def finish_early() -> None:
+    """At the session's end: no leg is left running unwaited (an interrupted run cancels the
+    legs not yet started and waits for the others, each bounded by :data:`LEG_TIMEOUT`)."""
+    while _EARLY_POOL:
+        pool, workdir = _EARLY_POOL.pop()
+        pool.shutdown(wait=True, cancel_futures=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    _EARLY.clear()
+
+
 @pytest.fixture(scope="module")
 def legs(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[dict[str, Future[LegResult]]]:
-    """Every selected leg started at once, in threads; each test waits for its own (``-k
+    """Every selected leg, started at once in threads (already at the end of collection, by
+    :func:`start_early`, when the run has one process); each test waits for its own (``-k
     py3.14`` runs that leg alone)."""
+    if _EARLY:
+        yield dict(_EARLY)
+        return
     workdir = tmp_path_factory.mktemp("matrix")
-    jobs = int(os.environ.get("RELIABLE_AMQP_MATRIX_JOBS", "4"))
     selected = _selected_legs(request.session.items)
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+    with ThreadPoolExecutor(max_workers=_jobs()) as pool:
         yield {leg: pool.submit(run_leg, leg, workdir) for leg in LEGS if leg in selected}
 
 
