@@ -18,7 +18,8 @@ the outbox on sqlite3, so the matrix shows the library and its non-outbox tests 
 Each test runs :data:`SUBSET` inside its venv as a subprocess and asserts it passed with more
 than 0 tests; the versions it ran with are printed at the end of the run (terminal summary) and
 in each test's output. A missing interpreter fails the leg, it never skips it. The legs run
-concurrently (``RELIABLE_AMQP_MATRIX_JOBS``, default 4): each is mostly waiting on sockets.
+concurrently (``RELIABLE_AMQP_MATRIX_JOBS``, default 4): each is mostly waiting on sockets. In a
+one-process run they start as soon as collection is done, beside the rest of the suite.
 """
 
 from __future__ import annotations
