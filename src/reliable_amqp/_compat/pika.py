@@ -33,6 +33,7 @@ __all__ = [
     "CoalescingConnection",
     "ScanningConnection",
     "probe",
+    "scanner_takes_deliveries",
     "scanning_blocking_connection",
     "terminate_stream",
 ]
@@ -161,3 +162,9 @@ class ScanningConnection(SelectConnection):  # type: ignore[misc]
 def scanning_blocking_connection(parameters: pika.ConnectionParameters) -> pika.BlockingConnection:
     """A ``BlockingConnection`` over a :class:`ScanningConnection` (reach it as ``._impl``)."""
     return pika.BlockingConnection(parameters, _impl_class=ScanningConnection)
+
+
+def scanner_takes_deliveries(*_args: Any) -> None:  # pragma: no cover - never called
+    """The ``on_message_callback`` pika's ``basic_consume`` requires, for a consumer whose
+    deliveries a :class:`ScanningConnection`'s scanner takes before pika sees them."""
+    raise AssertionError("a delivery reached pika's consumer callback")

@@ -29,7 +29,11 @@ import pika
 import pika.exceptions
 from pika.channel import Channel
 
-from reliable_amqp._compat.pika import ScanningConnection, terminate_stream
+from reliable_amqp._compat.pika import (
+    ScanningConnection,
+    scanner_takes_deliveries,
+    terminate_stream,
+)
 from reliable_amqp._core.acks import ACK, AckBook
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner
 from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed, ReliableAmqpError
@@ -328,7 +332,7 @@ class ConsumerIO:
             return
         self._consumer_tag = channel.basic_consume(
             self.queue,
-            _never_called,
+            scanner_takes_deliveries,
             arguments=self._consumer_arguments or None,
             callback=self._on_consume_ok,
         )
@@ -502,7 +506,3 @@ class ConsumerIO:
                 connection.close()
         elif connection is not None:
             connection.ioloop.stop()
-
-
-def _never_called(*_args: Any) -> None:  # pragma: no cover - the scanner takes deliveries
-    raise AssertionError("a delivery reached pika's consumer callback")

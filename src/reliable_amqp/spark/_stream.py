@@ -32,7 +32,7 @@ import pika
 import pika.exceptions
 
 from reliable_amqp import ConfigurationError, ReliableAmqpError
-from reliable_amqp._compat.pika import scanning_blocking_connection
+from reliable_amqp._compat.pika import scanner_takes_deliveries, scanning_blocking_connection
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner, HeaderDecodeError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._sync._pika import connection_parameters, translate_connection_error
@@ -236,6 +236,19 @@ def _in_order(connection: pika.BlockingConnection) -> bool:
     return str(product) == "RabbitMQ"
 
 
+def _await_first(
+    channel: Any, connection: pika.BlockingConnection, got: list[Any], prefetch: int
+) -> None:
+    """After a probe's ``basic.consume``: the barrier (a ``basic.qos`` with the same
+    ``prefetch``), then, while nothing came, up to :data:`PROBE_WAIT` for a first delivery into
+    ``got`` (see :func:`_in_order`: nothing by the barrier is not "empty")."""
+    channel.basic_qos(prefetch_count=prefetch)  # the barrier
+    connection.process_data_events(0)
+    deadline = time.monotonic() + PROBE_WAIT
+    while not got and time.monotonic() < deadline:
+        connection.process_data_events(0.02)
+
+
 def _first_delivery(connection: pika.BlockingConnection, queue: str, where: Any) -> int | None:
     """The offset of the first message a consumer at ``where`` gets, or None if none came
     (prefetch 1 and no ack: the broker sends one at most). See :func:`_in_order`."""
@@ -243,11 +256,7 @@ def _first_delivery(connection: pika.BlockingConnection, queue: str, where: Any)
     channel.basic_qos(prefetch_count=1)
     got: list[Any] = []
     _consume(channel, queue, lambda _c, _m, props, _b: got.append(props), where)
-    channel.basic_qos(prefetch_count=1)  # the barrier
-    connection.process_data_events(0)
-    deadline = time.monotonic() + PROBE_WAIT
-    while not got and time.monotonic() < deadline:
-        connection.process_data_events(0.02)
+    _await_first(channel, connection, got, 1)
     _close_quietly(channel, connection)
     return _offset_of(got[0], queue) if got else None
 
@@ -277,11 +286,8 @@ def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
     _consume(
         channel, queue, lambda _c, _m, props, _b: offsets.append(_offset_of(props, queue)), "last"
     )
-    channel.basic_qos(prefetch_count=prefetch)  # the barrier
-    connection.process_data_events(0)
     started = time.monotonic()
-    while not offsets and time.monotonic() - started < PROBE_WAIT:
-        connection.process_data_events(0.02)  # the reader had nothing at hand yet
+    _await_first(channel, connection, offsets, prefetch)
     acked = 0
     if offsets and _in_order(connection):
         while time.monotonic() - started < END_BUDGET:
@@ -421,7 +427,7 @@ def read_range(
         scanning = connection._impl
         scanning.scanner = DeliveryScanner(channel.channel_number, 0, queue)
         scanning.on_deliveries = on_deliveries
-        _consume(channel, queue, _never_called, start, direct=True)
+        _consume(channel, queue, scanner_takes_deliveries, start, direct=True)
         position = start  # the next offset this read expects
         checked_head = False
         seen = 0
@@ -454,10 +460,6 @@ def read_range(
         _close_quietly(channel, connection)
     finally:
         _close(connection)
-
-
-def _never_called(*_args: Any) -> None:  # pragma: no cover - the scanner takes deliveries
-    raise AssertionError("a stream delivery reached pika's callback")
 
 
 def _undecodable(queue: str, d: Delivery, last: int) -> ReliableAmqpError:
