@@ -353,6 +353,74 @@ class Chunk(NamedTuple):
     deliveries: list[Delivery]
 
 
+class _RangeRead:
+    """The delivery side of one :func:`read_range`: pika's I/O calls :meth:`on_deliveries`
+    (in the reading thread, inside ``process_data_events``); the read loop takes chunks."""
+
+    __slots__ = (
+        "ack", "ack_every", "acked", "before_start", "cap_base", "delivered", "deliveries",
+        "end", "failure", "finished", "head", "last_offset", "offsets", "queue", "start",
+    )  # fmt: skip
+
+    def __init__(self, queue: str, start: int, end: int, prefetch: int, ack: Any) -> None:
+        self.queue = queue
+        self.start = start
+        self.end = end
+        self.ack = ack  # pika Channel.basic_ack: goes out with the connection's next write
+        self.ack_every = max(1, prefetch // 4)
+        #: the last delivery the range may need is this plus the deliveries before start
+        self.cap_base = end - start - prefetch
+        self.offsets: list[int] = []
+        self.deliveries: list[Delivery] = []
+        self.delivered = 0
+        self.acked = 0
+        self.before_start = 0  # deliveries before start (they take credit too)
+        self.last_offset = start - 1  # the highest offset seen (start - 1: none yet)
+        self.head: int | None = None  # the first offset from start on that came
+        self.failure: BaseException | None = None
+        self.finished = False
+
+    def on_deliveries(self, batch: list[Delivery]) -> None:
+        """Keep the batch's offsets in ``[start, end)``; return credit, never past the range."""
+        if self.failure is not None or self.finished:
+            return  # (what comes while the channel closes is not read)
+        start, end = self.start, self.end
+        offsets, deliveries = self.offsets, self.deliveries
+        for d in batch:
+            headers = d.headers
+            offset = headers.get(OFFSET_HEADER) if headers else None
+            if type(offset) is not int:
+                self.failure = _undecodable(self.queue, d, self.last_offset)
+                return
+            self.last_offset = offset
+            if offset < start:
+                self.before_start += 1
+                continue
+            if self.head is None:
+                self.head = offset
+            if offset < end:
+                offsets.append(offset)
+                deliveries.append(d)
+        delivered = self.delivered = self.delivered + len(batch)
+        # credit: the broker sends delivery k only while k <= acked + prefetch; never let that
+        # pass the last delivery the range needs
+        cap = self.cap_base + self.before_start
+        may_ack = min(delivered, cap)
+        acked = self.acked
+        if may_ack > acked and (may_ack - acked >= self.ack_every or may_ack == cap):
+            # tags count deliveries: this channel has one consumer and starts at 1
+            self.ack(may_ack, multiple=True)
+            self.acked = may_ack
+
+    def take(self) -> Chunk | None:
+        """The messages kept since the last call, if any."""
+        if not self.offsets:
+            return None
+        chunk = Chunk(self.offsets, self.deliveries)
+        self.offsets, self.deliveries = [], []
+        return chunk
+
+
 def read_range(
     connector: Connector,
     queue: str,
@@ -379,54 +447,15 @@ def read_range(
     """
     if end <= start:
         return
-    wanted = end - start
-    prefetch = max(1, min(prefetch, wanted))
-    ack_every = max(1, prefetch // 4)
+    prefetch = max(1, min(prefetch, end - start))
     connection = connector.connect(scanning=True)
     try:
         channel = connection.channel()
         channel.basic_qos(prefetch_count=prefetch)
-        impl = channel._impl  # pika's Channel: acks go out with the connection's next write
-        offsets: list[int] = []
-        deliveries: list[Delivery] = []
-        # delivered, acked, before start, the highest offset seen (start - 1: none yet)
-        state = [0, 0, 0, start - 1]
-        failure: list[BaseException] = []
-        head: list[int] = []  # the first offset from start on that came
-        finished: list[bool] = []
-        cap_base = wanted - prefetch
-
-        def on_deliveries(batch: list[Delivery]) -> None:
-            if failure or finished:
-                return  # (what comes while the channel closes is not read)
-            for d in batch:
-                headers = d.headers
-                offset = headers.get(OFFSET_HEADER) if headers else None
-                if type(offset) is not int:
-                    failure.append(_undecodable(queue, d, state[3]))
-                    return
-                state[3] = offset
-                if offset < start:
-                    state[2] += 1  # (they take credit too)
-                    continue
-                if not head:
-                    head.append(offset)
-                if offset < end:
-                    offsets.append(offset)
-                    deliveries.append(d)
-            delivered = state[0] = state[0] + len(batch)
-            # credit: the broker sends delivery k only while k <= acked + prefetch; never let
-            # that pass the last delivery the range needs
-            cap = cap_base + state[2]
-            may_ack = min(delivered, cap)
-            if may_ack > state[1] and (may_ack - state[1] >= ack_every or may_ack == cap):
-                # tags count deliveries: this channel has one consumer and starts at 1
-                impl.basic_ack(may_ack, multiple=True)
-                state[1] = may_ack
-
+        read = _RangeRead(queue, start, end, prefetch, channel._impl.basic_ack)
         scanning = connection._impl
         scanning.scanner = DeliveryScanner(channel.channel_number, 0, queue)
-        scanning.on_deliveries = on_deliveries
+        scanning.on_deliveries = read.on_deliveries
         _consume(channel, queue, scanner_takes_deliveries, start, direct=True)
         position = start  # the next offset this read expects
         checked_head = False
@@ -434,29 +463,28 @@ def read_range(
         last_delivery = time.monotonic()
         while position < end:
             connection.process_data_events(0.05)
-            if failure:
-                raise failure[0]
-            if state[0] == seen:
+            if read.failure is not None:
+                raise read.failure
+            if read.delivered == seen:
                 if time.monotonic() - last_delivery > stall_timeout:
                     raise StreamReadStalled(
                         f"stream {queue!r}: no delivery for {stall_timeout:.0f} s while reading "
                         f"offsets {position}..{end - 1} (range {start}..{end - 1})"
                     )
                 continue
-            seen = state[0]
+            seen = read.delivered
             last_delivery = time.monotonic()
-            if head and not checked_head:
+            if read.head is not None and not checked_head:
                 checked_head = True
-                if head[0] > start:
-                    _head_gap(connection, queue, start, head[0], fail_on_data_loss)
-            if offsets:
-                chunk = Chunk(offsets, deliveries)
-                offsets, deliveries = [], []
+                if read.head > start:
+                    _head_gap(connection, queue, start, read.head, fail_on_data_loss)
+            chunk = read.take()
+            if chunk is not None:
                 position = chunk.offsets[-1] + 1
                 yield chunk
-            if state[3] >= end - 1:
+            if read.last_offset >= end - 1:
                 break
-        finished.append(True)
+        read.finished = True
         _close_quietly(channel, connection)
     finally:
         _close(connection)
