@@ -25,6 +25,7 @@ from reliable_amqp import AsyncPublisher, Publisher
 from reliable_amqp._spool import inspect
 from reliable_amqp._spool._feed import PACE_WAIT
 from support.broker import BrokerAdmin
+from support.memory import rss
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
 
@@ -157,14 +158,6 @@ def test_producer_crashes_with_the_broker_up(
     assert inspect(spool).pending == 0
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def _outage_rss(kind: str, directory: Path, marks: tuple[int, ...]) -> list[int]:
     """RSS growth (bytes) after each of ``marks`` messages published into a spool with the broker
     unreachable: distinct 1 KiB bodies, futures dropped at once."""
@@ -179,11 +172,11 @@ def _outage_rss(kind: str, directory: Path, marks: tuple[int, ...]) -> list[int]
             publisher.connect()
             for i in range(2000):  # warm-up: caches, the allocator's first arenas
                 publisher.publish("", "q", body(i))
-            before = _rss()
+            before = rss()
             for i in range(2000, marks[-1] + 2000):
                 publisher.publish("", "q", body(i))
                 if i - 1999 in marks:
-                    grown.append(_rss() - before)
+                    grown.append(rss() - before)
         finally:
             publisher.close(timeout=0.5)
         return grown
@@ -194,11 +187,11 @@ def _outage_rss(kind: str, directory: Path, marks: tuple[int, ...]) -> list[int]
             await publisher.connect()
             for i in range(2000):
                 await publisher.publish("", "q", body(i))
-            before = _rss()
+            before = rss()
             for i in range(2000, marks[-1] + 2000):
                 await publisher.publish("", "q", body(i))
                 if i - 1999 in marks:
-                    grown.append(_rss() - before)
+                    grown.append(rss() - before)
         finally:
             await publisher.aclose(timeout=0.5)
 

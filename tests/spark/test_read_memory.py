@@ -2,8 +2,8 @@
 
 docs/spark.md: "what a task holds is bounded by prefetch". A child process runs a task's read
 (``read_partition``: the range read, then Arrow record batches of 5,000 rows, each dropped as
-Spark would after handing it on) over a stream of 402,000 messages and reports its resident
-set's growth, from after a 2,000-message warm-up, at 100,000 and at 400,000 rows read.
+Spark would after handing it on) over a stream of 450,000 messages and reports its resident
+set's growth, from after a 50,000-row warm-up, at 100,000 and at 400,000 rows read.
 """
 
 from __future__ import annotations
