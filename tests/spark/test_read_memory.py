@@ -25,9 +25,11 @@ WARM_UP = 50_000
 
 
 def _read_rss(url: str, stream: str) -> list[tuple[int, int]]:
-    """The child's part: one task's read of offsets [0, WARM_UP + MARKS[-1]); growth at marks."""
+    """The child's part: one task's read of WARM_UP + MARKS[-1] offsets from the stream's
+    first; the growth at the marks."""
     from reliable_amqp.spark._read import StreamRange, read_partition
     from reliable_amqp.spark._read_options import ReadConfig
+    from reliable_amqp.spark._stream import lowest_offset
 
     total = WARM_UP + MARKS[-1]
     config = ReadConfig.from_strings({"url": url, "stream": stream}, streaming=False)
@@ -35,7 +37,12 @@ def _read_rss(url: str, stream: str) -> list[tuple[int, int]]:
     before: tuple[int, int] | None = None
     rows = 0
     pending = list(MARKS)
-    for batch in read_partition(StreamRange(stream, 0, total, config)):
+    connection = config.connector.connect()
+    try:  # RabbitMQ counts a stream's offsets from 0, LavinMQ from 1
+        first = lowest_offset(connection)
+    finally:
+        connection.close()
+    for batch in read_partition(StreamRange(stream, first, first + total, config)):
         rows += batch.num_rows
         del batch
         if before is None:

@@ -12,13 +12,17 @@ come") or made a batch read of a full stream read nothing.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from reliable_amqp import Publisher
 from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp.spark import _stream
 from reliable_amqp.spark._stream import Connector, end_offset, first_offset
+from support.memory import fill_numbered
 from support.stream import declare_stream, delete_queue, stream_name
 
 pytestmark = [pytest.mark.broker]
@@ -64,7 +68,7 @@ def test_probes_of_a_written_stream_always_find_its_offsets(amqp_url: str, writt
     try:
         firsts, ends = [], []
         for _ in range(PROBES):
-            firsts.append(first_offset(connection, written))
+            firsts.append(first_offset(connection, written, held=True))  # as the driver asks
             ends.append(end_offset(connection, written))
     finally:
         connection.close()
@@ -72,3 +76,54 @@ def test_probes_of_a_written_stream_always_find_its_offsets(amqp_url: str, writt
     assert None not in ends, f"end_offset found no message {ends.count(None)} times"
     pairs = zip(firsts, ends, strict=True)
     assert all(isinstance(f, int) and isinstance(e, int) and f < e for f, e in pairs)
+
+
+WINDOW_TOTAL = 5_000
+
+
+def test_the_end_probe_returns_credit_when_a_whole_window_came_before_its_idle_wait(
+    amqp_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LavinMQ sends a new consumer its whole window (the probe's prefetch, 1,000) at once, and
+    its ``last`` is the start of the stream's last segment (8 MiB: every message here). The end
+    probe acked only what came during its idle wait, so with the window already in hand it
+    acked nothing, got nothing more, and called offset 1,000 the end (seen on LavinMQ 2.9.1:
+    a batch read of 10,000 read 1,000). RabbitMQ is made to look the same here: not taken for
+    a broker that answers in order, the probe starting at the first offset, and the first wait
+    lasting until the whole window came. The probe must still read to the stream's end."""
+    name = declare_stream(amqp_url, stream_name("window"))
+    try:
+        fill_numbered(amqp_url, name, WINDOW_TOTAL)
+        waited: list[int] = []
+
+        def from_first(channel: Any, queue: str, on_message: Any, where: Any, **kw: Any) -> None:
+            real_consume(channel, queue, on_message, "first" if where == "last" else where, **kw)
+
+        def whole_window(channel: Any, connection: Any, got: list[Any], prefetch: int) -> None:
+            real_await_first(channel, connection, got, prefetch)
+            deadline = time.monotonic() + 60
+            while len(got) < prefetch and time.monotonic() < deadline:
+                connection.process_data_events(0.02)
+            waited.append(len(got))
+
+        real_consume, real_await_first = _stream._consume, _stream._await_first
+        monkeypatch.setattr(_stream, "_in_order", lambda _connection: False)
+        # what is tested is the credit, not the probe's time limits: a loaded machine must not
+        # make the probe stop early and give a lower bound (the old code stops at the window
+        # whatever they are)
+        monkeypatch.setattr(_stream, "END_BUDGET", 120.0)
+        monkeypatch.setattr(_stream, "END_IDLE", 2.0)
+        monkeypatch.setattr(_stream, "_consume", from_first)
+        monkeypatch.setattr(_stream, "_await_first", whole_window)
+        connection = Connector(PublisherOptions.create(amqp_url)).connect()
+        try:
+            end = end_offset(connection, name)
+            lowest = _stream.lowest_offset(connection)  # RabbitMQ's first offset is 0, LavinMQ's 1
+        finally:
+            connection.close()
+        # the window was in hand before the idle wait (RabbitMQ sends whole chunks: 1,000 or
+        # a few more)
+        assert len(waited) == 1 and waited[0] >= 1000, waited
+        assert end == lowest + WINDOW_TOTAL
+    finally:
+        delete_queue(amqp_url, name)

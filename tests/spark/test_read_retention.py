@@ -32,7 +32,7 @@ CHILD = Path(__file__).with_name("stream_child.py")
 def _first(url: str, stream: str) -> int:
     connection = Connector(PublisherOptions.create(url)).connect()
     try:
-        found = first_offset(connection, stream)
+        found = first_offset(connection, stream, held=True)  # (it holds messages)
         assert found is not None
         return found
     finally:

@@ -51,6 +51,7 @@ from reliable_amqp.spark._stream import (
     StreamReadStalled,
     end_offset,
     first_offset,
+    lowest_offset,
     read_range,
 )
 
@@ -123,12 +124,15 @@ def check_heads(config: ReadConfig, start: Offsets, end: Offsets, connection: An
     start, raise :class:`StreamDataLost` or (``failOnDataLoss=false``) warn and move the start;
     ``FIRST`` becomes the stream's first offset."""
     out: Offsets = {}
+    lowest = lowest_offset(connection)  # (below it, offsets never existed: nothing lost)
     for stream, stop in end.items():
         begin = start.get(stream, FIRST)
+        if begin != FIRST:
+            begin = max(begin, lowest)
         if (begin >= stop and begin != FIRST) or stop == FIRST:
             out[stream] = begin  # nothing to read (an empty stream: no probe, no wait)
             continue
-        first = first_offset(connection, stream)
+        first = first_offset(connection, stream, held=True)  # (stop != FIRST: it holds some)
         if first is None and stop != FIRST:  # the stream held offsets before stop
             raise StreamReadStalled(f"stream {stream!r}: its first offset did not come")
         if begin == FIRST:
@@ -338,7 +342,7 @@ class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             try:
                 for s, b in begin.items():
                     if b == FIRST and ends[s] != FIRST:  # (an empty stream: no probe)
-                        found = first_offset(connection, s)
+                        found = first_offset(connection, s, held=True)
                         begin[s] = ends[s] if found is None else found
             finally:
                 connection.close()

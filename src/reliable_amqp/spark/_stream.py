@@ -42,6 +42,8 @@ log = logging.getLogger("reliable_amqp.spark")
 OFFSET_HEADER = "x-stream-offset"
 #: how long a probe waits for the broker's first delivery before it calls the stream empty
 PROBE_WAIT = 1.0
+#: how long a first-offset probe of a stream known to hold messages keeps trying
+HELD_PROBE_BUDGET = 30.0
 #: how long the end probe waits for one more delivery of the stream's last chunk
 END_IDLE = 0.25
 #: an end probe reads at most this long (a stream written without pause never goes idle)
@@ -229,11 +231,24 @@ def _in_order(connection: pika.BlockingConnection) -> bool:
     at the barrier is never taken as "the stream is empty": the probe then waits for
     :data:`PROBE_WAIT`, as it always does on other brokers (LavinMQ runs consumers apart from
     the channel)."""
+    return _product(connection) == "RabbitMQ"
+
+
+def _product(connection: pika.BlockingConnection) -> str:
+    """The broker's name as it announced itself (``product`` in ``connection.start``)."""
     impl = getattr(connection, "_impl", None)
     product = (getattr(impl, "server_properties", None) or {}).get("product", b"")
     if isinstance(product, bytes):
         product = product.decode("utf-8", "replace")
-    return str(product) == "RabbitMQ"
+    return str(product)
+
+
+def lowest_offset(connection: pika.BlockingConnection) -> int:
+    """The lowest offset a stream on this broker can hold: LavinMQ numbers a stream's messages
+    from 1 (its first segment starts at offset 1), RabbitMQ from 0, and so does any other broker
+    here (the protocol does not say). Offsets below it never existed: a range that starts
+    there has lost nothing to retention."""
+    return 1 if _product(connection) == "LavinMQ" else 0
 
 
 def _await_first(
@@ -261,10 +276,23 @@ def _first_delivery(connection: pika.BlockingConnection, queue: str, where: Any)
     return _offset_of(got[0], queue) if got else None
 
 
-def first_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
+def first_offset(
+    connection: pika.BlockingConnection, queue: str, *, held: bool = False
+) -> int | None:
     """The stream's first offset still held (after retention), or None if it is empty (no
-    delivery within :data:`PROBE_WAIT`)."""
-    return _first_delivery(connection, queue, "first")
+    delivery within :data:`PROBE_WAIT`).
+
+    ``held``: the stream is known to hold messages (its end was read, a delivery came). Then a
+    probe that saw nothing is tried again, for up to :data:`HELD_PROBE_BUDGET` seconds in all,
+    before None: a broker busy with its writers and its retention can take longer than
+    :data:`PROBE_WAIT` to send a new consumer's first delivery (seen once in a full suite on a
+    loaded machine, RabbitMQ 3.10, a stream trimmed while written).
+    """
+    deadline = time.monotonic() + (HELD_PROBE_BUDGET if held else 0.0)
+    while True:
+        found = _first_delivery(connection, queue, "first")
+        if found is not None or time.monotonic() >= deadline:
+            return found
 
 
 def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
@@ -301,13 +329,16 @@ def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
         seen = len(offsets)
         deadline = time.monotonic() + END_IDLE
         while time.monotonic() < deadline and time.monotonic() - started < END_BUDGET:
+            # credit back before each wait: the first wait may have brought the whole window
+            # (LavinMQ sends `prefetch` deliveries at once), and a broker out of credit sends
+            # nothing more, which the idle wait would take for the stream's end
+            if seen - acked >= prefetch // 2:
+                channel.basic_ack(seen, multiple=True)  # tags count deliveries (one consumer)
+                acked = seen
             connection.process_data_events(0.02)
             if len(offsets) != seen:
                 seen = len(offsets)
                 deadline = time.monotonic() + END_IDLE
-                if seen - acked >= prefetch // 2:
-                    channel.basic_ack(seen, multiple=True)
-                    acked = seen
     _close_quietly(channel, connection)
     return max(offsets) + 1 if offsets else None
 
@@ -503,7 +534,10 @@ def _head_gap(
     connection: pika.BlockingConnection, queue: str, start: int, got: int, fail: bool
 ) -> None:
     """The first delivery was ``got`` > ``start``: lost to retention, or never messages."""
-    first = first_offset(connection, queue)
+    start = max(start, lowest_offset(connection))
+    if got <= start:
+        return  # (offsets below the broker's lowest never existed)
+    first = first_offset(connection, queue, held=True)
     if first is None:
         raise StreamReadStalled(f"stream {queue!r}: its first offset did not come")
     if first <= start:
