@@ -64,14 +64,14 @@ def written(request: pytest.FixtureRequest, amqp_url: str) -> Iterator[str]:
 
 
 def test_probes_of_a_written_stream_always_find_its_offsets(amqp_url: str, written: str) -> None:
-    connection = Connector(PublisherOptions.create(amqp_url)).connect()
-    try:
-        firsts, ends = [], []
-        for _ in range(PROBES):
-            firsts.append(first_offset(connection, written, held=True))  # as the driver asks
-            ends.append(end_offset(connection, written))
-    finally:
-        connection.close()
+    # as the driver probes: each on a connection of its own (Connector.probing: RabbitMQ 3.10
+    # sometimes closes one, 541, when a probe starts on a segment retention is deleting), the
+    # first offset of a stream known to hold messages
+    connector = Connector(PublisherOptions.create(amqp_url))
+    firsts, ends = [], []
+    for _ in range(PROBES):
+        firsts.append(connector.probing(lambda c: first_offset(c, written, held=True)))
+        ends.append(connector.probing(lambda c: end_offset(c, written)))
     assert None not in firsts, f"first_offset found no message {firsts.count(None)} times"
     assert None not in ends, f"end_offset found no message {ends.count(None)} times"
     pairs = zip(firsts, ends, strict=True)

@@ -268,8 +268,8 @@ class AmqpBatchReader(DataSourceReader):
 
     def partitions(self) -> Sequence[InputPartition]:
         """Fix every stream's range (on the driver) and split it."""
-        connection = self.config.connector.connect()
-        try:
+
+        def ranges(connection: Any) -> tuple[Offsets, Offsets]:
             end = {s: _resolve(self.config.ending, s, connection, edge="end") for s in self.names}
             start = {
                 s: 0 if end[s] == FIRST else _resolve(self.config.starting, s, connection, "start")
@@ -278,9 +278,9 @@ class AmqpBatchReader(DataSourceReader):
             for s in self.names:
                 if end[s] == FIRST:  # an empty stream: nothing to read
                     end[s] = 0
-            start = check_heads(self.config, start, end, connection)
-        finally:
-            connection.close()
+            return check_heads(self.config, start, end, connection), end
+
+        start, end = self.config.connector.probing(ranges)
         parts = split(self.config, start, end)
         return parts or [StreamRange(self.names[0], 0, 0, self.config)]
 
@@ -301,24 +301,18 @@ class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def initialOffset(self) -> dict[str, int]:
         """Where a new query starts (``startingOffsets``; default ``latest``)."""
-        connection = self.config.connector.connect()
-        try:
-            return {
+        return self.config.connector.probing(
+            lambda connection: {
                 s: _resolve(self.config.starting, s, connection, edge="start") for s in self.names
             }
-        finally:
-            connection.close()
+        )
 
     def _ends(self) -> Offsets:
-        connection = self.config.connector.connect()
-        try:
-            ends: Offsets = {}
-            for s in self.names:
-                found = end_offset(connection, s)
-                ends[s] = FIRST if found is None else found
-            return ends
-        finally:
-            connection.close()
+        def ends(connection: Any) -> Offsets:
+            found = {s: end_offset(connection, s) for s in self.names}
+            return {s: FIRST if e is None else e for s, e in found.items()}
+
+        return self.config.connector.probing(ends)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         """``maxMessagesPerTrigger`` when given."""
@@ -338,14 +332,16 @@ class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ends = {s: min(e, self.target.get(s, e)) for s, e in ends.items()}
         begin = {s: int(start.get(s, FIRST)) for s in self.names}
         if any(b == FIRST for b in begin.values()):
-            connection = self.config.connector.connect()
-            try:
-                for s, b in begin.items():
-                    if b == FIRST and ends[s] != FIRST:  # (an empty stream: no probe)
-                        found = first_offset(connection, s, held=True)
-                        begin[s] = ends[s] if found is None else found
-            finally:
-                connection.close()
+
+            def firsts(connection: Any) -> Offsets:
+                found = {
+                    s: first_offset(connection, s, held=True)
+                    for s, b in begin.items()
+                    if b == FIRST and ends[s] != FIRST  # (an empty stream: no probe)
+                }
+                return {s: ends[s] if f is None else f for s, f in found.items()}
+
+            begin.update(self.config.connector.probing(firsts))
         avail = {s: max(0, ends[s] - begin[s]) for s in self.names}
         total = sum(avail.values())
         cap = limit.max_rows if isinstance(limit, ReadMaxRows) else None
@@ -372,11 +368,9 @@ class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """The micro-batch's ranges (checked against retention), split."""
         begin = {s: int(start.get(s, FIRST)) for s in end}
         stop = {s: int(v) for s, v in end.items()}
-        connection = self.config.connector.connect()
-        try:
-            begin = check_heads(self.config, begin, stop, connection)
-        finally:
-            connection.close()
+        begin = self.config.connector.probing(
+            lambda connection: check_heads(self.config, begin, stop, connection)
+        )
         parts = split(self.config, begin, stop)
         log.debug("amqp: micro-batch %s..%s in %d partitions", begin, stop, len(parts))
         return parts

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from reliable_amqp import ConfigurationError
 from reliable_amqp.spark._publish import SPARK_OPTIONS
@@ -146,8 +147,8 @@ class ReadConfig:
     def streams(self) -> list[str]:
         """The streams to read (a super stream's partitions, found on the broker), each checked
         to be a stream; raises :class:`NotAStream` for a queue."""
-        connection = self.connector.connect()
-        try:
+
+        def found(connection: Any) -> list[str]:
             if self.super_stream is not None:
                 names = super_stream_partitions(connection, self.super_stream)
             else:
@@ -156,5 +157,5 @@ class ReadConfig:
             for name in names:
                 refuse_queue(name, connection)
             return names
-        finally:
-            connection.close()
+
+        return self.connector.probing(found)
