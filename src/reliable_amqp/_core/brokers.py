@@ -37,6 +37,9 @@ class BrokerLimits:
     expiration_max: int
     #: what the broker answers beyond it (for the error's text)
     expiration_reply: str
+    #: the offset a stream's first message gets: RabbitMQ's streams count from 0, LavinMQ's
+    #: from 1 (its first segment starts at offset 1); offsets below it never exist
+    first_stream_offset: int = 0
 
     @property
     def checks_expiration(self) -> bool:
@@ -63,7 +66,9 @@ class BrokerLimits:
 #: what every broker takes (RabbitMQ's limits); a broker that is not in the table gets these
 ANY_BROKER = BrokerLimits("AMQP 0-9-1 broker", RABBITMQ_EXPIRATION_MAX, "")
 RABBITMQ = BrokerLimits("RabbitMQ", RABBITMQ_EXPIRATION_MAX, '406 "invalid expiration"')
-LAVINMQ = BrokerLimits("LavinMQ", LAVINMQ_EXPIRATION_MAX, '406 "Expiration not a number"')
+LAVINMQ = BrokerLimits(
+    "LavinMQ", LAVINMQ_EXPIRATION_MAX, '406 "Expiration not a number"', first_stream_offset=1
+)
 
 #: by product name, lower-cased
 BROKERS: Mapping[str, BrokerLimits] = {"rabbitmq": RABBITMQ, "lavinmq": LAVINMQ}

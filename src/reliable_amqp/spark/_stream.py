@@ -33,6 +33,7 @@ import pika.exceptions
 
 from reliable_amqp import ConfigurationError, ReliableAmqpError
 from reliable_amqp._compat.pika import scanner_takes_deliveries, scanning_blocking_connection
+from reliable_amqp._core.brokers import RABBITMQ, BrokerLimits, broker_limits
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner, HeaderDecodeError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._sync._pika import connection_parameters, translate_connection_error
@@ -256,24 +257,20 @@ def _in_order(connection: pika.BlockingConnection) -> bool:
     at the barrier is never taken as "the stream is empty": the probe then waits for
     :data:`PROBE_WAIT`, as it always does on other brokers (LavinMQ runs consumers apart from
     the channel)."""
-    return _product(connection) == "RabbitMQ"
+    return _broker(connection) is RABBITMQ
 
 
-def _product(connection: pika.BlockingConnection) -> str:
-    """The broker's name as it announced itself (``product`` in ``connection.start``)."""
-    impl = getattr(connection, "_impl", None)
-    product = (getattr(impl, "server_properties", None) or {}).get("product", b"")
-    if isinstance(product, bytes):
-        product = product.decode("utf-8", "replace")
-    return str(product)
+def _broker(connection: pika.BlockingConnection) -> BrokerLimits:
+    """The connected broker's entry in the table of broker differences (``_core.brokers``)."""
+    return broker_limits(getattr(getattr(connection, "_impl", None), "server_properties", None))
 
 
 def lowest_offset(connection: pika.BlockingConnection) -> int:
-    """The lowest offset a stream on this broker can hold: LavinMQ numbers a stream's messages
-    from 1 (its first segment starts at offset 1), RabbitMQ from 0, and so does any other broker
-    here (the protocol does not say). Offsets below it never existed: a range that starts
-    there has lost nothing to retention."""
-    return 1 if _product(connection) == "LavinMQ" else 0
+    """The lowest offset a stream on this broker can hold (``first_stream_offset``: LavinMQ
+    numbers a stream's messages from 1, RabbitMQ from 0, and so does any other broker here: the
+    protocol does not say). Offsets below it never existed: a range that starts there has lost
+    nothing to retention."""
+    return _broker(connection).first_stream_offset
 
 
 def _await_first(
@@ -503,9 +500,12 @@ def read_range(
     """
     if end <= start:
         return
-    prefetch = max(1, min(prefetch, end - start))
     connection = connector.connect(scanning=True)
     try:
+        start = max(start, lowest_offset(connection))  # (below it, offsets never existed)
+        if end <= start:
+            return
+        prefetch = max(1, min(prefetch, end - start))
         channel = connection.channel()
         channel.basic_qos(prefetch_count=prefetch)
         read = _RangeRead(queue, start, end, prefetch, channel._impl.basic_ack)
@@ -559,9 +559,6 @@ def _head_gap(
     connection: pika.BlockingConnection, queue: str, start: int, got: int, fail: bool
 ) -> None:
     """The first delivery was ``got`` > ``start``: lost to retention, or never messages."""
-    start = max(start, lowest_offset(connection))
-    if got <= start:
-        return  # (offsets below the broker's lowest never existed)
     first = first_offset(connection, queue, held=True)
     if first is None:
         raise StreamReadStalled(f"stream {queue!r}: its first offset did not come")
