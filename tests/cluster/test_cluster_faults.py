@@ -12,6 +12,11 @@ its own quorum queue), given every node's URL, publishing steadily while one fau
 - the connected node frozen with SIGSTOP (sockets open, nothing answers): with default options
   the longest gap between confirms stays under 20 s.
 
+One more test reads a stream through a node that holds no member of it (RabbitMQ's 406 "does
+not have a replica on the local node", also seen on one node just after a stream is declared):
+the reader waits for a member, then fails with ``StreamUnavailable``; one added meanwhile is
+read from.
+
 Afterwards every message is held against the queue by id: confirmed but missing must be 0; the
 counts (confirmed, failed, duplicates, failed but stored anyway) are printed per publisher and in
 the run's summary. The cluster starts once for the module (about 10 s); the whole module takes
@@ -21,6 +26,7 @@ about two and a half minutes.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import Counter
@@ -32,8 +38,11 @@ import pytest
 
 from harness.rabbitmq4 import Rabbitmq4Cluster, Rabbitmq4Node
 from harness.rabbitmq4_load import PublishLoad, Tally, drain_ids
+from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp.spark import StreamUnavailable, _stream
 from support.broker import unique
 from support.run_summary import add_summary
+from support.stream import declare_stream, publish
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults, pytest.mark.slow]
 
@@ -270,3 +279,69 @@ def test_frozen_connected_node_is_left_within_20_s_with_default_options(
         assert tally.failed == Counter(), tally.line(kind)
         assert case.loads[kind].confirmed_between(began + 1, began + 24) > 0, tally.line(kind)
         assert tally.longest_gap < 20, tally.line(kind)
+
+
+class _Waiting(logging.Handler):
+    """Sets ``event`` when the stream reader logs that it waits for a member on its node."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "no running member on this node" in record.getMessage():
+            self.event.set()
+
+
+def test_a_stream_read_through_a_node_without_its_member_waits_for_one(
+    healthy: Rabbitmq4Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream with one member, read through another node: RabbitMQ refuses the consumer (406,
+    "does not have a running replica on the local node"), as one node does just after a stream
+    is declared. The reader tries again on new channels for ``REPLICA_WAIT`` seconds, then
+    raises ``StreamUnavailable`` naming the stream; a member added on that node while it waits
+    is read from, every message in order."""
+    name = unique("ra-cluster-stream")
+    declare_stream(healthy.nodes[0].url, name, x_initial_cluster_size=1)
+    try:
+        publish(healthy.nodes[0].url, name, 0, 10)
+        holder = healthy.leader(name)
+        reader = next(node for node in healthy.nodes if node is not holder)
+        connector = _stream.Connector(PublisherOptions.create(reader.url))
+
+        monkeypatch.setattr(_stream, "REPLICA_WAIT", 2.0)
+        with pytest.raises(StreamUnavailable, match=name) as refused:
+            connector.probing(lambda connection: _stream.end_offset(connection, name))
+        assert "rabbitmq-streams add_replica" in str(refused.value)
+
+        monkeypatch.setattr(_stream, "REPLICA_WAIT", 300.0)  # the member is added meanwhile
+        waiting = _Waiting()
+        logger = logging.getLogger("reliable_amqp.spark")
+        logger.addHandler(waiting)
+        level = logger.level
+        logger.setLevel(logging.DEBUG)
+        read: list[list[int]] = []
+        failed: list[BaseException] = []
+
+        def read_all() -> None:
+            try:
+                chunks = _stream.read_range(connector, name, 0, 10)
+                read.append([offset for chunk in chunks for offset in chunk.offsets])
+            except BaseException as exc:  # reported by the test's thread below
+                failed.append(exc)
+
+        thread = threading.Thread(target=read_all, daemon=True)
+        try:
+            thread.start()
+            assert waiting.event.wait(120), "the reader never met the missing member"
+            reader.tool("rabbitmq-streams", "add_replica", name, reader.nodename)
+            thread.join(300)
+        finally:
+            logger.removeHandler(waiting)
+            logger.setLevel(level)
+        assert not thread.is_alive(), "the read did not end once the member was added"
+        assert not failed, failed
+        assert read == [list(range(10))]
+        assert connector.probing(lambda connection: _stream.end_offset(connection, name)) == 10
+    finally:
+        _delete(healthy.nodes[0].url, name)

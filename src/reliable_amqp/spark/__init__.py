@@ -53,6 +53,7 @@ from reliable_amqp.spark._stream import (
     StreamDataLost,
     StreamNotFound,
     StreamReadStalled,
+    StreamUnavailable,
 )
 from reliable_amqp.spark._totals import SinkTotals
 
@@ -76,6 +77,7 @@ __all__ = [
     "StreamDataLost",
     "StreamNotFound",
     "StreamReadStalled",
+    "StreamUnavailable",
     "TaskInterrupted",
     "WriteSummary",
     "close_cached_publishers",

@@ -52,6 +52,8 @@ HELD_PROBE_BUDGET = 30.0
 END_IDLE = 0.25
 #: an end probe reads at most this long (a stream written without pause never goes idle)
 END_BUDGET = 3.0
+#: how long a reader waits for the connected node's member of a stream to run
+REPLICA_WAIT = 30.0
 
 
 class NotAStream(ConfigurationError):
@@ -82,6 +84,14 @@ class StreamDataLost(ReliableAmqpError):
 
 class StreamReadStalled(ReliableAmqpError):
     """A range read waited too long for its next delivery."""
+
+    retriable = True
+
+
+class StreamUnavailable(ReliableAmqpError):
+    """The connected node has no running member (replica) of the stream, and none started
+    within :data:`REPLICA_WAIT` seconds. RabbitMQ serves an AMQP 0-9-1 stream consumer only from
+    a member on the node it is connected to."""
 
     retriable = True
 
@@ -202,6 +212,54 @@ def _consume(channel: Any, queue: str, on_message: Any, where: Any, direct: bool
         raise
 
 
+def _no_local_member(exc: pika.exceptions.ChannelClosedByBroker) -> bool:
+    """RabbitMQ's refusal of a stream consumer on a node without a running member: "... does
+    not have a (running) replica on the local node" (406)."""
+    return exc.reply_code == 406 and "replica on the local node" in str(exc.reply_text)
+
+
+def _consuming(
+    connection: pika.BlockingConnection,
+    queue: str,
+    where: Any,
+    prefetch: int,
+    prepare: Callable[[Any], Any],
+    *,
+    direct: bool = False,
+) -> Any:
+    """A new channel with ``basic.qos(prefetch)`` and a consumer at ``where`` on it; the
+    channel. ``prepare(channel)`` gives the consumer's ``on_message`` (see :func:`_consume`).
+
+    RabbitMQ refuses the consumer (406, "does not have a replica on the local node") while the
+    connected node's member of the stream is not running: just after the stream was declared
+    (seen in a full suite on 3.10: a probe right after ``queue.declare``), while the node or the
+    member restarts, or when no member was ever placed there. Each refusal closes the channel;
+    a new one tries again, for up to :data:`REPLICA_WAIT` seconds in all, then
+    :class:`StreamUnavailable`.
+    """
+    deadline = time.monotonic() + REPLICA_WAIT
+    pause = 0.05
+    while True:
+        channel = connection.channel()
+        channel.basic_qos(prefetch_count=prefetch)
+        try:
+            _consume(channel, queue, prepare(channel), where, direct=direct)
+            return channel
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if not _no_local_member(exc):
+                raise
+            if time.monotonic() >= deadline:
+                raise StreamUnavailable(
+                    f"stream {queue!r}: the connected node has no running member of it "
+                    f"({exc.reply_text}) after {REPLICA_WAIT:.0f} s. A stream is read over AMQP "
+                    "0-9-1 from a node that holds one of its members: connect to such a node, "
+                    "or add a member on this one (rabbitmq-streams add_replica)"
+                ) from None
+            log.debug("amqp: stream %r: no running member on this node yet; trying again", queue)
+            connection.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+
 def check_stream(connection: pika.BlockingConnection, queue: str) -> bool | None:
     """Whether ``queue`` is a stream: True, False, or None when the broker's answer does not
     tell (the queue has other arguments, which RabbitMQ compares first).
@@ -289,10 +347,10 @@ def _await_first(
 def _first_delivery(connection: pika.BlockingConnection, queue: str, where: Any) -> int | None:
     """The offset of the first message a consumer at ``where`` gets, or None if none came
     (prefetch 1 and no ack: the broker sends one at most). See :func:`_in_order`."""
-    channel = connection.channel()
-    channel.basic_qos(prefetch_count=1)
     got: list[Any] = []
-    _consume(channel, queue, lambda _c, _m, props, _b: got.append(props), where)
+    channel = _consuming(
+        connection, queue, where, 1, lambda _channel: lambda _c, _m, props, _b: got.append(props)
+    )
     _await_first(channel, connection, got, 1)
     _close_quietly(channel, connection)
     return _offset_of(got[0], queue) if got else None
@@ -329,12 +387,14 @@ def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
     returns always exist), which is all a micro-batch needs: the next one reads what this one
     did not.
     """
-    channel = connection.channel()
     prefetch = 1000
-    channel.basic_qos(prefetch_count=prefetch)
     offsets: list[int] = []
-    _consume(
-        channel, queue, lambda _c, _m, props, _b: offsets.append(_offset_of(props, queue)), "last"
+    channel = _consuming(
+        connection,
+        queue,
+        "last",
+        prefetch,
+        lambda _channel: lambda _c, _m, props, _b: offsets.append(_offset_of(props, queue)),
     )
     started = time.monotonic()
     _await_first(channel, connection, offsets, prefetch)
@@ -506,13 +566,18 @@ def read_range(
         if end <= start:
             return
         prefetch = max(1, min(prefetch, end - start))
-        channel = connection.channel()
-        channel.basic_qos(prefetch_count=prefetch)
-        read = _RangeRead(queue, start, end, prefetch, channel._impl.basic_ack)
         scanning = connection._impl
-        scanning.scanner = DeliveryScanner(channel.channel_number, 0, queue)
-        scanning.on_deliveries = read.on_deliveries
-        _consume(channel, queue, scanner_takes_deliveries, start, direct=True)
+        reads: list[_RangeRead] = []
+
+        def prepare(channel: Any) -> Any:
+            read = _RangeRead(queue, start, end, prefetch, channel._impl.basic_ack)
+            reads.append(read)
+            scanning.scanner = DeliveryScanner(channel.channel_number, 0, queue)
+            scanning.on_deliveries = read.on_deliveries
+            return scanner_takes_deliveries
+
+        channel = _consuming(connection, queue, start, prefetch, prepare, direct=True)
+        read = reads[-1]
         position = start  # the next offset this read expects
         checked_head = False
         seen = 0
