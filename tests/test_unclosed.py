@@ -15,6 +15,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 from harness.fixtures import ProxyFactory
-from reliable_amqp import AsyncPublisher, Publisher, PublisherClosed
+from reliable_amqp import AsyncPublisher, Publisher, PublisherClosed, RecoveryFailed, RetryPolicy
 from support.broker import BrokerAdmin
 
 # A close coroutine made and never awaited (a publisher finalized after its loop closed) is a
@@ -262,6 +263,54 @@ def test_a_closed_publisher_reports_nothing(
         gc.collect()
     assert reported() == []
     assert broker.count(queue) == 2
+
+
+def _collected_off_the_loop() -> list[str]:
+    """Collect garbage in a thread of its own (as the collector may run in any thread, while an
+    event loop runs in another); the warnings it raised."""
+    caught: list[str] = []
+
+    def collect() -> None:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            gc.collect()
+        caught.extend(f"{w.category.__name__}: {w.message}" for w in seen)
+
+    thread = threading.Thread(target=collect)
+    thread.start()
+    thread.join()
+    return caught
+
+
+def test_a_failed_async_with_reports_nothing_and_leaves_no_connection(
+    make_proxy: ProxyFactory, reported: Callable[[], list[str]]
+) -> None:
+    """``async with AsyncPublisher(...)`` whose connect policy is spent raises RecoveryFailed,
+    and that is all the user hears: no report of a publisher left open (no ``__aexit__``
+    follows a failed ``__aenter__``; the user did use ``async with``), and none of the
+    connections its attempts made is left to the garbage collector (aio-pika's finalizer of an
+    open one schedules a close: off the loop's thread, a coroutine never awaited)."""
+    dead = make_proxy()
+    dead.refuse()
+    policy = RetryPolicy(max_attempts=4, initial_delay=0.01, max_delay=0.02, jitter=0.0)
+
+    async def fails() -> list[str]:
+        gc.collect()
+        gc.disable()  # what the attempts leave is collected below, in another thread
+        try:
+            with pytest.raises(RecoveryFailed):
+                async with AsyncPublisher(dead.url(), connect_policy=policy):
+                    raise AssertionError("connected through a refusing proxy")
+            return _collected_off_the_loop()
+        finally:
+            gc.enable()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        assert asyncio.run(fails()) == []
+        gc.collect()
+    assert dead.accepted_count >= 4
+    assert not [line for line in reported() if "attempt" not in line], reported()
 
 
 # --- every call on a closed publisher --------------------------------------------------------

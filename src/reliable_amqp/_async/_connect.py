@@ -47,18 +47,28 @@ install()  # aiormq's and aio-pika's loggers drop records about our own connecti
 _BORROWED_POLL = 0.05  # how often to look whether a borrowed robust connection is back
 
 
-def _connection_class(server_hostname: str | None) -> type[aio_pika.Connection]:
-    """``aio_pika.Connection``, or a subclass that checks the certificate for another name.
+def _connection_class(
+    server_hostname: str | None, made: list[aio_pika.Connection]
+) -> type[aio_pika.Connection]:
+    """``aio_pika.Connection`` that lists each instance in ``made``, and when
+    ``server_hostname`` is given checks the certificate for that name.
 
-    aio-pika 9.4 and 10 pass a connection's ``kwargs`` on to ``aiormq.connect``, whose extra
-    keywords go to ``asyncio.open_connection``: the one way to give it a ``server_hostname``.
+    ``made``: ``aio_pika.connect`` drops the connection it made when connecting fails, open;
+    its finalizer then schedules ``close()``, which when the garbage collector runs it off the
+    loop's thread is a coroutine never awaited (a RuntimeWarning per failed attempt in the
+    user's log). :meth:`ConnectionSource.obtain` closes what an attempt made.
+
+    ``server_hostname``: aio-pika 9.4 and 10 pass a connection's ``kwargs`` on to
+    ``aiormq.connect``, whose extra keywords go to ``asyncio.open_connection``: the one way to
+    give it a ``server_hostname``.
     """
-    if server_hostname is None:
-        return aio_pika.Connection
 
-    class _NamedConnection(aio_pika.Connection):
+    class _Connection(aio_pika.Connection):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            made.append(self)
+            if server_hostname is None:
+                return
             if not isinstance(getattr(self, "kwargs", None), dict):
                 raise ConfigurationError(
                     f"server_hostname needs aio-pika's Connection.kwargs; aio-pika "
@@ -66,7 +76,16 @@ def _connection_class(server_hostname: str | None) -> type[aio_pika.Connection]:
                 )
             self.kwargs["server_hostname"] = server_hostname
 
-    return _NamedConnection
+    return _Connection
+
+
+async def _discard(made: list[aio_pika.Connection]) -> None:
+    """Close the connections a failed attempt made (see :func:`_connection_class`)."""
+    for connection in made:
+        try:
+            await connection.close()
+        except Exception:  # never connected, or half: nothing of it is the user's to know
+            log.debug("closing a failed attempt's connection failed", exc_info=True)
 
 
 def _failure(error: Exception, url: URL, login: tuple[str, str]) -> ReliableAmqpError:
@@ -141,6 +160,7 @@ class ConnectionSource:
             user, password = options.login(raw)
             url = url.with_user(user).with_password(password)
         tls = uses_tls(raw)
+        made: list[aio_pika.Connection] = []
         try:
             connection = await aio_pika.connect(
                 url,
@@ -151,11 +171,12 @@ class ConnectionSource:
                 },
                 # aiormq 6 would wrap even an amqp:// connection in a context it is given
                 ssl_context=self._ssl_context if tls else None,
-                connection_class=_connection_class(options.server_hostname if tls else None),
+                connection_class=_connection_class(options.server_hostname if tls else None, made),
             )
-        except ReliableAmqpError:
-            raise
-        except Exception as exc:
+        except BaseException as exc:
+            await _discard(made)
+            if isinstance(exc, ReliableAmqpError) or not isinstance(exc, Exception):
+                raise
             reason = tls_failure(exc) if tls else None
             if reason is None:
                 raise _failure(exc, url, (url.user or "guest", vhost_of(raw))) from exc

@@ -205,7 +205,13 @@ class AsyncPublisher(
         return self
 
     async def __aenter__(self) -> AsyncPublisher:
-        return await self.connect()
+        try:
+            return await self.connect()
+        except BaseException:
+            # no __aexit__ follows a failed __aenter__: closed here, or it would be reported
+            # unclosed (a ResourceWarning telling to use `async with`, which the caller did)
+            await self.aclose()
+            raise
 
     async def __aexit__(
         self,
