@@ -40,11 +40,21 @@ def delete_queue(url: str, name: str) -> None:
 
 
 def publish(
-    url: str, stream: str, start: int, count: int, *, size: int = 0, exchange: str = ""
+    url: str,
+    stream: str,
+    start: int,
+    count: int,
+    *,
+    size: int = 0,
+    exchange: str = "",
+    max_in_flight: int = 5000,
 ) -> None:
     """Publish messages ``start`` .. ``start + count - 1`` with confirms: message id ``m{i}``,
-    body ``event {i}`` (padded to ``size`` bytes), a ``seq`` header and a ``traceparent``."""
-    with Publisher(url, max_in_flight=5000) as publisher:
+    body ``event {i}`` (padded to ``size`` bytes), a ``seq`` header and a ``traceparent``.
+
+    ``max_in_flight`` bounds the unconfirmed messages, and so the chunks RabbitMQ writes: its
+    stream writer puts every message it has at hand into one chunk (hundreds at the default)."""
+    with Publisher(url, max_in_flight=max_in_flight) as publisher:
         futures = []
         for i in range(start, start + count):
             body = f"event {i}".encode()
