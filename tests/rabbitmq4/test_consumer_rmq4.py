@@ -82,30 +82,36 @@ def test_consumer_timeout_on_a_rabbitmq4_quorum_queue_cancels_and_the_consumer_r
 ) -> None:
     """RabbitMQ 4.3 enforces consumer_timeout on quorum queues by cancelling the consumer (a
     per-queue ``x-consumer-timeout`` here): the consumer subscribes again and the message,
-    given back by the broker, is handled again; the old channel's late ack is never sent."""
+    given back by the broker, is handled again; the old channel's late ack is never sent.
+
+    One message and ``prefetch=1`` (no careful start): the slow message is the queue's only
+    checkout within the timeout. A message checked out and acked just before it (the careful
+    start's "fast" one, as this test had) leaves RabbitMQ 4.3.6 a timer for the acked
+    message's deadline; when that timer's evaluation ends within the same millisecond, the
+    queue sets no timer for the slow message, which then never times out until some other
+    command reaches the queue (8 failures in 45 runs; the queue's state showed the deadline
+    9 s past and no timer pending, and a basic.get from elsewhere brought the cancel 3 ms later).
+    """
     caplog.set_level(logging.WARNING, logger="reliable_amqp")
     url = rmq4.url
     queue = admin.queue(unique("c4-timeout"), x_queue_type="quorum", x_consumer_timeout=2000)
     try:
-        # "fast" first: the careful start's first fresh delivery stays on the consumer tag it
-        # cancels, and a timeout of that one is a 406 channel close instead (the channel's own
-        # check, "Timeout value used: -1 ms"); "slow" belongs to the live subscription.
-        fill(url, queue, ["fast", "slow"])
+        fill(url, queue, ["slow"])
         calls: list[tuple[str, bool]] = []
-        consumer = Consumer(url, queue, prefetch=5, redelivery=QUICK, handler_timeout=1.0)
+        consumer = Consumer(url, queue, prefetch=1, redelivery=QUICK, handler_timeout=1.0)
         io = consumer._core.io
 
         def handler(delivery: Delivery) -> None:
             calls.append((delivery.message_id or "", delivery.redelivered))
-            if calls == [("fast", False), ("slow", False)]:
+            if calls == [("slow", False)]:
                 generation = delivery.generation
                 wait_until(lambda: io.live_generation > generation, 60, "a new subscription")
 
         with running(consumer, handler):
-            wait_until(lambda: consumer.stats.handled == 3, 90, "the slow message handled again")
+            wait_until(lambda: consumer.stats.handled == 2, 90, "the slow message handled again")
             io.flush()
             wait_until(lambda: admin.count(queue) == 0, 10, "the queue empty")
-        assert calls == [("fast", False), ("slow", False), ("slow", True)], calls
+        assert calls == [("slow", False), ("slow", True)], calls
         assert io.recoveries == 1 and io.fatal is None
         assert io.stale_settlements >= 1
         warnings = warnings_logged(caplog)
