@@ -79,11 +79,12 @@ def _connection_class(
     return _Connection
 
 
-async def _discard(made: list[aio_pika.Connection]) -> None:
-    """Close the connections a failed attempt made (see :func:`_connection_class`)."""
+async def _discard(made: list[aio_pika.Connection], timeout: float) -> None:
+    """Close the connections a failed attempt made (see :func:`_connection_class`), as every
+    connection this library opened is closed (:func:`close_connection`)."""
     for connection in made:
         try:
-            await connection.close()
+            await close_connection(connection, timeout)
         except Exception:  # never connected, or half: nothing of it is the user's to know
             log.debug("closing a failed attempt's connection failed", exc_info=True)
 
@@ -174,7 +175,7 @@ class ConnectionSource:
                 connection_class=_connection_class(options.server_hostname if tls else None, made),
             )
         except BaseException as exc:
-            await _discard(made)
+            await _discard(made, options.connect_timeout)
             if isinstance(exc, ReliableAmqpError) or not isinstance(exc, Exception):
                 raise
             reason = tls_failure(exc) if tls else None

@@ -223,12 +223,14 @@ def _consuming(
     queue: str,
     where: Any,
     prefetch: int,
-    prepare: Callable[[Any], Any],
+    on_message: Any,
     *,
     direct: bool = False,
+    bind: Callable[[Any], None] | None = None,
 ) -> Any:
     """A new channel with ``basic.qos(prefetch)`` and a consumer at ``where`` on it; the
-    channel. ``prepare(channel)`` gives the consumer's ``on_message`` (see :func:`_consume`).
+    channel. ``on_message`` and ``direct``: see :func:`_consume`; ``bind(channel)`` runs
+    before the consumer starts on each channel tried (what acks or reads frames there).
 
     RabbitMQ refuses the consumer (406, "does not have a replica on the local node") while the
     connected node's member of the stream is not running: just after the stream was declared
@@ -242,8 +244,10 @@ def _consuming(
     while True:
         channel = connection.channel()
         channel.basic_qos(prefetch_count=prefetch)
+        if bind is not None:
+            bind(channel)
         try:
-            _consume(channel, queue, prepare(channel), where, direct=direct)
+            _consume(channel, queue, on_message, where, direct=direct)
             return channel
         except pika.exceptions.ChannelClosedByBroker as exc:
             if not _no_local_member(exc):
@@ -348,9 +352,7 @@ def _first_delivery(connection: pika.BlockingConnection, queue: str, where: Any)
     """The offset of the first message a consumer at ``where`` gets, or None if none came
     (prefetch 1 and no ack: the broker sends one at most). See :func:`_in_order`."""
     got: list[Any] = []
-    channel = _consuming(
-        connection, queue, where, 1, lambda _channel: lambda _c, _m, props, _b: got.append(props)
-    )
+    channel = _consuming(connection, queue, where, 1, lambda _c, _m, props, _b: got.append(props))
     _await_first(channel, connection, got, 1)
     _close_quietly(channel, connection)
     return _offset_of(got[0], queue) if got else None
@@ -394,7 +396,7 @@ def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
         queue,
         "last",
         prefetch,
-        lambda _channel: lambda _c, _m, props, _b: offsets.append(_offset_of(props, queue)),
+        lambda _c, _m, props, _b: offsets.append(_offset_of(props, queue)),
     )
     started = time.monotonic()
     _await_first(channel, connection, offsets, prefetch)
@@ -567,17 +569,16 @@ def read_range(
             return
         prefetch = max(1, min(prefetch, end - start))
         scanning = connection._impl
-        reads: list[_RangeRead] = []
+        read = _RangeRead(queue, start, end, prefetch, None)  # acks on the channel bound below
+        scanning.on_deliveries = read.on_deliveries
 
-        def prepare(channel: Any) -> Any:
-            read = _RangeRead(queue, start, end, prefetch, channel._impl.basic_ack)
-            reads.append(read)
+        def bind(channel: Any) -> None:
+            read.ack = channel._impl.basic_ack
             scanning.scanner = DeliveryScanner(channel.channel_number, 0, queue)
-            scanning.on_deliveries = read.on_deliveries
-            return scanner_takes_deliveries
 
-        channel = _consuming(connection, queue, start, prefetch, prepare, direct=True)
-        read = reads[-1]
+        channel = _consuming(
+            connection, queue, start, prefetch, scanner_takes_deliveries, direct=True, bind=bind
+        )
         position = start  # the next offset this read expects
         checked_head = False
         seen = 0
