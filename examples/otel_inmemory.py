@@ -2,7 +2,7 @@
 
 The OpenTelemetry SDK is configured here with in-memory exporters, so the example can print what
 a real exporter (OTLP to Jaeger or Tempo, Prometheus) would receive. It needs
-``pip install 'reliable-amqp[otel]' opentelemetry-sdk``:
+``pip install '.[otel]' opentelemetry-sdk``:
 
 1. Ten orders are published inside a span of the application ("handle-batch"). Each message
    gets a PRODUCER span, ``publish amq.default``, a child of that span, ended when the broker

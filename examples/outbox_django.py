@@ -7,7 +7,7 @@ A whole project in one file: the settings are configured here, with the outbox's
 (``reliable_amqp.outbox.django``, whose migration creates the outbox tables) and a SQLite
 database in a temporary directory. The same view runs unchanged on PostgreSQL or MySQL.
 
-Needs ``pip install 'reliable-amqp[outbox-django]'`` (plus ``[outbox]`` for PostgreSQL).
+Needs ``pip install '.[outbox-django]'`` (plus ``[outbox]`` for PostgreSQL).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ does (one session per request, committed when the handler returns, rolled back w
 raises), and ``main()`` plays the server, calling the handler concurrently. The relay runs as a
 task of the same event loop (``AsyncOutboxRelay``, publishing through an ``AsyncPublisher``).
 
-Needs ``pip install 'reliable-amqp[aio,outbox,outbox-sqlalchemy,outbox-asyncpg]'`` and a PostgreSQL
+Needs ``pip install '.[aio,outbox,outbox-sqlalchemy,outbox-asyncpg]'`` and a PostgreSQL
 server: by default the local one as ``postgres`` (``PG_ADMIN_URL=postgresql://user@host:port/
 postgres`` for another). It creates a database of its own and drops it at the end.
 """

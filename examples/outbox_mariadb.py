@@ -3,7 +3,7 @@ and its "order created" event are written in one InnoDB transaction, and a relay
 publishes the event once that transaction has committed, deleting its row only after the
 broker's confirm.
 
-Needs ``pip install 'reliable-amqp[outbox-mysql]'`` and a MariaDB server: by default the local
+Needs ``pip install '.[outbox-mysql]'`` and a MariaDB server: by default the local
 one as root without a password (``MYSQL_ADMIN_URL=mysql://user:password@host:port/`` for
 another). It creates a database of its own and drops it at the end.
 """

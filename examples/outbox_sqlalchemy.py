@@ -6,7 +6,7 @@ broker's confirm.
 The outbox's tables are part of the application's ``MetaData`` (``outbox_table``), so
 ``create_all()`` here, or Alembic's autogenerate in a real service, creates them with the rest.
 
-Needs ``pip install 'reliable-amqp[outbox,outbox-sqlalchemy]'`` and a PostgreSQL server: by
+Needs ``pip install '.[outbox,outbox-sqlalchemy]'`` and a PostgreSQL server: by
 default the local one as ``postgres`` (``PG_ADMIN_URL=postgresql://user@host:port/postgres``
 for another). It creates a database of its own and drops it at the end.
 """
