@@ -14,7 +14,10 @@
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${RELIABLE_AMQP_VENV:-$HOME/.cache/reliable-amqp/venv}
+# This checkout's cache directory (its venvs), unless RELIABLE_AMQP_VENV / RELIABLE_AMQP_MATRIX_DIR
+# say otherwise: scripts/paths.sh.
+source "$ROOT/scripts/paths.sh"
+VENV=$RELIABLE_AMQP_VENV
 # The version matrix (tests/matrix): NAME:PYTHON:CONSTRAINTS[:EXTRAS], each a venv
 # $MATRIX_DIR/venv-NAME with .[EXTRAS], by default .[aio,dev] (no Spark: small and quick to
 # build). An empty CONSTRAINTS means "what pip resolves there"; constraints/lowest.txt pins every
@@ -23,7 +26,7 @@ VENV=${RELIABLE_AMQP_VENV:-$HOME/.cache/reliable-amqp/venv}
 # through $MATRIX_DIR/venv-NAME/host-python. The django6 and django-lowest venvs are not legs of
 # tests/matrix: tests/outbox/test_stacks.py runs its Django tests with them (Django 6 needs
 # Python >= 3.12; the outbox-django extra's lower bound), beside the main venv's Django.
-MATRIX_DIR=${RELIABLE_AMQP_MATRIX_DIR:-$HOME/.cache/reliable-amqp}
+MATRIX_DIR=$RELIABLE_AMQP_MATRIX_DIR
 MATRIX_LEGS=("py3.10:3.10:" "py3.13:3.13:" "py3.14:root/3.14:" "lowest:3.10:constraints/lowest.txt"
     "django6:3.13:constraints/django6.txt:outbox,outbox-django"
     "django-lowest:3.10:constraints/django-lowest.txt:outbox,outbox-django")

@@ -8,5 +8,5 @@
 # The same cluster the tests use (tests/support/spark_cluster.py; tests/spark/test_cluster.py).
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${RELIABLE_AMQP_VENV:-$HOME/.cache/reliable-amqp/venv}
-exec "$VENV/bin/python" "$ROOT/tests/support/spark_cluster.py" "$@"
+source "$ROOT/scripts/paths.sh"   # this checkout's venv, or $RELIABLE_AMQP_VENV
+exec "$RELIABLE_AMQP_VENV/bin/python" "$ROOT/tests/support/spark_cluster.py" "$@"
