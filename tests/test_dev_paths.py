@@ -53,5 +53,5 @@ def test_the_variables_override_the_defaults(tmp_path: Path) -> None:
 
 def test_the_rabbitmq4_root_is_shared_between_clones() -> None:
     text = (SCRIPTS / "rabbitmq4.sh").read_text(encoding="utf-8")
-    assert 'CACHE=${RELIABLE_AMQP_RABBITMQ4_DIR:-$HOME/.cache/reliable-amqp/rabbitmq4}' in text
+    assert "CACHE=${RELIABLE_AMQP_RABBITMQ4_DIR:-$HOME/.cache/reliable-amqp/rabbitmq4}" in text
     assert "paths.sh" not in text
