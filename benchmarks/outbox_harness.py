@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import pika
@@ -32,9 +32,6 @@ from broker_idle import broker_pids
 from reliable_amqp.outbox import Outbox
 from reliable_amqp.outbox._rows import row_values
 from reliable_amqp.outbox._schema import WRITE_COLUMNS
-
-if TYPE_CHECKING:
-    from outbox_children import Child
 
 URL = os.environ.get("AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2F")
 PG = os.environ.get("OUTBOX_PG", "postgresql://postgres@127.0.0.1:5432")
@@ -436,11 +433,24 @@ def unique_name(role: str) -> str:
     return f"bench-{role}-{uuid.uuid4().hex[:6]}"
 
 
+class Measured(Protocol):
+    """A process of its own that :func:`measured` starts and watches (``outbox_children.Child``,
+    which imports this module: the harness names only what it calls, so no import circle)."""
+
+    @property
+    def pid(self) -> int: ...
+    def wait_ready(self) -> None: ...
+    def go(self) -> None: ...
+    def stop(self) -> None: ...
+    def result(self, timeout: float = ...) -> dict[str, Any]: ...
+    def kill(self) -> None: ...
+
+
 def measured(
     url: str,
     queue: str,
     count: int,
-    children: list[Child],
+    children: Sequence[Measured],
     *,
     relay_names: Sequence[str] = (),
     server_pid: int | None = None,
