@@ -11,8 +11,17 @@ The modules behind it are private.
 import typing as _typing
 
 from reliable_amqp._compat import IncompatibleDependency
-from reliable_amqp._consume import AsyncConsumer, Consumer, ConsumerStats, HandlerTimeout, Reject
+from reliable_amqp._consume import (
+    AsyncConsumer,
+    Consumer,
+    ConsumerHealth,
+    ConsumerStats,
+    HandlerCancelled,
+    HandlerTimeout,
+    Reject,
+)
 from reliable_amqp._core.brokers import BrokerLimitExceeded
+from reliable_amqp._core.callables import WrongHandlerKind
 from reliable_amqp._core.delivery import Delivery, HeaderDecodeError
 from reliable_amqp._core.errors import (
     AccessRefused,
@@ -58,6 +67,7 @@ from reliable_amqp._core.errors import (
 from reliable_amqp._core.message import Confirmation, MessageProperties, OutgoingMessage
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._core.refusals import QueueNotFound
 from reliable_amqp._core.state import State
 from reliable_amqp._core.stats import EventKind, LatencySummary, PublisherEvent, Stats
 from reliable_amqp._sync.publisher import Publisher
@@ -73,9 +83,11 @@ __all__ = [
     # publishers (AsyncPublisher needs the `aio` extra: it is imported on first use)
     "Publisher", "AsyncPublisher",
     # consumers (AsyncConsumer needs no extra: asyncio only)
-    "Consumer", "AsyncConsumer", "Delivery", "Reject", "ConsumerStats",
+    "Consumer", "AsyncConsumer", "Delivery", "Reject", "ConsumerStats", "ConsumerHealth",
     # ... what a consumer reports about a delivery (each is dead-lettered or retried, never lost)
-    "HeaderDecodeError", "HandlerTimeout",
+    "HeaderDecodeError", "HandlerTimeout", "HandlerCancelled",
+    # ... what a consumer refuses: a handler of the wrong kind, a queue it cannot consume
+    "WrongHandlerKind", "QueueNotFound",
     # messages and options
     "OutgoingMessage", "MessageProperties", "Confirmation", "PublisherOptions", "RetryPolicy",
     # state, events and stats

@@ -6,8 +6,17 @@ the original is acked); they differ in how handlers are called. See docs/consume
 """
 
 from reliable_amqp._consume._dispatch import Reject
+from reliable_amqp._consume._health import ConsumerHealth
 from reliable_amqp._consume._stats import ConsumerStats
-from reliable_amqp._consume.async_consumer import AsyncConsumer, HandlerTimeout
+from reliable_amqp._consume.async_consumer import AsyncConsumer, HandlerCancelled, HandlerTimeout
 from reliable_amqp._consume.consumer import Consumer
 
-__all__ = ["AsyncConsumer", "Consumer", "ConsumerStats", "HandlerTimeout", "Reject"]
+__all__ = [
+    "AsyncConsumer",
+    "Consumer",
+    "ConsumerHealth",
+    "ConsumerStats",
+    "HandlerCancelled",
+    "HandlerTimeout",
+    "Reject",
+]

@@ -7,19 +7,24 @@ once.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from reliable_amqp._consume._io import ConsumerIO
+from reliable_amqp._consume._lifecycle import uncounted_text
 from reliable_amqp._consume._options import ConsumerOptions
 from reliable_amqp._consume._redeliver import Redeliverer
 from reliable_amqp._consume._stats import ConsumerStats
 from reliable_amqp._core.acks import ACK
+from reliable_amqp._core.brokers import broker_limits
 from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import ReliableAmqpError
 from reliable_amqp._core.redelivery import Retry, before_handler, on_failure
 
 if TYPE_CHECKING:
     from reliable_amqp._otel._consume import ConsumerTelemetry
+
+log = logging.getLogger("reliable_amqp")
 
 
 class Reject(ReliableAmqpError):
@@ -29,6 +34,8 @@ class Reject(ReliableAmqpError):
     that does not exist): retrying it would only delay the dead letter.
     """
 
+    permanent = True
+
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -37,7 +44,15 @@ class Reject(ReliableAmqpError):
 class Dispatch:
     """The handler side's bookkeeping, shared by :class:`Consumer` and :class:`AsyncConsumer`."""
 
-    __slots__ = ("_io", "_max_attempts", "_options", "_redeliver", "stats", "telemetry")
+    __slots__ = (
+        "_counting_known",
+        "_io",
+        "_max_attempts",
+        "_options",
+        "_redeliver",
+        "stats",
+        "telemetry",
+    )
 
     def __init__(
         self,
@@ -51,6 +66,8 @@ class Dispatch:
         self._redeliver = redeliver
         self._max_attempts = options.max_attempts
         self.stats = stats
+        # True once it is known that crash loops are counted (a ledger), or once said not
+        self._counting_known = options.attempts is not None
         #: spans and metrics (None: OpenTelemetry is not in use), set when consuming starts
         self.telemetry: ConsumerTelemetry | None = None
 
@@ -65,7 +82,20 @@ class Dispatch:
             stats.redelivered += 1
             if self.telemetry is not None:
                 self.telemetry.count("redelivered")
+            if not self._counting_known:
+                self._check_count(delivery)
         return True
+
+    def _check_count(self, delivery: Delivery) -> None:
+        """A redelivery is the evidence of whether the queue counts deliveries: said once."""
+        headers = delivery.headers
+        if headers and "x-delivery-count" in headers:
+            self._counting_known = True
+            return
+        self._counting_known = True
+        product = broker_limits(self._io.server_properties).product
+        evidence = f" (message {delivery.message_id!r} came back without x-delivery-count)"
+        log.warning("reliable-amqp: %s", uncounted_text(self._options.queue, product, evidence))
 
     def dead_before(self, delivery: Delivery) -> bool:
         """True (and the delivery dead-lettered) when it is dead before its handler starts:
@@ -95,13 +125,15 @@ class Dispatch:
 
     def failed(self, delivery: Delivery, error: BaseException) -> None:
         """The handler raised ``error``: retry later or dead-letter (the ack follows the
-        confirmed republish)."""
+        confirmed republish). :class:`Reject` and the library's errors that depend on the
+        message alone (``permanent``: MissingMessageId, InvalidMessage, HeaderDecodeError)
+        are dead-lettered at once."""
         verdict = on_failure(
             self._options.queue,
             delivery.attempt,
             error,
             self._options.redelivery,
-            rejected=isinstance(error, Reject),
+            rejected=getattr(type(error), "permanent", False) is True,
         )
         if isinstance(verdict, Retry):
             self._redeliver.retry(delivery, verdict)

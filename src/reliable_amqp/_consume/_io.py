@@ -22,8 +22,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import pika
 import pika.exceptions
@@ -34,15 +34,26 @@ from reliable_amqp._compat.pika import (
     scanner_takes_deliveries,
     terminate_stream,
 )
+from reliable_amqp._consume._lifecycle import node_of, product_of
 from reliable_amqp._core.acks import ACK, AckBook
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner
 from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed, ReliableAmqpError
 from reliable_amqp._core.liveness import LinkWatch
 from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._core.refusals import refusal
 from reliable_amqp._logs import own_context, own_loop
 from reliable_amqp._sync._pika import call_threadsafe, translate_connection_error
 
+if TYPE_CHECKING:
+    from reliable_amqp._consume._lifecycle import Lifecycle
+
 log = logging.getLogger("reliable_amqp")
+
+#: a queue refused at the start of a run (404 missing, 405 exclusive, 403 a permission) ends
+#: run() after this many subscriptions tried (about a second with the default connect
+#: policy), not after the policy's 10 minutes: waiting longer for a queue nobody declares only
+#: hides the mistake. A queue lost once consumed is waited for under the whole policy.
+REFUSED_ATTEMPTS = 3
 
 
 class ConsumerIO:
@@ -58,6 +69,7 @@ class ConsumerIO:
         on_deliveries: Callable[[list[Delivery]], None],
         declare: dict[str, Any] | None = None,
         consumer_arguments: dict[str, Any] | None = None,
+        lifecycle: Lifecycle | None = None,
     ) -> None:
         self._params = params
         self.queue = queue
@@ -66,6 +78,7 @@ class ConsumerIO:
         self._on_deliveries = on_deliveries
         self._declare = declare
         self._consumer_arguments = consumer_arguments or {}
+        self._lifecycle = lifecycle
         self.stopping = threading.Event()
         #: set when a subscription is live (cleared while recovering)
         self.consuming = threading.Event()
@@ -95,11 +108,39 @@ class ConsumerIO:
         self._drained = threading.Event()
         self.stale_settlements = 0
         self.recoveries = 0
+        #: ``host:port`` of the open connection (None while there is none)
+        self.node: str | None = None
+        #: the connected broker's ``connection.start`` properties (product, version)
+        self.server_properties: Mapping[str, Any] | None = None
+        #: monotonic time of the last socket read that brought deliveries
+        self.last_delivery: float | None = None
+        self._step = ""  # the set-up step under way (for a refusal's remedy)
+        self._subscribed_once = False  # this run had a subscription
+        self._refused = 0  # refusals in a row before any subscription
+        self._last_loss: str | None = None
+
+    @property
+    def connected(self) -> bool:
+        """Whether the connection is open (read from any thread: a snapshot)."""
+        connection = self._connection
+        return connection is not None and bool(connection.is_open)
 
     # --- any thread ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the thread."""
+        """Start the thread (again, after a run that ended: every run starts afresh)."""
+        if self._thread is not None and self._thread.is_alive():
+            raise ReliableAmqpError("the consumer's I/O thread is still running")
+        self.stopping.clear()
+        self.ended.clear()
+        self._drained.clear()
+        self.consuming.clear()
+        self.fatal = None
+        self._settled.clear()
+        self._force = self._draining = self._cancelled = False
+        self._failures, self._first_failure = 0, None
+        self._subscribed_once, self._refused, self._last_loss = False, 0, None
+        self.last_delivery = None
         self._thread = threading.Thread(target=self._run, name="reliable-amqp-consume", daemon=True)
         self._thread.start()
 
@@ -208,6 +249,7 @@ class ConsumerIO:
                     self._loss = translate_connection_error(exc)
             with self._wake_lock:
                 self._connection = None
+            self.node = None
             connection.ioloop.close()
             self._lost_channel()
             if self.stopping.is_set() or self._draining:
@@ -222,6 +264,7 @@ class ConsumerIO:
         if self._first_failure is None:
             self._first_failure = now
         self._failures += 1
+        self._last_loss = str(loss)
         if not loss.retriable or not self._policy.allows(self._failures, now - self._first_failure):
             self.fatal = (
                 loss
@@ -243,10 +286,22 @@ class ConsumerIO:
         return not self.stopping.wait(delay)
 
     def _recovered(self) -> None:
+        lifecycle = self._lifecycle
+        if lifecycle is not None and not self.consuming.is_set():
+            first = self._first_failure
+            lifecycle.subscribed(
+                self.node or "?",
+                self._last_loss if self._subscribed_once else None,
+                self._failures,
+                time.monotonic() - first if first is not None else 0.0,
+                self.server_properties,
+            )
         if self._failures:
             self.recoveries += 1
         self._failures = 0
         self._first_failure = None
+        self._subscribed_once = True
+        self._refused = 0
 
     # --- pika callbacks (I/O thread) ----------------------------------------------------------
 
@@ -263,6 +318,11 @@ class ConsumerIO:
         if self.stopping.is_set():
             connection.close()
             return
+        params = connection.params
+        self.node = node_of(params.host, params.port)
+        self.server_properties = connection.server_properties
+        if self._lifecycle is not None:
+            self._lifecycle.connected(self.node, product_of(self.server_properties))
         self._watch_link(connection)
         self._open_channel()
 
@@ -322,6 +382,7 @@ class ConsumerIO:
         if channel is None:
             return
         if self._declare is not None:
+            self._step = "queue.declare"
             channel.queue_declare(self.queue, callback=self._on_declared, **self._declare)
         else:
             self._on_declared(None)
@@ -330,6 +391,7 @@ class ConsumerIO:
         channel = self._channel
         if channel is None or self._draining:
             return
+        self._step = "basic.consume"
         self._consumer_tag = channel.basic_consume(
             self.queue,
             scanner_takes_deliveries,
@@ -338,6 +400,7 @@ class ConsumerIO:
         )
 
     def _on_consume_ok(self, _frame: Any) -> None:
+        self._step = ""
         self._recovered()
         self.consuming.set()
         if self._draining:
@@ -369,7 +432,8 @@ class ConsumerIO:
             self._drained.set()
             connection.close()
             return
-        loss = AmqpConnectionError(
+        refused = self._refusal(reason)
+        loss: ReliableAmqpError = refused or AmqpConnectionError(
             "the broker cancelled the subscription"
             if self._cancelled
             else f"the channel closed: {translate_connection_error(reason)}"
@@ -378,6 +442,14 @@ class ConsumerIO:
         if self._first_failure is None:
             self._first_failure = now
         self._failures += 1
+        self._last_loss = str(loss)
+        if refused is not None and not self._subscribed_once:
+            self._refused += 1
+            if self._refused >= REFUSED_ATTEMPTS:
+                self.fatal = refused
+                self.stopping.set()
+                connection.close()
+                return
         if not self._policy.allows(self._failures, now - self._first_failure):
             self.fatal = RecoveryFailed(
                 f"consumer of {self.queue!r} gave up after {self._failures} attempts: {loss}"
@@ -395,6 +467,23 @@ class ConsumerIO:
         )
         connection.ioloop.call_later(delay, self._open_channel)
 
+    def _refusal(self, reason: Any) -> ReliableAmqpError | None:
+        """A channel closed by the broker's refusal of a set-up step, as an error naming the
+        remedy (:mod:`reliable_amqp._core.refusals`); None for any other close."""
+        code = getattr(reason, "reply_code", None)
+        if not self._step or type(code) is not int:
+            return None
+        connection = self._connection
+        params = connection.params if connection is not None else self._params[0]
+        return refusal(
+            code,
+            str(getattr(reason, "reply_text", "")),
+            operation=self._step,
+            name=self.queue,
+            vhost=params.virtual_host,
+            user=str(getattr(params.credentials, "username", "")),
+        )
+
     def _lost_channel(self) -> None:
         connection = self._connection
         if connection is not None:
@@ -410,6 +499,7 @@ class ConsumerIO:
         return bool(channel.is_open) and channel is self._channel and not self._draining
 
     def _deliver(self, batch: list[Delivery]) -> None:
+        self.last_delivery = time.monotonic()
         book = self._book
         if book is not None:
             for d in batch:

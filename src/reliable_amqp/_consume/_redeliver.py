@@ -14,11 +14,14 @@ import threading
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import pika
+
 from reliable_amqp._consume._io import ConsumerIO
 from reliable_amqp._consume._options import ConsumerOptions
 from reliable_amqp._consume._stats import ConsumerStats
 from reliable_amqp._core.acks import ACK, REQUEUE
 from reliable_amqp._core.delivery import Delivery
+from reliable_amqp._core.errors import AccessRefused, ReliableAmqpError
 from reliable_amqp._core.redelivery import (
     MAX_DELAY_MS,
     NO_ID_HEADER,
@@ -29,6 +32,7 @@ from reliable_amqp._core.redelivery import (
     delay_queue,
     retry_headers,
 )
+from reliable_amqp._core.refusals import refusal
 from reliable_amqp._sync.publisher import Publisher
 
 if TYPE_CHECKING:
@@ -70,11 +74,13 @@ class Redeliverer:
             options = self._options
             publisher = Publisher(list(options.connection.urls), **_publisher_kwargs(options))
             publisher.connect()
+            declaring = options.dead_letter_queue
             try:
-                publisher.declare_queue(options.dead_letter_queue, durable=True)
+                publisher.declare_queue(declaring, durable=True)
                 for level in delay_levels(options.redelivery):  # options.own_queues, with TTLs
+                    declaring = delay_queue(options.queue, level)
                     publisher.declare_queue(
-                        delay_queue(options.queue, level),
+                        declaring,
                         durable=True,
                         arguments={
                             "x-message-ttl": min(level, MAX_DELAY_MS),
@@ -82,6 +88,9 @@ class Redeliverer:
                             "x-dead-letter-routing-key": options.queue,
                         },
                     )
+            except AccessRefused as exc:
+                publisher.close(timeout=1.0)
+                raise _refused(exc, declaring, options) from exc
             except BaseException:
                 publisher.close(timeout=1.0)
                 raise
@@ -95,6 +104,12 @@ class Redeliverer:
         if publisher is None:
             return 0
         return publisher.close(timeout=timeout)
+
+    @property
+    def pending(self) -> int:
+        """Retries and dead letters published and not yet confirmed."""
+        publisher = self._publisher
+        return 0 if publisher is None else publisher.in_flight
 
     def flush(self, timeout: float) -> int:
         """Wait for every republish so far to be confirmed; returns how many are pending."""
@@ -163,6 +178,25 @@ class Redeliverer:
             error,
         )
         self._io.settle(delivery.generation, delivery.delivery_tag, REQUEUE, urgent=True)
+
+
+def _refused(exc: AccessRefused, queue: str, options: ConsumerOptions) -> ReliableAmqpError:
+    """A 403 on one of the consumer's own queues, naming the permission to grant."""
+    params = pika.URLParameters(options.connection.urls[0])
+    own = ", ".join(repr(name) for name in options.own_queues)
+    better = refusal(
+        403,
+        exc.text,
+        operation="queue.declare",
+        name=queue,
+        vhost=params.virtual_host,
+        user=str(getattr(params.credentials, "username", "")),
+        why=(
+            f"the consumer declares its own queues ({own}) at start, and publishes retries "
+            "and dead letters to them, which needs 'write' on the default exchange too"
+        ),
+    )
+    return better if better is not None else exc
 
 
 def _publisher_kwargs(options: ConsumerOptions) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from reliable_amqp._consume._health import ConsumerHealth
 from reliable_amqp._consume._options import (
     DEFAULT_HANDLER_TIMEOUT,
     DEFAULT_PREFETCH,
@@ -28,6 +29,7 @@ from reliable_amqp._consume._options import (
 )
 from reliable_amqp._consume._stats import ConsumerStats
 from reliable_amqp._consume.consumer import ConsumerCore
+from reliable_amqp._core.callables import check_handler
 from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import ReliableAmqpError
 from reliable_amqp._core.policy import RetryPolicy
@@ -37,6 +39,13 @@ log = logging.getLogger("reliable_amqp")
 
 class HandlerTimeout(ReliableAmqpError):
     """An async handler ran past ``handler_timeout`` and was cancelled (then retried)."""
+
+
+class HandlerCancelled(ReliableAmqpError):
+    """An async handler raised ``CancelledError`` that nobody asked for: not :meth:`stop`, not
+    a cancel of ``run()``, not ``handler_timeout`` (a task it awaited was cancelled, say). It
+    counts as a failure (retried, then dead-lettered); a bare ``CancelledError`` out of ``run()``
+    always means ``run()`` itself was cancelled."""
 
 
 class AsyncConsumer:
@@ -87,6 +96,13 @@ class AsyncConsumer:
         self._wake_lock = threading.Lock()
         self._stopping = False
         self._running = False
+        #: set when run() cancels its workers: only then is a CancelledError theirs to raise
+        self._cancelling = False
+        #: a BaseException (SystemExit...) a handler raised: it ends run() and propagates
+        self._halt: BaseException | None = None
+        #: when each worker's running handler started (None: idle), for health()
+        self._starts: list[float | None] = []
+        self._workers: list[asyncio.Task[None]] = []
         self._core = ConsumerCore(url, queue, own, options, self._on_deliveries)
         self.options = self._core.options
 
@@ -127,6 +143,12 @@ class AsyncConsumer:
 
     # --- the caller's side --------------------------------------------------------------------
 
+    def health(self) -> ConsumerHealth:
+        """Whether this consumer is running, connected and subscribed, the age of its last
+        delivery and of its longest-running handler (any thread; see ``ConsumerHealth``)."""
+        started = [t for t in list(self._starts) if t is not None]
+        return self._core.health(self._running, min(started) if started else None)
+
     def stop(self) -> None:
         """Ask :meth:`run` to return (any thread, or from inside a handler)."""
         self._stopping = True
@@ -139,10 +161,20 @@ class AsyncConsumer:
         self.stop()
 
     async def run(self, handler: Callable[[Delivery], Awaitable[Any]]) -> None:
-        """Consume until :meth:`stop`; each delivery goes to ``await handler(delivery)``."""
+        """Consume until :meth:`stop`; each delivery goes to ``await handler(delivery)``.
+
+        A plain function (or a generator function) is refused before anything is consumed
+        with :class:`~reliable_amqp.WrongHandlerKind`. A ``SystemExit``, ``KeyboardInterrupt``
+        or other ``BaseException`` from a handler ends ``run()`` as it ends the sync
+        consumer's: that message goes back to the queue, the connections close, and the
+        exception propagates. ``run`` may be called again after it returned.
+        """
+        check_handler(handler, want_async=True, where="AsyncConsumer.run")
         if self._running:
             raise ReliableAmqpError("run() is already running for this consumer")
         self._running = True
+        self._cancelling = False
+        self._halt = None
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._event = asyncio.Event()
@@ -150,17 +182,25 @@ class AsyncConsumer:
         restore = self._install_signals(loop)
         graceful = True
         workers: list[asyncio.Task[None]] = []
+        running = 0
         try:
             await loop.run_in_executor(None, core.start)
-            workers = [
-                loop.create_task(self._worker(handler)) for _ in range(self.options.concurrency)
-            ]
-            await asyncio.gather(*workers)
+            count = self.options.concurrency
+            self._starts = [None] * count
+            workers = [loop.create_task(self._worker(handler, i)) for i in range(count)]
+            self._workers = workers
+            # asyncio.wait, not gather: a cancel of run() does not reach the workers by itself,
+            # so a CancelledError inside a handler is told apart from this consumer's own
+            await asyncio.wait(workers)
         except BaseException:
             graceful = False
             raise
         finally:
             self._stopping = True
+            if isinstance(self._halt, KeyboardInterrupt):
+                graceful = False
+            running = sum(1 for t in workers if not t.done())
+            self._cancelling = True
             for task in workers:
                 task.cancel()
             if workers:
@@ -168,7 +208,9 @@ class AsyncConsumer:
             # Closing blocks (it waits for confirms and the I/O thread): off the loop. A thread
             # of its own, not the default executor: under cancellation it must still finish.
             closer = threading.Thread(
-                target=core.finish, args=(graceful,), name="reliable-amqp-consume-close"
+                target=core.finish,
+                args=(graceful, running, len(self._ready)),
+                name="reliable-amqp-consume-close",
             )
             closer.start()
             done = loop.create_future()
@@ -186,14 +228,22 @@ class AsyncConsumer:
             finally:
                 self._ready.clear()
                 self._stopping = False  # run() may be called again; a stop() before it is kept
+                self._starts = []
+                self._workers = []
                 restore()
                 self._loop = None
                 self._running = False
+        if self._halt is not None:
+            raise self._halt
+        for task in workers:  # a worker that failed is a bug: not lost in the tasks
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
         if core.io.fatal is not None:
             raise core.io.fatal
 
-    async def _worker(self, handler: Callable[[Delivery], Awaitable[Any]]) -> None:
+    async def _worker(self, handler: Callable[[Delivery], Awaitable[Any]], index: int) -> None:
         ready = self._ready
+        starts = self._starts
         core = self._core
         dispatch = core.dispatch
         stats = core.stats
@@ -231,7 +281,7 @@ class AsyncConsumer:
             telemetry = dispatch.telemetry
             span = telemetry.begin(delivery) if telemetry is not None else None
             error: Exception | None = None
-            started = clock()
+            started = starts[index] = clock()
             try:
                 if timeout is None:
                     await handler(delivery)
@@ -242,16 +292,44 @@ class AsyncConsumer:
                         raise HandlerTimeout(
                             f"the handler ran past handler_timeout={timeout} s and was cancelled"
                         ) from None
+            except asyncio.CancelledError:
+                if self._cancelling:
+                    raise  # run() ends: the message stays unacked and goes back
+                error = HandlerCancelled(
+                    "the handler raised CancelledError that neither stop(), a cancel of "
+                    "run() nor handler_timeout asked for"
+                )
+                dispatch.failed(delivery, error)
             except Exception as exc:
                 error = exc
                 dispatch.failed(delivery, exc)
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt: the message goes back
+                self._halted(exc)
+                return
             else:
                 dispatch.succeeded(delivery)
             finally:
+                starts[index] = None
                 seconds = clock() - started
                 stats.handler_seconds += seconds
                 if telemetry is not None:
                     telemetry.end(span, error, seconds)
+
+    def _halted(self, exc: BaseException) -> None:
+        """A handler raised a BaseException: no new handler starts; on KeyboardInterrupt the
+        running ones are cancelled too (their messages go back), as Ctrl-C does in the sync
+        consumer. run() raises ``exc`` once closed."""
+        if self._halt is None:
+            self._halt = exc
+        self._stopping = True
+        if isinstance(exc, KeyboardInterrupt):
+            self._cancelling = True
+            current = asyncio.current_task()
+            for task in self._workers:
+                if task is not current:
+                    task.cancel()
+        if self._event is not None:
+            self._event.set()
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
         """SIGTERM and the first Ctrl-C stop gracefully (main thread, Unix); the second Ctrl-C

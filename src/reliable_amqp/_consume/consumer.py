@@ -9,6 +9,7 @@ while it works.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import signal
 import threading
@@ -19,7 +20,9 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any
 
 from reliable_amqp._consume._dispatch import Dispatch
+from reliable_amqp._consume._health import ConsumerHealth, snapshot
 from reliable_amqp._consume._io import ConsumerIO
+from reliable_amqp._consume._lifecycle import Lifecycle
 from reliable_amqp._consume._options import (
     DEFAULT_HANDLER_TIMEOUT,
     DEFAULT_PREFETCH,
@@ -28,6 +31,7 @@ from reliable_amqp._consume._options import (
 )
 from reliable_amqp._consume._redeliver import Redeliverer
 from reliable_amqp._consume._stats import ConsumerStats
+from reliable_amqp._core.callables import WrongHandlerKind, check_handler, returned_awaitable
 from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError
 from reliable_amqp._core.policy import RetryPolicy
@@ -70,6 +74,7 @@ class ConsumerCore:
         if opts.declare or opts.queue_arguments is not None:
             declare = {"durable": True, "arguments": dict(opts.queue_arguments or {}) or None}
         self.stats = ConsumerStats()
+        self.lifecycle = Lifecycle(opts)
         self.io = ConsumerIO(
             params,
             opts.queue,
@@ -78,6 +83,7 @@ class ConsumerCore:
             on_deliveries=on_deliveries,
             declare=declare,
             consumer_arguments=dict(opts.consumer_arguments or {}),
+            lifecycle=self.lifecycle,
         )
         self.redeliver = Redeliverer(opts, self.io, self.stats)
         self.dispatch = Dispatch(opts, self.io, self.redeliver, self.stats)
@@ -86,15 +92,40 @@ class ConsumerCore:
         """Open the redelivery publisher (declaring the delay and dead-letter queues), then
         start consuming."""
         self.dispatch.telemetry = self.redeliver.telemetry = _telemetry(self.options)
+        self.lifecycle.begin()
         self.redeliver.open()
         self.io.start()
 
-    def finish(self, graceful: bool) -> None:
+    def health(self, running: bool, handler_started: float | None) -> ConsumerHealth:
+        """A snapshot for :meth:`Consumer.health` (any thread)."""
+        io = self.io
+        return snapshot(
+            running=running,
+            connected=io.connected,
+            subscribed=io.consuming.is_set(),
+            node=io.node,
+            last_delivery=io.last_delivery,
+            handler_started=handler_started,
+            handler_timeout=self.options.handler_timeout,
+        )
+
+    def finish(self, graceful: bool, running: int = 0, waiting: int = 0) -> None:
         """Stop: with ``graceful``, wait for republishes, ack what finished and requeue the
-        rest before closing; without, close at once (the broker requeues what is unacked)."""
+        rest before closing; without, close at once (the broker requeues what is unacked).
+
+        ``running`` handlers are still at work (async, past the stop's wait) and ``waiting``
+        deliveries were never started: both go back to the queue.
+        """
+        try:
+            self._finish(graceful, running, waiting)
+        finally:
+            self.lifecycle.stopped(self.stats)
+
+    def _finish(self, graceful: bool, running: int, waiting: int) -> None:
         timeout = self.options.stop_timeout
         io = self.io
         if graceful and not io.ended.is_set():
+            self.lifecycle.stopping(running, waiting, self.redeliver.pending)
             io.cancel()
             left = self.redeliver.flush(timeout)
             if left:
@@ -178,6 +209,7 @@ class Consumer:
         self._core = ConsumerCore(url, queue, own, options, self._on_deliveries)
         self.options = self._core.options
         self._handler_started: float | None = None
+        self._wrong_kind: WrongHandlerKind | None = None
 
     @property
     def own_queues(self) -> tuple[str, ...]:
@@ -201,6 +233,11 @@ class Consumer:
 
     # --- the caller's side --------------------------------------------------------------------
 
+    def health(self) -> ConsumerHealth:
+        """Whether this consumer is running, connected and subscribed, the age of its last
+        delivery and of its running handler (any thread; see :class:`ConsumerHealth`)."""
+        return self._core.health(self._running, self._handler_started)
+
     def stop(self) -> None:
         """Ask :meth:`run` to return (any thread, a signal handler, or the handler itself)."""
         self._stop.set()
@@ -222,11 +259,17 @@ class Consumer:
         """Consume until :meth:`stop`, SIGTERM or Ctrl-C; each delivery goes to ``handler``.
 
         Raises what ended consuming for good: :class:`~reliable_amqp.RecoveryFailed` once the
-        connect policy is spent, :class:`~reliable_amqp.AuthenticationFailed`...
+        connect policy is spent, :class:`~reliable_amqp.AuthenticationFailed`, a refused queue
+        (:class:`~reliable_amqp.QueueNotFound`, ``AccessRefused`` naming the permission)...
+        An ``async def`` handler (or a generator function) is refused before anything is
+        consumed with :class:`~reliable_amqp.WrongHandlerKind`. ``run`` may be called again
+        after it returned.
         """
+        check_handler(handler, want_async=False, where="Consumer.run")
         if self._running:
             raise ReliableAmqpError("run() is already running for this consumer")
         self._running = True
+        self._wrong_kind = None
         core = self._core
         restore = self._install_signals()
         graceful = True
@@ -240,7 +283,7 @@ class Consumer:
         finally:
             self._stop.set()
             try:
-                core.finish(graceful)
+                core.finish(graceful, waiting=len(self._queue))
             finally:
                 self._queue.clear()
                 restore()
@@ -248,6 +291,8 @@ class Consumer:
                     watchdog.join(1.0)
                 self._stop.clear()  # run() may be called again; a stop() before it is kept
                 self._running = False
+        if self._wrong_kind is not None:
+            raise self._wrong_kind
         if core.io.fatal is not None:
             raise core.io.fatal
 
@@ -290,11 +335,16 @@ class Consumer:
             error: Exception | None = None
             started = self._handler_started = clock()
             try:
-                handler(delivery)
+                result = handler(delivery)
             except Exception as exc:
                 error = exc
                 dispatch.failed(delivery, exc)
             else:
+                if result is not None and inspect.isawaitable(result):
+                    # a plain callable around an async one: nothing ran; the message is left
+                    # unsettled (the drain gives it back) and run() raises
+                    self._wrong_kind = returned_awaitable(result, "Consumer.run")
+                    return
                 dispatch.succeeded(delivery)
             finally:
                 self._handler_started = None

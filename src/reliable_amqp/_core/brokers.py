@@ -40,6 +40,10 @@ class BrokerLimits:
     #: the offset a stream's first message gets: RabbitMQ's streams count from 0, LavinMQ's
     #: from 1 (its first segment starts at offset 1); offsets below it never exist
     first_stream_offset: int = 0
+    #: whether a quorum queue counts deliveries (``x-delivery-count``) without a
+    #: ``x-delivery-limit``: RabbitMQ's do; LavinMQ 2.9 declares a classic queue for
+    #: ``x-queue-type=quorum`` and counts only when a limit is set
+    counts_without_limit: bool = True
 
     @property
     def checks_expiration(self) -> bool:
@@ -67,7 +71,11 @@ class BrokerLimits:
 ANY_BROKER = BrokerLimits("AMQP 0-9-1 broker", RABBITMQ_EXPIRATION_MAX, "")
 RABBITMQ = BrokerLimits("RabbitMQ", RABBITMQ_EXPIRATION_MAX, '406 "invalid expiration"')
 LAVINMQ = BrokerLimits(
-    "LavinMQ", LAVINMQ_EXPIRATION_MAX, '406 "Expiration not a number"', first_stream_offset=1
+    "LavinMQ",
+    LAVINMQ_EXPIRATION_MAX,
+    '406 "Expiration not a number"',
+    first_stream_offset=1,
+    counts_without_limit=False,
 )
 
 #: by product name, lower-cased
@@ -88,3 +96,16 @@ def broker_limits(server_properties: Mapping[str, object] | None) -> BrokerLimit
     if not isinstance(product, str):
         return ANY_BROKER
     return BROKERS.get(product.strip().lower(), ANY_BROKER)
+
+
+def counts_deliveries(limits: BrokerLimits, arguments: Mapping[str, object] | None) -> bool:
+    """Whether a queue declared with ``arguments`` on this broker gives redelivered messages a
+    delivery count (``x-delivery-count``), which is how a consumer sees a crash loop (a message
+    that kills the process each time it is handled) without a ledger of its own."""
+    args = arguments or {}
+    kind = args.get("x-queue-type")
+    if isinstance(kind, bytes):
+        kind = kind.decode("utf-8", "replace")
+    if kind != "quorum":
+        return False  # classic queues give only the redelivered flag; streams never redeliver
+    return limits.counts_without_limit or "x-delivery-limit" in args

@@ -63,6 +63,8 @@ class HeaderDecodeError(ReliableAmqpError):
     reaches the handler.
     """
 
+    permanent = True
+
 
 # --- field tables ---------------------------------------------------------------------------
 

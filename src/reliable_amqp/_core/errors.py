@@ -20,6 +20,9 @@ class ReliableAmqpError(Exception):
 
     #: True when doing the same thing again later may succeed; retry logic reads this flag.
     retriable: ClassVar[bool] = False
+    #: True when a consumer's handler that raised it can never succeed with the same message
+    #: (it depends on the message alone): the message is dead-lettered at once, no retries.
+    permanent: ClassVar[bool] = False
 
 
 # --- configuration and input -------------------------------------------------------------------
@@ -41,6 +44,8 @@ class InvalidMessage(ReliableAmqpError, ValueError):
     ``field`` names what was wrong (``"body"``, ``"routing_key"``, ``"headers['x']"``, ...).
     """
 
+    permanent = True
+
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"invalid {field}: {problem}")
         self.field = field
@@ -51,6 +56,8 @@ class MissingMessageId(ReliableAmqpError, ValueError):
     """The inbox was asked to claim a delivery that has no ``message_id``, without ``key=``: its
     duplicates cannot be recognised, and treating it as new every time would handle each copy
     again (``reliable_amqp.inbox``)."""
+
+    permanent = True
 
 
 class PublishTimeout(ReliableAmqpError, TimeoutError):
