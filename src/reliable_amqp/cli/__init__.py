@@ -1,6 +1,6 @@
 """The ``reliable-amqp`` command line: ``publish`` messages with confirms, ``bench`` a broker,
 look into a ``spool``, relay an ``outbox``, ``consume`` a queue into a file, see and requeue
-``dead-letters``.
+``dead-letters``, run a handler as a consuming service (``worker``).
 
 Run ``reliable-amqp --help`` (or ``python -m reliable_amqp --help``). Exit codes: 0 every message
 confirmed, 1 some not confirmed, 2 bad arguments or input (nothing published), 3 the broker could
@@ -31,6 +31,7 @@ from reliable_amqp.cli._parse import (
 )
 from reliable_amqp.cli._publish import add_publish_arguments, run_publish
 from reliable_amqp.cli._spool import add_spool_arguments, run_spool
+from reliable_amqp.cli._worker import WORKER_COMMANDS, run_worker
 
 __all__ = [
     "EXIT_CONNECTION",
@@ -50,13 +51,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             add_bench_arguments,
             add_spool_arguments,
             add_outbox_arguments,
-            more=(*CONSUME_COMMANDS, *DEAD_LETTERS_COMMANDS, *INBOX_COMMANDS),
+            more=(*CONSUME_COMMANDS, *DEAD_LETTERS_COMMANDS, *INBOX_COMMANDS, *WORKER_COMMANDS),
         )
         args = parser.parse_args(argv)
     except KeyboardInterrupt:  # while starting: nothing was done yet
         print("\nreliable-amqp: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    _configure_logging(args.verbose)
+    if args.command != "worker":  # a service's log: the worker configures its own
+        _configure_logging(args.verbose)
     try:
         if args.command == "publish":
             return run_publish(args)
@@ -66,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_consume(args)
         if args.command == "dead-letters":
             return run_dead_letters(args)
+        if args.command == "worker":
+            return run_worker(args)
         if args.command == "outbox":
             from reliable_amqp.cli._outbox import run_outbox
 

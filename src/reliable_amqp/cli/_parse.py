@@ -52,7 +52,7 @@ COMMANDS_EPILOG = """\
 exit codes, for every command:
   0    done: everything asked for went through
   1    not everything did (messages not confirmed, failed rows or dead letters left, damage
-       found); the command says which
+       found, a worker's processes kept dying); the command says which
   2    bad arguments or bad input: nothing was done
   3    the broker, or the outbox's database, could not be reached
   130  interrupted (Ctrl-C)
