@@ -135,6 +135,9 @@ def _ready() -> None:
 
 
 def child_relay(spec: dict[str, Any]) -> int:
+    # $OUTBOX_RELAY_MAX_IN_FLIGHT: the relay's window, else the relay's default (to compare
+    # windows: the throughput a window costs, against the duplicates a kill -9 leaves)
+    window = os.environ.get("OUTBOX_RELAY_MAX_IN_FLIGHT")
     relay = OutboxRelay(
         spec["db"],
         spec["url"],
@@ -142,6 +145,7 @@ def child_relay(spec: dict[str, Any]) -> int:
         name=spec["name"],
         batch=spec.get("batch", 1000),
         poll_interval=spec.get("poll_interval", 1.0),
+        **({"max_in_flight": int(window)} if window else {}),
     )
     signal.signal(signal.SIGTERM, lambda *_: relay.stop())
     _ready()

@@ -38,6 +38,12 @@ from reliable_amqp.outbox._telemetry import OutboxMetrics, continue_trace
 
 __all__ = ["AsyncOutboxRelay", "OutboxRelay"]
 
+#: A relay's in-flight window (its publisher's ``max_in_flight``) unless given. It bounds the
+#: duplicates a relay killed -9 leaves (rows published, maybe stored by the broker, not yet
+#: deleted: the next relay publishes them again), and a smaller one costs drain speed: see
+#: docs/outbox.md, "Duplicates after a crash".
+DEFAULT_RELAY_WINDOW = 2000
+
 
 class _Config:
     """The options both relays take, checked once."""
@@ -117,9 +123,10 @@ class OutboxRelay:
     ``OutboxRelay(db, url, **publisher_options)``: ``db`` a DSN (``postgresql://...``,
     ``mysql://...`` or ``sqlite:///path``), ``url`` the broker's; the remaining keywords are the
     :class:`~reliable_amqp.PublisherOptions` of its publisher (mandatory by default, so that
-    "confirmed" means "stored in a queue"; ``max_in_flight`` 5,000). ``run()`` works until
-    ``stop()`` (from any thread, or a signal handler); run it in a thread of an application or
-    in a process of its own (``reliable-amqp outbox relay``). A relay runs once.
+    "confirmed" means "stored in a queue"; ``max_in_flight`` 2,000, which bounds the duplicates a
+    relay killed -9 leaves). ``run()`` works until ``stop()`` (from any thread, or a signal
+    handler); run it in a thread of an application or in a process of its own
+    (``reliable-amqp outbox relay``). A relay runs once.
 
     Several relays may work one outbox: they share its partitions (see docs/outbox.md); each row
     is published by one relay at a time, rows of one key in order.
@@ -146,7 +153,7 @@ class OutboxRelay:
             stop_timeout=stop_timeout, long_transaction_warning=long_transaction_warning,
             name=name,
         )  # fmt: skip
-        publisher_options.setdefault("max_in_flight", 5000)
+        publisher_options.setdefault("max_in_flight", DEFAULT_RELAY_WINDOW)
         self._config = config
         self._publisher = Publisher(url, **publisher_options)
         self._wake = threading.Event()
@@ -279,7 +286,7 @@ class AsyncOutboxRelay:
             stop_timeout=stop_timeout, long_transaction_warning=long_transaction_warning,
             name=name,
         )  # fmt: skip
-        publisher_options.setdefault("max_in_flight", 5000)
+        publisher_options.setdefault("max_in_flight", DEFAULT_RELAY_WINDOW)
         self._config = config
         self._publisher = AsyncPublisher(url, **publisher_options)
         self._meter_provider = publisher_options.get("meter_provider")
