@@ -8,6 +8,7 @@ once.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import TYPE_CHECKING
 
 from reliable_amqp._consume._io import ConsumerIO
@@ -19,6 +20,7 @@ from reliable_amqp._core.acks import ACK
 from reliable_amqp._core.brokers import broker_limits
 from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import ReliableAmqpError
+from reliable_amqp._core.order import AfterDeadLetter, Fences, key_reader, parked_seq
 from reliable_amqp._core.redelivery import Retry, before_handler, on_failure
 
 if TYPE_CHECKING:
@@ -46,10 +48,14 @@ class Dispatch:
 
     __slots__ = (
         "_counting_known",
+        "_follow",
         "_io",
         "_max_attempts",
         "_options",
         "_redeliver",
+        "_unparked",
+        "fences",
+        "key_of",
         "stats",
         "telemetry",
     )
@@ -68,6 +74,13 @@ class Dispatch:
         self.stats = stats
         # True once it is known that crash loops are counted (a ledger), or once said not
         self._counting_known = options.attempts is not None
+        #: the delivery's key (None: the consumer keeps no per-key order)
+        self.key_of = key_reader(options.key)
+        after: AfterDeadLetter = "hold" if options.after_dead_letter == "hold" else "continue"
+        self.fences = Fences(after)
+        self._follow = options.follow_queue
+        # keys whose park failed, told from the publisher's thread; applied on this side
+        self._unparked: deque[tuple[str, int]] = deque()
         #: spans and metrics (None: OpenTelemetry is not in use), set when consuming starts
         self.telemetry: ConsumerTelemetry | None = None
 
@@ -116,14 +129,35 @@ class Dispatch:
             )
         delivery.attempt = max(delivery.attempt, counted)
 
-    def succeeded(self, delivery: Delivery) -> None:
+    def park(self, delivery: Delivery, key: str) -> bool:
+        """True (and the delivery on its way to its key's follow queue) when ``key`` is fenced
+        and this delivery must wait behind the key's head (:mod:`reliable_amqp._core.order`)."""
+        fences = self.fences
+        unparked = self._unparked
+        while unparked:
+            fences.unpark(*unparked.popleft())
+        if not len(fences):
+            return False
+        headers = delivery.headers
+        admitted = fences.admit(key, headers, delivery.message_id)
+        if admitted is None:
+            return False
+        queue, seq = admitted
+        self.stats.parked += 1
+        first = parked_seq(headers) is None  # a first park that fails leaves a gap to skip
+        self._redeliver.park(delivery, queue, key, seq, unparked.append if first else None)
+        return True
+
+    def succeeded(self, delivery: Delivery, key: str | None = None) -> None:
         """The handler returned: the delivery is acked (in the next batch)."""
+        if key is not None and len(self.fences):
+            self.fences.settled(key, parked_seq(delivery.headers))
         self.stats.handled += 1
         self._io.settle(delivery.generation, delivery.delivery_tag, ACK)
         if self.telemetry is not None:
             self.telemetry.count("handled")
 
-    def failed(self, delivery: Delivery, error: BaseException) -> None:
+    def failed(self, delivery: Delivery, error: BaseException, key: str | None = None) -> None:
         """The handler raised ``error``: retry later or dead-letter (the ack follows the
         confirmed republish). :class:`Reject` and the library's errors that depend on the
         message alone (``permanent``: MissingMessageId, InvalidMessage, HeaderDecodeError)
@@ -135,7 +169,13 @@ class Dispatch:
             self._options.redelivery,
             rejected=getattr(type(error), "permanent", False) is True,
         )
+        seq = parked_seq(delivery.headers) if key is not None else None
         if isinstance(verdict, Retry):
-            self._redeliver.retry(delivery, verdict)
+            token = None
+            if key is not None:  # the key's head now: its later messages wait for it
+                token = self.fences.retrying(key, self._follow, seq)
+            self._redeliver.retry(delivery, verdict, token)
         else:
+            if key is not None:
+                self.fences.dead(key, self._follow, seq, delivery.message_id or "")
             self._redeliver.dead(delivery, verdict)

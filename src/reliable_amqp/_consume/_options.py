@@ -9,6 +9,7 @@ from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.options import PublisherOptions
+from reliable_amqp._core.order import key_reader
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.redelivery import delay_levels, delay_queue
 
@@ -40,6 +41,10 @@ class ConsumerOptions:
     #: ``attempts(delivery) -> int`` for a redelivered delivery: a durable count of its tries
     #: (the inbox's attempts ledger), where the broker gives none (classic queues)
     attempts: Callable[[Any], Any] | None = None
+    #: per-key order: "routing_key", "header:<name>" or a callable (delivery) -> str | None
+    key: object = None
+    #: what a key does after one of its messages was dead-lettered: "continue" or "hold"
+    after_dead_letter: str = "continue"
     connection: PublisherOptions = field(default_factory=lambda: PublisherOptions.create("amqp://"))
 
     def __post_init__(self) -> None:
@@ -78,6 +83,11 @@ class ConsumerOptions:
             raise ConfigurationError(
                 f"handler_timeout must be > 0 seconds or None, got {timeout!r}"
             )
+        key_reader(self.key)  # refuses a bad key option
+        if self.after_dead_letter not in ("continue", "hold"):
+            raise ConfigurationError(
+                f"after_dead_letter must be 'continue' or 'hold', got {self.after_dead_letter!r}"
+            )
         if not self.dead_letter_queue:
             object.__setattr__(self, "dead_letter_queue", f"{self.queue}.dead")
 
@@ -87,6 +97,13 @@ class ConsumerOptions:
         attempts = self.redelivery.max_attempts
         assert attempts is not None  # checked in __post_init__
         return attempts
+
+    @property
+    def follow_queue(self) -> str:
+        """Where a fenced key's later messages wait: the first delay queue ('' without
+        retries)."""
+        levels = delay_levels(self.redelivery)
+        return delay_queue(self.queue, min(levels)) if levels else ""
 
     @property
     def own_queues(self) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,7 @@ from reliable_amqp._consume._stats import ConsumerStats
 from reliable_amqp._core.acks import ACK, REQUEUE
 from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import AccessRefused, ReliableAmqpError
+from reliable_amqp._core.order import HEAD_HEADER, PARKED_HEADER
 from reliable_amqp._core.redelivery import (
     MAX_DELAY_MS,
     NO_ID_HEADER,
@@ -116,22 +118,59 @@ class Redeliverer:
         publisher = self._publisher
         return 0 if publisher is None else publisher.flush(timeout)
 
-    def retry(self, delivery: Delivery, retry: Retry) -> None:
-        """Republish ``delivery`` to its delay queue; ack the original once confirmed."""
+    def retry(self, delivery: Delivery, retry: Retry, token: str | None = None) -> None:
+        """Republish ``delivery`` to its delay queue; ack the original once confirmed.
+        ``token``: it is its key's head (:mod:`reliable_amqp._core.order`)."""
         self._stats.retried += 1
         if self.telemetry is not None:
             self.telemetry.count("retried")
         headers = retry_headers(
             delivery.headers, retry, delivery.queue, delivery.exchange, delivery.routing_key
         )
+        headers.pop(PARKED_HEADER, None)
+        headers.pop(HEAD_HEADER, None)
+        if token is not None:
+            headers[HEAD_HEADER] = token
         future = self._publish(delivery, retry.queue, headers)
         future.add_done_callback(lambda f: self._settled(delivery, f, None))
+
+    def park(
+        self,
+        delivery: Delivery,
+        queue: str,
+        key: str,
+        seq: int,
+        unparked: Callable[[tuple[str, int]], None] | None,
+    ) -> None:
+        """Republish ``delivery`` to its fenced key's follow queue as park number ``seq``,
+        behind the key's other waiting messages, its attempt unchanged; ack the original once
+        confirmed. A park that fails calls ``unparked((key, seq))`` and gives the original
+        back to the queue."""
+        headers = retry_headers(
+            delivery.headers,
+            Retry(queue, 0, delivery.attempt),
+            delivery.queue,
+            delivery.exchange,
+            delivery.routing_key,
+        )
+        headers.pop(HEAD_HEADER, None)
+        headers[PARKED_HEADER] = seq
+        future = self._publish(delivery, queue, headers)
+
+        def done(f: Future[Any]) -> None:
+            if unparked is not None and (f.cancelled() or f.exception() is not None):
+                unparked((key, seq))
+            self._settled(delivery, f, None, "park")
+
+        future.add_done_callback(done)
 
     def dead(self, delivery: Delivery, dead: DeadLetter) -> None:
         """Publish ``delivery`` to the dead-letter queue; ack the original once confirmed."""
         headers = dead_letter_headers(
             delivery.headers, dead, delivery.queue, delivery.exchange, delivery.routing_key
         )
+        headers.pop(PARKED_HEADER, None)
+        headers.pop(HEAD_HEADER, None)
         future = self._publish(delivery, self._options.dead_letter_queue, headers)
         future.add_done_callback(lambda f: self._settled(delivery, f, dead))
 
@@ -147,7 +186,13 @@ class Redeliverer:
             headers[NO_ID_HEADER] = True
         return publisher.publish("", queue, delivery.body, mandatory=True, headers=headers, **kept)
 
-    def _settled(self, delivery: Delivery, future: Future[Any], dead: DeadLetter | None) -> None:
+    def _settled(
+        self,
+        delivery: Delivery,
+        future: Future[Any],
+        dead: DeadLetter | None,
+        what: str = "schedule a retry of",
+    ) -> None:
         # On the publisher's I/O thread: only bookkeeping here, never a wait.
         error = future.exception() if not future.cancelled() else None
         if error is None and not future.cancelled():
@@ -172,7 +217,7 @@ class Redeliverer:
         self._stats.republish_failed += 1
         log.warning(
             "reliable-amqp: could not %s message %r of queue %r (%s); it goes back to the queue",
-            "dead-letter" if dead is not None else "schedule a retry of",
+            "dead-letter" if dead is not None else what,
             delivery.message_id,
             delivery.queue,
             error,

@@ -14,7 +14,8 @@ class ConsumerStats:
     ``dead_lettered`` are confirmed in the dead-letter queue; ``redelivered`` came with the
     broker's redelivered flag; ``stale`` arrived on a channel that died before their turn (the
     broker gives them back); ``republish_failed`` could not be retried or dead-lettered and went
-    back to the queue; ``handler_seconds`` is the handlers' total time.
+    back to the queue; ``parked`` were set aside behind their key's retried message (``key=``);
+    ``handler_seconds`` is the handlers' total time.
     """
 
     consumed: int = 0
@@ -24,4 +25,5 @@ class ConsumerStats:
     redelivered: int = 0
     stale: int = 0
     republish_failed: int = 0
+    parked: int = 0
     handler_seconds: float = 0.0

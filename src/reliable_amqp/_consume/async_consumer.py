@@ -55,6 +55,8 @@ class AsyncConsumer:
     (1 to ``prefetch``). ``await run(handler)`` returns after :meth:`stop` (or SIGTERM, or the
     first Ctrl-C when the loop runs in the main thread), once the running handlers finished and
     were acked. A handler running past ``handler_timeout`` is cancelled and counts as a failure.
+    With ``key``, a key's messages run one at a time, in queue order (different keys at once,
+    up to ``concurrency``); see :class:`~reliable_amqp.Consumer` and docs/consumer.md, "Order".
     """
 
     def __init__(
@@ -73,11 +75,15 @@ class AsyncConsumer:
         queue_arguments: Mapping[str, Any] | None = None,
         consumer_arguments: Mapping[str, Any] | None = None,
         attempts: Callable[[Delivery], Any] | None = None,
+        key: str | Callable[[Delivery], str | None] | None = None,
+        after_dead_letter: str = "continue",
         **options: Any,
     ) -> None:
         if heartbeat is not None:
             options["heartbeat"] = heartbeat
         own = {
+            "key": key,
+            "after_dead_letter": after_dead_letter,
             "prefetch": prefetch,
             "concurrency": concurrency,
             "redelivery": redelivery,
@@ -103,6 +109,8 @@ class AsyncConsumer:
         #: when each worker's running handler started (None: idle), for health()
         self._starts: list[float | None] = []
         self._workers: list[asyncio.Task[None]] = []
+        #: keys a worker holds -> their deliveries waiting for it, in arrival order
+        self._keys: dict[str, deque[Delivery]] = {}
         self._core = ConsumerCore(url, queue, own, options, self._on_deliveries)
         self.options = self._core.options
 
@@ -230,6 +238,7 @@ class AsyncConsumer:
                 self._stopping = False  # run() may be called again; a stop() before it is kept
                 self._starts = []
                 self._workers = []
+                self._keys.clear()
                 restore()
                 self._loop = None
                 self._running = False
@@ -253,18 +262,45 @@ class AsyncConsumer:
         timeout = self.options.handler_timeout
         counter = self.options.attempts
         clock = time.monotonic
+        key_of = dispatch.key_of
+        keys = self._keys
+        held: str | None = None  # the key this worker holds (its next delivery comes first)
         while True:
             if self._stopping or io.ended.is_set():
                 return
-            try:
-                delivery = ready.popleft()
-            except IndexError:
-                io.flush()
-                event.clear()
-                if ready or self._stopping:
+            if held is not None:
+                waiting = keys[held]
+                if waiting:
+                    delivery = waiting.popleft()
+                    key: str | None = held
+                else:
+                    del keys[held]
+                    held = None
                     continue
-                await _wait(event, 1.0)  # the timeout bounds how late an ended thread is seen
-                continue
+            else:
+                try:
+                    delivery = ready.popleft()
+                except IndexError:
+                    io.flush()
+                    event.clear()
+                    if ready or self._stopping:
+                        continue
+                    await _wait(event, 1.0)  # the timeout bounds how late an ended thread is seen
+                    continue
+                key = None
+                if key_of is not None:
+                    try:
+                        key = key_of(delivery)
+                    except Exception as exc:  # the key callable failed: a failure
+                        if dispatch.fresh(delivery):
+                            dispatch.failed(delivery, exc)
+                        continue
+                    if key is not None:
+                        if key in keys:  # another worker holds the key: after its delivery
+                            keys[key].append(delivery)
+                            continue
+                        keys[key] = deque()
+                        held = key
             if not dispatch.fresh(delivery):
                 continue
             if counter is not None and delivery.redelivered:
@@ -277,6 +313,8 @@ class AsyncConsumer:
                     dispatch.failed(delivery, exc)
                     continue
             if dispatch.dead_before(delivery):
+                continue
+            if key is not None and dispatch.park(delivery, key):
                 continue
             telemetry = dispatch.telemetry
             span = telemetry.begin(delivery) if telemetry is not None else None
@@ -299,15 +337,15 @@ class AsyncConsumer:
                     "the handler raised CancelledError that neither stop(), a cancel of "
                     "run() nor handler_timeout asked for"
                 )
-                dispatch.failed(delivery, error)
+                dispatch.failed(delivery, error, key)
             except Exception as exc:
                 error = exc
-                dispatch.failed(delivery, exc)
+                dispatch.failed(delivery, exc, key)
             except BaseException as exc:  # SystemExit, KeyboardInterrupt: the message goes back
                 self._halted(exc)
                 return
             else:
-                dispatch.succeeded(delivery)
+                dispatch.succeeded(delivery, key)
             finally:
                 starts[index] = None
                 seconds = clock() - started

@@ -169,6 +169,13 @@ class Consumer:
     and again after every reconnect), ``consumer_arguments`` (``basic.consume`` arguments), and
     every connection option :class:`~reliable_amqp.Publisher` takes (``heartbeat``, TLS,
     credentials, ``connect_policy``...).
+
+    ``key`` keeps per-key order ("routing_key", "header:<name>", or a callable
+    ``delivery -> str | None``): a key's messages are handled in the order the queue delivered
+    them, and while one of them is retried the key's later messages wait for it (parked in the
+    broker, behind it; other keys flow). ``after_dead_letter`` ("continue", the default, or
+    "hold") says whether a key goes on after one of its messages was dead-lettered. See
+    docs/consumer.md, "Order".
     """
 
     def __init__(
@@ -186,11 +193,15 @@ class Consumer:
         queue_arguments: Mapping[str, Any] | None = None,
         consumer_arguments: Mapping[str, Any] | None = None,
         attempts: Callable[[Delivery], Any] | None = None,
+        key: str | Callable[[Delivery], str | None] | None = None,
+        after_dead_letter: str = "continue",
         **options: Any,
     ) -> None:
         if heartbeat is not None:
             options["heartbeat"] = heartbeat
         own = {
+            "key": key,
+            "after_dead_letter": after_dead_letter,
             "prefetch": prefetch,
             "redelivery": redelivery,
             "dead_letter_queue": dead_letter_queue or "",
@@ -303,6 +314,7 @@ class Consumer:
         stop = self._stop
         io = self._core.io
         counter = self.options.attempts
+        key_of = dispatch.key_of
         clock = time.monotonic
         while True:
             try:
@@ -330,6 +342,15 @@ class Consumer:
                     continue
             if dispatch.dead_before(delivery):
                 continue
+            key = None
+            if key_of is not None:
+                try:
+                    key = key_of(delivery)
+                except Exception as exc:  # the key callable failed: a failure like any other
+                    dispatch.failed(delivery, exc)
+                    continue
+                if key is not None and dispatch.park(delivery, key):
+                    continue
             telemetry = dispatch.telemetry
             span = telemetry.begin(delivery) if telemetry is not None else None
             error: Exception | None = None
@@ -338,14 +359,14 @@ class Consumer:
                 result = handler(delivery)
             except Exception as exc:
                 error = exc
-                dispatch.failed(delivery, exc)
+                dispatch.failed(delivery, exc, key)
             else:
                 if result is not None and inspect.isawaitable(result):
                     # a plain callable around an async one: nothing ran; the message is left
                     # unsettled (the drain gives it back) and run() raises
                     self._wrong_kind = returned_awaitable(result, "Consumer.run")
                     return
-                dispatch.succeeded(delivery)
+                dispatch.succeeded(delivery, key)
             finally:
                 self._handler_started = None
                 seconds = clock() - started
