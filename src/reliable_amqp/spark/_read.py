@@ -41,14 +41,19 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from reliable_amqp import ConfigurationError
 from reliable_amqp._core.delivery import Delivery
-from reliable_amqp.spark._logging import driver_log
+from reliable_amqp.spark._plan import (
+    FIRST,
+    Offsets,
+    batch_range,
+    check_heads,
+    checked_start,
+    confirmed_end,
+    lost_everything,
+)
 from reliable_amqp.spark._read_options import ReadConfig
 from reliable_amqp.spark._stream import (
     OFFSET_HEADER,
-    StreamDataLost,
-    StreamReadStalled,
     end_offset,
     first_offset,
     lowest_offset,
@@ -63,11 +68,7 @@ READ_SCHEMA_DDL = (
     "exchange string, timestamp timestamp, headers array<struct<key:string,value:binary>>, "
     "content_type string, correlation_id string, type string"
 )
-#: "the stream's first offset", while a stream is empty
-FIRST = -1
 _ROWS_PER_BATCH = 5000
-
-Offsets = dict[str, int]
 
 
 def read_schema() -> StructType:
@@ -102,56 +103,6 @@ class StreamRange(InputPartition):
 
     def __post_init__(self) -> None:
         InputPartition.__init__(self, (self.stream, self.start, self.end))
-
-
-def _resolve(spec: str | int | dict[str, int], stream: str, connection: Any, edge: str) -> int:
-    """An offset spec as a number for ``stream`` (``FIRST`` while the stream is empty)."""
-    if isinstance(spec, dict):
-        if stream not in spec:
-            raise ConfigurationError(f"the offsets given name no offset for stream {stream!r}")
-        return spec[stream]
-    if isinstance(spec, int):
-        return spec
-    if spec == "earliest" or edge == "first":
-        found = first_offset(connection, stream)
-    else:
-        found = end_offset(connection, stream)
-    return FIRST if found is None else found
-
-
-def check_heads(config: ReadConfig, start: Offsets, end: Offsets, connection: Any) -> Offsets:
-    """The range's starts, checked against retention: where a stream's first offset passed a
-    start, raise :class:`StreamDataLost` or (``failOnDataLoss=false``) warn and move the start;
-    ``FIRST`` becomes the stream's first offset."""
-    out: Offsets = {}
-    lowest = lowest_offset(connection)  # (below it, offsets never existed: nothing lost)
-    for stream, stop in end.items():
-        begin = start.get(stream, FIRST)
-        if begin != FIRST:
-            begin = max(begin, lowest)
-        if (begin >= stop and begin != FIRST) or stop == FIRST:
-            out[stream] = begin  # nothing to read (an empty stream: no probe, no wait)
-            continue
-        first = first_offset(connection, stream, held=True)  # (stop != FIRST: it holds some)
-        if first is None and stop != FIRST:  # the stream held offsets before stop
-            raise StreamReadStalled(f"stream {stream!r}: its first offset did not come")
-        if begin == FIRST:
-            out[stream] = stop if first is None else min(first, stop)
-            continue
-        if first is not None and first > begin:
-            if config.fail_on_data_loss:
-                raise StreamDataLost(stream, begin, first)
-            driver_log().warning(
-                "amqp: stream %r: skipping %d offsets (%d..%d) removed by retention before "
-                "this query read them (failOnDataLoss=false)",
-                stream,
-                min(first, stop) - begin,
-                begin,
-                min(first, stop) - 1,
-            )
-            begin = min(first, stop)
-        out[stream] = begin
-    return out
 
 
 def split(config: ReadConfig, start: Offsets, end: Offsets) -> list[StreamRange]:
@@ -270,14 +221,11 @@ class AmqpBatchReader(DataSourceReader):
         """Fix every stream's range (on the driver) and split it."""
 
         def ranges(connection: Any) -> tuple[Offsets, Offsets]:
-            end = {s: _resolve(self.config.ending, s, connection, edge="end") for s in self.names}
-            start = {
-                s: 0 if end[s] == FIRST else _resolve(self.config.starting, s, connection, "start")
-                for s in self.names
-            }
+            lowest = lowest_offset(connection)
+            start: Offsets = {}
+            end: Offsets = {}
             for s in self.names:
-                if end[s] == FIRST:  # an empty stream: nothing to read
-                    end[s] = 0
+                start[s], end[s] = batch_range(self.config, s, connection, lowest)
             return check_heads(self.config, start, end, connection), end
 
         start, end = self.config.connector.probing(ranges)
@@ -298,21 +246,52 @@ class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.names = config.streams()
         self.latest: Offsets | None = None
         self.target: Offsets | None = None
+        self.lowest = 0  # (the broker's lowest stream offset: set by each probe of the ends)
+        #: (stream, offset) pairs whose loss (an emptied stream) was warned of already
+        self.told: set[tuple[str, int]] = set()
 
     def initialOffset(self) -> dict[str, int]:
-        """Where a new query starts (``startingOffsets``; default ``latest``)."""
-        return self.config.connector.probing(
-            lambda connection: {
-                s: _resolve(self.config.starting, s, connection, edge="start") for s in self.names
+        """Where a new query starts (``startingOffsets``; default ``latest``); an offset past
+        the stream's end fails, one in an emptied stream is a loss (see ``_plan``)."""
+
+        def starts(connection: Any) -> Offsets:
+            lowest = lowest_offset(connection)
+            return {
+                s: checked_start(self.config, s, connection, lowest, self.told) for s in self.names
             }
-        )
+
+        return self.config.connector.probing(starts)
 
     def _ends(self) -> Offsets:
         def ends(connection: Any) -> Offsets:
+            self.lowest = lowest_offset(connection)
             found = {s: end_offset(connection, s) for s in self.names}
             return {s: FIRST if e is None else e for s, e in found.items()}
 
         return self.config.connector.probing(ends)
+
+    def _emptied(self, begin: Offsets, ends: Offsets) -> None:
+        """Streams that answered "empty" while the query is past their lowest offset (the
+        checkpoint remembers offsets they held): look again, and where they are empty, that
+        is a loss (raised, or warned of once); where they are not, take the end found."""
+        suspects = [
+            s
+            for s in self.names
+            if ends[s] == FIRST
+            and begin[s] > self.lowest  # (FIRST is below it)
+            and (s, begin[s]) not in self.told
+        ]
+        if not suspects:
+            return
+        found = self.config.connector.probing(
+            lambda connection: {s: confirmed_end(connection, s) for s in suspects}
+        )
+        for s, tail in found.items():
+            if tail is not None:
+                ends[s] = tail
+                continue
+            lost_everything(self.config, s, begin[s])
+            self.told.add((s, begin[s]))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         """``maxMessagesPerTrigger`` when given."""
@@ -331,6 +310,7 @@ class AmqpStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self.target is not None:
             ends = {s: min(e, self.target.get(s, e)) for s, e in ends.items()}
         begin = {s: int(start.get(s, FIRST)) for s in self.names}
+        self._emptied(begin, ends)
         if any(b == FIRST for b in begin.values()):
 
             def firsts(connection: Any) -> Offsets:

@@ -54,6 +54,11 @@ END_IDLE = 0.25
 END_BUDGET = 3.0
 #: how long a reader waits for the connected node's member of a stream to run
 REPLICA_WAIT = 30.0
+#: how long a stream must answer "nothing" to first-offset probes before it is called empty
+#: where that decides a loss (a remembered offset past its start: see :func:`stream_empty`)
+EMPTY_CONFIRM = 3.0
+#: how long a range read waits for its first delivery before it asks whether the stream is empty
+EMPTY_CHECK = 5.0
 
 
 class NotAStream(ConfigurationError):
@@ -66,18 +71,37 @@ class StreamNotFound(ConfigurationError):
 
 
 class StreamDataLost(ReliableAmqpError):
-    """Retention removed offsets that a query still had to read (``failOnDataLoss``)."""
+    """Retention removed offsets that a query still had to read (``failOnDataLoss``).
+
+    ``first`` is the stream's first offset now, or None when retention emptied the stream: a
+    stream that holds nothing while the read is at ``start`` (past the lowest offset a stream
+    can have) held the offsets below ``start`` once, and whatever came after them is gone too,
+    in a number nobody can tell until the stream's next message arrives.
+    """
 
     retriable = False
 
-    def __init__(self, stream: str, start: int, first: int) -> None:
+    def __init__(self, stream: str, start: int, first: int | None) -> None:
         self.stream = stream
         self.start = start
         self.first = first
+        if first is None:
+            what = (
+                f"stream {stream!r} holds no message, yet this read is at offset {start}: the "
+                f"stream held the offsets before {start} once, and retention (x-max-length-bytes, "
+                "x-max-age) has removed every message since. Messages published from offset "
+                f"{start} on before it emptied are lost; how many is known only once the "
+                "stream's next message arrives (a startingOffsets past the end of a stream "
+                "never written that far looks the same)"
+            )
+        else:
+            what = (
+                f"stream {stream!r}: offsets {start}..{first - 1} ({first - start} offsets) were "
+                "removed by retention before this query read them (the stream now starts at "
+                f"{first})"
+            )
         super().__init__(
-            f"stream {stream!r}: offsets {start}..{first - 1} ({first - start} offsets) were "
-            f"removed by retention before this query read them (the stream now starts at "
-            f'{first}). Set .option("failOnDataLoss", "false") to skip them and go on, '
+            f'{what}. Set .option("failOnDataLoss", "false") to skip them and go on, '
             "or start a new query (a new checkpoint) from startingOffsets"
         )
 
@@ -359,22 +383,33 @@ def _first_delivery(connection: pika.BlockingConnection, queue: str, where: Any)
 
 
 def first_offset(
-    connection: pika.BlockingConnection, queue: str, *, held: bool = False
+    connection: pika.BlockingConnection,
+    queue: str,
+    *,
+    held: bool = False,
+    budget: float = HELD_PROBE_BUDGET,
 ) -> int | None:
     """The stream's first offset still held (after retention), or None if it is empty (no
     delivery within :data:`PROBE_WAIT`).
 
     ``held``: the stream is known to hold messages (its end was read, a delivery came). Then a
-    probe that saw nothing is tried again, for up to :data:`HELD_PROBE_BUDGET` seconds in all,
-    before None: a broker busy with its writers and its retention can take longer than
-    :data:`PROBE_WAIT` to send a new consumer's first delivery (seen once in a full suite on a
-    loaded machine, RabbitMQ 3.10, a stream trimmed while written).
+    probe that saw nothing is tried again, for up to ``budget`` seconds in all
+    (:data:`HELD_PROBE_BUDGET`), before None: a broker busy with its writers and its retention
+    can take longer than :data:`PROBE_WAIT` to send a new consumer's first delivery (seen once
+    in a full suite on a loaded machine, RabbitMQ 3.10, a stream trimmed while written).
     """
-    deadline = time.monotonic() + (HELD_PROBE_BUDGET if held else 0.0)
+    deadline = time.monotonic() + (budget if held else 0.0)
     while True:
         found = _first_delivery(connection, queue, "first")
         if found is not None or time.monotonic() >= deadline:
             return found
+
+
+def stream_empty(connection: pika.BlockingConnection, queue: str) -> bool:
+    """Whether the stream holds no message: first-offset probes saw nothing for
+    :data:`EMPTY_CONFIRM` seconds (one probe's :data:`PROBE_WAIT` is too short to call a loss
+    on: a loaded broker has taken longer to send a first delivery)."""
+    return first_offset(connection, queue, held=True, budget=EMPTY_CONFIRM) is None
 
 
 def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
@@ -554,8 +589,11 @@ def read_range(
     delivery past ``start`` means retention removed the range's head (or that those offsets are
     entries of the stream's own, not messages): the stream's first offset tells which;
     removed offsets raise :class:`StreamDataLost` or, with ``fail_on_data_loss=False``, are
-    skipped with a WARNING. No delivery for ``stall_timeout`` seconds raises
-    :class:`StreamReadStalled` (Spark retries the task; the retry reads the same range).
+    skipped with a WARNING. No delivery at all for :data:`EMPTY_CHECK` seconds asks whether
+    the stream is empty: then retention emptied it after the range was planned, which is the
+    same loss (the range's offsets existed when it was planned). No delivery for
+    ``stall_timeout`` seconds raises :class:`StreamReadStalled`, which says where the stream
+    is now (Spark retries the task; the retry reads the same range).
 
     Deliveries are decoded the consumer's way (:class:`~reliable_amqp.Delivery`, straight from
     the frames), not by pika: pika's decoding is most of a reader's cost per message.
@@ -580,7 +618,7 @@ def read_range(
             connection, queue, start, prefetch, scanner_takes_deliveries, direct=True, bind=bind
         )
         position = start  # the next offset this read expects
-        checked_head = False
+        checked_head = checked_empty = False
         seen = 0
         last_delivery = time.monotonic()
         while position < end:
@@ -588,10 +626,17 @@ def read_range(
             if read.failure is not None:
                 raise read.failure
             if read.delivered == seen:
-                if time.monotonic() - last_delivery > stall_timeout:
+                idle = time.monotonic() - last_delivery
+                if not seen and not checked_empty and idle > min(EMPTY_CHECK, stall_timeout):
+                    checked_empty = True
+                    if connector.probing(lambda c: stream_empty(c, queue)):
+                        _lost_everything(queue, start, end, fail_on_data_loss)
+                        break
+                if idle > stall_timeout:
                     raise StreamReadStalled(
                         f"stream {queue!r}: no delivery for {stall_timeout:.0f} s while reading "
-                        f"offsets {position}..{end - 1} (range {start}..{end - 1})"
+                        f"offsets {position}..{end - 1} (range {start}..{end - 1}); "
+                        f"{_stream_now(connector, queue, position, end)}"
                     )
                 continue
             seen = read.delivered
@@ -610,6 +655,37 @@ def read_range(
         _close_quietly(channel, connection)
     finally:
         _close(connection)
+
+
+def _lost_everything(queue: str, start: int, end: int, fail: bool) -> None:
+    """A range read found its stream empty: retention removed the range after it was planned."""
+    if fail:
+        raise StreamDataLost(queue, start, None)
+    log.warning(
+        "amqp: stream %r: skipped offsets %d..%d: retention emptied the stream before they "
+        "were read (failOnDataLoss=false)",
+        queue,
+        start,
+        end - 1,
+    )
+
+
+def _stream_now(connector: Connector, queue: str, position: int, end: int) -> str:
+    """Where the stream is now, for a stalled read's error (what the broker answers, not a
+    guess: the probes' own failure is reported as such)."""
+    try:
+        first, tail = connector.probing(lambda c: (first_offset(c, queue), end_offset(c, queue)))
+    except Exception as exc:  # the stall is the error; this only describes it
+        return f"the stream's offsets could not be probed ({exc!r})"
+    if tail is None:
+        return "the stream holds no message now"
+    now = f"the stream holds offsets {first}..{tail - 1} now"
+    if tail <= position:
+        now += (
+            f": offsets {tail}..{end - 1} do not exist yet (the range was planned past the "
+            "stream's end, or the stream was deleted and declared again)"
+        )
+    return now
 
 
 def _undecodable(queue: str, d: Delivery, last: int) -> ReliableAmqpError:
