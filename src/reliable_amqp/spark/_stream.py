@@ -33,7 +33,7 @@ import pika.exceptions
 
 from reliable_amqp import ConfigurationError, ReliableAmqpError
 from reliable_amqp._compat.pika import scanner_takes_deliveries, scanning_blocking_connection
-from reliable_amqp._core.brokers import RABBITMQ, BrokerLimits, broker_limits
+from reliable_amqp._core.brokers import LAVINMQ, RABBITMQ, BrokerLimits, broker_limits
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner, HeaderDecodeError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._sync._pika import connection_parameters, translate_connection_error
@@ -412,6 +412,58 @@ def stream_empty(connection: pika.BlockingConnection, queue: str) -> bool:
     return first_offset(connection, queue, held=True, budget=EMPTY_CONFIRM) is None
 
 
+def _counts_stream(connection: pika.BlockingConnection) -> bool:
+    """Whether the broker's ``queue.declare-ok`` counts a stream's messages and its offsets
+    are one per message: LavinMQ's are (its stream store counts the messages it holds, and
+    each message takes the next offset); RabbitMQ 3.10 answers 0 for a stream, and RabbitMQ's
+    offsets include entries of the stream's own."""
+    return _broker(connection) is LAVINMQ
+
+
+def _message_count(connection: pika.BlockingConnection, queue: str) -> int:
+    """The ``message_count`` of a passive ``queue.declare`` of ``queue``."""
+    channel = connection.channel()
+    try:
+        count = channel.queue_declare(queue, passive=True).method.message_count
+    finally:
+        if channel.is_open:
+            channel.close()
+    return int(count)
+
+
+def _counted_end(connection: pika.BlockingConnection, queue: str) -> int | None:
+    """The stream's end from its first offset and its message count (see
+    :func:`_counts_stream`), without waiting for deliveries to stop; None when that cannot be
+    told so (an empty stream, or an answer that does not check out: then the caller probes).
+
+    The first offset is read before the count: retention between the two only lowers the sum,
+    so the end is never past the stream's (writes between the two make it a lower bound, as
+    the probe's is). The sum is checked: a consumer at ``end - 1`` must get that very offset,
+    which catches a count of offsets that do not exist (a broker that counts otherwise); a
+    count below the stream's would pass, which is why only a broker whose count is its
+    stream's number of messages takes this path.
+    """
+    if _message_count(connection, queue) == 0:
+        return None  # (empty, or a broker that does not count: the probe tells which)
+    first = _first_delivery(connection, queue, "first")
+    if first is None:
+        return None
+    end = first + _message_count(connection, queue)
+    last = _first_delivery(connection, queue, end - 1)
+    if last != end - 1:
+        log.debug(
+            "amqp: stream %r: first offset %d and message count give end %d, but a consumer "
+            "at %d got %r: probing the end instead",
+            queue,
+            first,
+            end,
+            end - 1,
+            last,
+        )
+        return None
+    return end
+
+
 def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
     """One past the last offset the broker delivers now, or None if the stream is empty (no
     delivery within :data:`PROBE_WAIT`).
@@ -423,7 +475,16 @@ def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
     answer is exact when nothing is being written; otherwise it is a lower bound (offsets it
     returns always exist), which is all a micro-batch needs: the next one reads what this one
     did not.
+
+    On LavinMQ, which delivers apart from the channel's methods (no barrier) and starts
+    ``"last"`` at its last segment (8 MiB: tens of thousands of messages to read before the
+    idle wait), the end comes from the stream's first offset and its message count instead
+    (:func:`_counted_end`), when that checks out.
     """
+    if _counts_stream(connection):
+        counted = _counted_end(connection, queue)
+        if counted is not None:
+            return counted
     prefetch = 1000
     offsets: list[int] = []
     channel = _consuming(
