@@ -153,8 +153,12 @@ _MYSQL_COMMON = """
 
 def mysql_ddl(tables: Tables) -> list[str]:
     """``install()`` on MariaDB and MySQL (InnoDB): the statements, each idempotent. Names are
-    AMQP short strings (at most 255 bytes), so varchar(255) holds them; binary collation, so
-    message ids compare exactly. DDL commits the caller's open transaction on these databases."""
+    AMQP short strings (at most 255 bytes), so varchar(255) holds them. ``utf8mb4_bin`` keeps
+    every character distinct but is PAD SPACE (trailing spaces ignored in comparisons): no key
+    of this table is a string (the primary key is ``id``; partitions are computed in Python),
+    and the one comparison of message ids (``outbox failed --id``) compares bytes
+    (``CAST(message_id AS BINARY)``). DDL commits the caller's open transaction on these
+    databases."""
     options = ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
     return [
         f"CREATE TABLE IF NOT EXISTS {mysql_quote(tables.name)} (\n"

@@ -147,7 +147,10 @@ def _where(ids: Sequence[str] | None, dialect: str) -> tuple[str, list[Any]]:
     if ids is None:
         return "", []
     mark = "?" if dialect == "sqlite" else "%s"
-    return f" WHERE message_id IN ({', '.join([mark] * len(ids))})", list(ids)
+    # MariaDB and MySQL: utf8mb4_bin ignores trailing spaces (PAD SPACE), so 'm-1' would also
+    # take 'm-1 '; a binary string compares every byte
+    column = "CAST(message_id AS BINARY)" if dialect == "mysql" else "message_id"
+    return f" WHERE {column} IN ({', '.join([mark] * len(ids))})", list(ids)
 
 
 def retry_failed(

@@ -36,8 +36,8 @@ PG_STORAGE = {
 }
 
 
-#: MariaDB and MySQL table options (see _schema.mysql_ddl): binary collation, so that message
-#: ids compare exactly
+#: MariaDB and MySQL table options (see _schema.mysql_ddl): a binary collation (PAD SPACE: the
+#: library compares message ids as bytes where it compares them)
 _MYSQL: dict[str, Any] = {
     "mysql_engine": "InnoDB",
     "mysql_charset": "utf8mb4",
