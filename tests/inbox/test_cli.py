@@ -30,7 +30,7 @@ def test_init_status_prune(db: Database, capsys: pytest.CaptureFixture[str]) -> 
         assert main(["inbox", "init", "--db", db.dsn]) == EXIT_OK
     assert "ready" in capsys.readouterr().out
     empty = _json(capsys, "inbox", "status", "--db", db.dsn, "--json")
-    assert empty == {"rows": 0, "oldest_age_s": None, "attempts": 0}
+    assert empty == {"rows": 0, "oldest_age_s": None, "attempts": 0, "pad_space_columns": []}
     conn = db.connect()
     inbox = Inbox("billing")
     for i in range(5):

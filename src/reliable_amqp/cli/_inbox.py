@@ -2,9 +2,14 @@
 
 ``init`` creates the tables (``--print-ddl`` prints them for a migration tool instead);
 ``status`` counts the claims kept, the oldest one's age and the attempts ledger's rows
-(``--json``: one object with ``rows``, ``oldest_age_s`` and ``attempts``); ``prune`` deletes
-claims older than the retention (``--older-than``, default 7 days), one committed batch of at
-most ``--batch`` rows at a time.
+(``--json``: one object with ``rows``, ``oldest_age_s``, ``attempts`` and
+``pad_space_columns``); ``prune`` deletes claims older than the retention (``--older-than``,
+default 7 days), one committed batch of at most ``--batch`` rows at a time.
+
+Warnings go to stderr and leave the exit status alone: ``prune`` below 1 day (the floor,
+``MIN_RETENTION``), which then prunes as asked; ``init`` and ``status`` on a MariaDB/MySQL
+table whose keys ignore trailing spaces (made before they became varbinary), with the ALTER
+that migrates it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from reliable_amqp.cli._parse import EXIT_CONNECTION, EXIT_OK
 # imports none of it); hence the defaults written out here (a test checks them).
 DEFAULT_TABLE = "amqp_inbox"
 DEFAULT_RETENTION_DAYS = 7.0
+MIN_RETENTION_DAYS = 1.0
 
 
 def add_inbox_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +60,8 @@ def add_inbox_arguments(parser: argparse.ArgumentParser) -> None:
         "most --batch rows a statement, each batch committed before the next: writers wait\n"
         "for one short batch at most. Keep the retention longer than a message can spend\n"
         "being republished (spool, outbox, retries): a duplicate arriving after its claim was\n"
-        "pruned is handled again. See docs/inbox.md.",
+        f"pruned is handled again. Below {MIN_RETENTION_DAYS:g} day (the floor) it warns, then\n"
+        "prunes as asked. See docs/inbox.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common(prune)
@@ -88,6 +95,17 @@ def run_inbox(args: argparse.Namespace) -> int:
         return EXIT_CONNECTION
 
 
+def _warn(args: argparse.Namespace, message: str) -> None:
+    print(f"reliable-amqp inbox {args.inbox_command}: warning: {message}", file=sys.stderr)
+
+
+def _warn_padded(args: argparse.Namespace, columns: tuple[str, ...]) -> None:
+    if columns:
+        from reliable_amqp.inbox._schema import InboxTables, pad_space_message
+
+        _warn(args, pad_space_message(InboxTables.named(args.table), columns))
+
+
 def _run(args: argparse.Namespace) -> int:
     from reliable_amqp.inbox import Inbox, install, prune, status
 
@@ -99,11 +117,13 @@ def _run(args: argparse.Namespace) -> int:
             )
             print(Inbox("-", args.table).ddl(dialect), end="")
             return EXIT_OK
-        install(args.db, args.table)
+        padded = install(args.db, args.table)
         print(f"inbox {args.table} ready in {_safe_db(args.db)}")
+        _warn_padded(args, padded)
         return EXIT_OK
     if args.inbox_command == "status":
         found = status(args.db, args.table)
+        _warn_padded(args, found.pad_space_columns)
         if args.json:
             print(json.dumps(found.as_dict()))
             return EXIT_OK
@@ -117,6 +137,15 @@ def _run(args: argparse.Namespace) -> int:
         from reliable_amqp._core.errors import ConfigurationError
 
         raise ConfigurationError("--older-than must be >= 0 days and --batch >= 1")
+    if args.older_than < MIN_RETENTION_DAYS:
+        _warn(
+            args,
+            f"--older-than {args.older_than:g} days is below the floor of "
+            f"{MIN_RETENTION_DAYS:g} day: claims of messages that can still come again (a "
+            "consumer's retries, a redelivery, a publisher's or the outbox relay's republish "
+            "after an outage) are pruned, and such a duplicate is handled a second time. "
+            "See docs/inbox.md, Retention and pruning",
+        )
     deleted = prune(
         args.db, args.table, args.older_than * 86400.0, scope=args.scope, batch=args.batch
     )

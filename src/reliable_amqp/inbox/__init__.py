@@ -18,13 +18,19 @@ from reliable_amqp.inbox._inbox import (
     Inbox,
     InboxStats,
 )
-from reliable_amqp.inbox._schema import DEFAULT_RETENTION, DEFAULT_TABLE, PRUNE_BATCH
+from reliable_amqp.inbox._schema import (
+    DEFAULT_RETENTION,
+    DEFAULT_TABLE,
+    MIN_RETENTION,
+    PRUNE_BATCH,
+)
 from reliable_amqp.inbox._tools import InboxStatus, install, observe, prune, status
 
 __all__ = [
     "ATTEMPT_HEADER",
     "DEFAULT_RETENTION",
     "DEFAULT_TABLE",
+    "MIN_RETENTION",
     "PRUNE_BATCH",
     "AsyncInbox",
     "DeliveryLike",

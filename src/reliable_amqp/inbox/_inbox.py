@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from reliable_amqp._core.errors import ConfigurationError, MissingMessageId
-from reliable_amqp.inbox import _schema
+from reliable_amqp.inbox import _collation, _prune, _schema
 from reliable_amqp.inbox._handler import async_handler, sync_handler
 from reliable_amqp.inbox._prune import async_prune_batch, pause, prune_batch, take_turns
 from reliable_amqp.inbox._schema import (
@@ -159,6 +159,12 @@ class _Base:
     def _mine(self) -> list[list[str]]:
         return [[self.scope] for _ in self._pruned_tables()]
 
+    def _listed(self, listed: list[list[tuple[Any, ...]]]) -> list[list[str]]:
+        return [[_collation.as_text(row[0]) for row in rows] for rows in listed]
+
+    def _warn(self, older_than: float, all_scopes: bool) -> None:
+        _prune.warn_below_floor(self.tables.name, None if all_scopes else self.scope, older_than)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.scope!r} {self.tables.name!r}>"
 
@@ -212,10 +218,15 @@ class Inbox(_Base):
 
     def install(self, conn: Any) -> None:
         """Create the inbox's tables if missing (idempotent); the caller commits (DDL commits
-        on its own on MariaDB and MySQL)."""
+        on its own on MariaDB and MySQL). On those, an existing table whose keys ignore
+        trailing spaces (PAD SPACE, as this library made them before) is left as it is, with
+        a WARNING naming its columns and the ALTER that migrates them."""
         writer = sync_writer(conn)
-        for statement in _schema.ddl(writer.dialect(conn), self.tables):
+        dialect = writer.dialect(conn)
+        for statement in _schema.ddl(dialect, self.tables):
             writer.run(conn, statement)
+        if dialect == "mysql":  # a table made before may ignore trailing spaces
+            _collation.check(writer, conn, self.tables)
 
     def claim(self, conn: Any, delivery: Any, *, key: str | None = None) -> bool:
         """Claim ``delivery`` in the caller's open transaction: True the first time (handle it),
@@ -248,17 +259,19 @@ class Inbox(_Base):
         On a connection with no transaction open, each batch runs in a transaction of its own,
         committed before the next (prune owns those transactions: other writers wait for one
         short batch at most). Inside the caller's open transaction, the batches run in it and
-        the caller commits. ``all_scopes=True`` prunes every scope's rows.
+        the caller commits. ``all_scopes=True`` prunes every scope's rows. Below
+        ``MIN_RETENTION`` (a day) it logs a WARNING, then prunes as asked: claims of messages
+        that can still come again go, and such a copy is handled a second time.
         """
         _check_prune(older_than, batch)
         writer = sync_writer(conn)
         dialect = _known(writer.dialect(conn))
+        self._warn(older_than, all_scopes)
         owned = not writer.in_transaction(conn)
         scopes = self._mine()
         if all_scopes:  # a plain read of which scopes have rows, in a transaction that ends
             with writer.transaction(conn) if owned else contextlib.nullcontext():
-                listed = [writer.fetch(conn, sql) for sql in self._scopes_sql(dialect)]
-            scopes = [[str(row[0]) for row in rows] for rows in listed]
+                scopes = self._listed([writer.fetch(conn, q) for q in self._scopes_sql(dialect)])
         plan = self._prune_plan(dialect, older_than, batch, scopes)
         # a sqlite3 connection polls for the write lock itself (see _prune.take_turns)
         polling = owned and isinstance(conn, sqlite3.Connection)
@@ -365,8 +378,11 @@ class AsyncInbox(_Base):
     async def install(self, conn: Any) -> None:
         """:meth:`Inbox.install`, awaited."""
         writer = async_writer(conn)
-        for statement in _schema.ddl(writer.dialect(conn), self.tables):
+        dialect = writer.dialect(conn)
+        for statement in _schema.ddl(dialect, self.tables):
             await writer.run(conn, statement)
+        if dialect == "mysql":
+            await _collation.async_check(writer, conn, self.tables)
 
     async def claim(self, conn: Any, delivery: Any, *, key: str | None = None) -> bool:
         """:meth:`Inbox.claim`, awaited."""
@@ -388,12 +404,13 @@ class AsyncInbox(_Base):
         _check_prune(older_than, batch)
         writer = async_writer(conn)
         dialect = _known(writer.dialect(conn))
+        self._warn(older_than, all_scopes)
         owned = not writer.in_transaction(conn)
         scopes = self._mine()
         if all_scopes:
             async with writer.transaction(conn) if owned else contextlib.nullcontext():
                 listed = [await writer.fetch(conn, sql) for sql in self._scopes_sql(dialect)]
-            scopes = [[str(row[0]) for row in rows] for rows in listed]
+            scopes = self._listed(listed)
         total = 0
         for step, scope, cutoff in self._prune_plan(dialect, older_than, batch, scopes):
             low = PRUNE_FLOOR

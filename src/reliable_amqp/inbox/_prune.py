@@ -4,12 +4,34 @@ taking turns with the writers for its one write lock."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from typing import Any
 
-from reliable_amqp.inbox._schema import PruneStep
+from reliable_amqp.inbox._schema import MIN_RETENTION, PruneStep
 from reliable_amqp.outbox._adapters import AsyncWriter, SyncWriter
+
+log = logging.getLogger("reliable_amqp.inbox")
+
+
+def warn_below_floor(table: str, scope: str | None, older_than: float) -> None:
+    """A WARNING when ``older_than`` is below :data:`~._schema.MIN_RETENTION`: the claims it
+    prunes may belong to messages that can still come again. Prune still runs as asked."""
+    if older_than >= MIN_RETENTION:
+        return
+    which = "every scope" if scope is None else f"scope {scope!r}"
+    log.warning(
+        "prune(older_than=%g) of inbox %s (%s) is below the floor of %g s (1 day): a message "
+        "that comes again after its claim was pruned (a consumer's retry, a redelivery, a "
+        "publisher's or the outbox relay's republish after an outage) is not recognised as a "
+        "duplicate and is handled a second time. Keep claims for longer than any copy can "
+        "take to arrive (default: 7 days); see docs/inbox.md, Retention and pruning",
+        older_than,
+        table,
+        which,
+        MIN_RETENTION,
+    )
 
 
 def pause(began: float) -> float:

@@ -13,6 +13,14 @@ Two tables:
 - ``<table>_attempts``: the attempts ledger, one row per redelivered message (and copy of it:
   the consumer's attempt number), written outside the handler's transaction.
 
+Keys compare byte for byte on every database: PostgreSQL's deterministic collations and
+SQLite's BINARY collation do so with ``text``; on MariaDB and MySQL the key columns are
+``varbinary``, because their ``utf8mb4_bin`` is PAD SPACE (trailing spaces ignored: an inbox
+keyed on it took ``'order-1 '`` for a duplicate of ``'order-1'``), and no NO PAD binary
+collation of utf8mb4 exists on both (MariaDB: ``utf8mb4_nopad_bin``; MySQL 8:
+``utf8mb4_0900_bin``). Tables made before keep their columns until migrated
+(:func:`mysql_migration`); :func:`pad_space_sql` finds them.
+
 Statements are written with ``%s`` marks; each connection adapter turns them into its driver's.
 """
 
@@ -33,12 +41,25 @@ DEFAULT_TABLE = "amqp_inbox"
 #: MassTransit's 30 minutes lets late duplicates through).
 DEFAULT_RETENTION = 7 * 24 * 3600.0
 
+#: One day: ``prune()`` below it logs a WARNING and ``inbox prune --older-than`` below 1 day
+#: prints one. A claim must outlive every copy of its message, and copies keep coming for as
+#: long as something republishes: the consumer's retries (the default redelivery policy: 5
+#: attempts, about 17 s of delays in all), a redelivery after a crash, a publisher's spool and the
+#: outbox relay after a broker or network outage (as long as the outage). No bound exists for
+#: the last; a day covers an outage noticed and mended within a working day, and anything
+#: shorter is taken for a mistake (``older_than=0`` pruned live claims and duplicated 299 of
+#: 300 effects in a probe). The default retention stays 7 days.
+MIN_RETENTION = 24 * 3600.0
+
 #: rows a prune statement deletes at most: each batch is a short transaction of its own, so
 #: pruning never holds many locks nor runs one long DELETE
 PRUNE_BATCH = 1000
 
 #: the longest scope and message id (an AMQP short string is at most 255 bytes)
 MAX_KEY = 255
+
+#: the key columns' size on MariaDB and MySQL, in bytes: MAX_KEY characters of UTF-8
+MYSQL_KEY_BYTES = 4 * MAX_KEY
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,47}$")
 
@@ -137,26 +158,83 @@ def sqlite_ddl(t: InboxTables) -> list[str]:
 
 
 def mysql_ddl(t: InboxTables) -> list[str]:
-    """``install()`` on MariaDB and MySQL (InnoDB): the statements, each idempotent. Binary
-    collation, so ids compare byte for byte; two varchar(255) in utf8mb4 fit InnoDB's 3,072-byte
-    key. DDL commits the caller's open transaction on these databases."""
-    options = ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"
+    """``install()`` on MariaDB and MySQL (InnoDB): the statements, each idempotent. The keys
+    are varbinary, so they compare byte for byte (``utf8mb4_bin`` is PAD SPACE); two of 1,020
+    bytes fit InnoDB's 3,072-byte key. DDL commits the caller's open transaction on these
+    databases."""
+    options = ") ENGINE=InnoDB DEFAULT CHARSET=utf8mb4"
+    key = f"varbinary({MYSQL_KEY_BYTES}) NOT NULL"
     return [
         f"CREATE TABLE IF NOT EXISTS {quote('mysql', t.name)} (\n"
-        "    scope varchar(255) NOT NULL,\n"
-        "    message_id varchar(255) NOT NULL,\n"
+        f"    scope {key},\n"
+        f"    message_id {key},\n"
         "    claimed_at double NOT NULL,\n"
         "    PRIMARY KEY (scope, message_id),\n"
         f"    KEY {t.bare(t.name)}_scope_claimed_at (scope, claimed_at)\n{options}",
         f"CREATE TABLE IF NOT EXISTS {quote('mysql', t.attempts)} (\n"
-        "    scope varchar(255) NOT NULL,\n"
-        "    message_id varchar(255) NOT NULL,\n"
+        f"    scope {key},\n"
+        f"    message_id {key},\n"
         "    attempt integer NOT NULL,\n"
         "    redeliveries integer NOT NULL,\n"
         "    last_at double NOT NULL,\n"
         "    PRIMARY KEY (scope, message_id, attempt),\n"
         f"    KEY {t.bare(t.attempts)}_scope_last_at (scope, last_at)\n{options}",
     ]
+
+
+def mysql_migration(t: InboxTables, tables: tuple[str, ...] | None = None) -> list[str]:
+    """The ALTERs that turn an inbox made before (``varchar(255)``, ``utf8mb4_bin``: PAD SPACE)
+    into what ``install()`` makes now, keeping its rows (a utf8mb4 string becomes its UTF-8
+    bytes; no two keys of a PAD SPACE unique key differ by trailing spaces, so none collide).
+    ``tables``: only these of the two (default: both). Each rebuilds its table."""
+    key = f"varbinary({MYSQL_KEY_BYTES}) NOT NULL"
+    return [
+        f"ALTER TABLE {quote('mysql', name)} MODIFY scope {key}, MODIFY message_id {key}"
+        for name in (t.name, t.attempts)
+        if tables is None or name in tables
+    ]
+
+
+def mysql_key_columns_sql(t: InboxTables) -> tuple[str, tuple[str, ...]]:
+    """(statement, parameters) listing the key columns of the inbox's tables: table, column,
+    data type, character set and collation (NULL for binary types)."""
+    schema, _, name = t.name.rpartition(".")
+    where = "%s" if schema else "DATABASE()"
+    sql = (
+        "SELECT TABLE_NAME, COLUMN_NAME, DATA_TYPE, CHARACTER_SET_NAME, COLLATION_NAME"
+        f" FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = {where}"
+        " AND TABLE_NAME IN (%s, %s) AND COLUMN_NAME IN ('scope', 'message_id')"
+    )
+    names = (name, t.bare(t.attempts))
+    return sql, (schema, *names) if schema else names
+
+
+_COLLATION = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+
+
+def pad_space_sql(collations: list[tuple[str, str]]) -> str:
+    """One SELECT that asks the server, for each (character set, collation), whether it takes
+    ``'a'`` and ``'a '`` for equal (1: PAD SPACE). Asked rather than read from a list: MariaDB
+    shows no pad attribute before 12.1, and MySQL's and MariaDB's names differ."""
+    for charset, collation in collations:
+        if not (_COLLATION.match(charset) and _COLLATION.match(collation)):
+            raise ConfigurationError(f"unexpected collation name {charset!r}/{collation!r}")
+    return "SELECT " + ", ".join(
+        f"CONVERT('a' USING {cs}) COLLATE {co} = CONVERT('a ' USING {cs})" for cs, co in collations
+    )
+
+
+def pad_space_message(t: InboxTables, columns: tuple[str, ...]) -> str:
+    """What ``install()`` logs and ``inbox init``/``status`` print about PAD SPACE columns."""
+    tables = tuple(dict.fromkeys(c.rpartition(".")[0] for c in columns))
+    alters = "; ".join(mysql_migration(t, tables))
+    return (
+        f"inbox {t.name}: the key columns {', '.join(columns)} compare under a PAD SPACE "
+        "collation (such as utf8mb4_bin), which ignores trailing spaces: a message whose id "
+        "differs from a claimed one only by trailing spaces ('order-1 ' after 'order-1') is "
+        "taken for a duplicate, acked and never handled (the same for scopes). Migrate them, "
+        f"keeping the claims (each ALTER rebuilds its table): {alters}; see docs/inbox.md"
+    )
 
 
 DDL: dict[str, Callable[[InboxTables], list[str]]] = {

@@ -9,6 +9,7 @@ from typing import Any
 
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp.inbox import _schema
+from reliable_amqp.inbox._collation import pad_space_columns
 from reliable_amqp.inbox._inbox import Inbox
 from reliable_amqp.inbox._schema import DEFAULT_RETENTION, DEFAULT_TABLE, PRUNE_BATCH, InboxTables
 from reliable_amqp.outbox._adapters import sync_writer
@@ -19,11 +20,14 @@ from reliable_amqp.outbox._tools import connect
 class InboxStatus:
     """The inbox at a glance: ``rows`` claims kept, ``oldest_age_s`` the age in seconds of the
     oldest (None when empty), ``attempts`` rows in the attempts ledger (redelivered messages not
-    yet handled)."""
+    yet handled), ``pad_space_columns`` the key columns (``table.column``) that ignore trailing
+    spaces (MariaDB and MySQL tables made before the keys became varbinary: migrate them, see
+    docs/inbox.md; always empty on PostgreSQL and SQLite)."""
 
     rows: int
     oldest_age_s: float | None
     attempts: int
+    pad_space_columns: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (``inbox status --json``)."""
@@ -58,11 +62,19 @@ def _check_tables(dialect: str, raw: Any, tables: InboxTables) -> None:
         )
 
 
-def install(db: str, table: str = DEFAULT_TABLE) -> None:
-    """Create the inbox's tables if missing (``inbox init``)."""
+def _padded(dialect: str, raw: Any, tables: InboxTables) -> tuple[str, ...]:
+    if dialect != "mysql":
+        return ()
+    return pad_space_columns(sync_writer(raw), raw, tables)
+
+
+def install(db: str, table: str = DEFAULT_TABLE) -> tuple[str, ...]:
+    """Create the inbox's tables if missing (``inbox init``); the key columns of an existing
+    table that ignore trailing spaces (see :class:`InboxStatus`), () when none."""
     inbox = Inbox("-", table)
     with connect(db) as (dialect, conn):
         inbox.install(_raw(dialect, conn))
+        return _padded(dialect, _raw(dialect, conn), inbox.tables)
 
 
 def status(db: str, table: str = DEFAULT_TABLE) -> InboxStatus:
@@ -75,10 +87,12 @@ def status(db: str, table: str = DEFAULT_TABLE) -> InboxStatus:
         claims, ledger = _schema.status_sql(dialect, tables)
         rows, oldest = writer.fetch(raw, claims)[0]
         (attempts,) = writer.fetch(raw, ledger)[0]
+        padded = _padded(dialect, raw, tables)
     return InboxStatus(
         rows=int(rows),
         oldest_age_s=None if oldest is None else max(0.0, time.time() - float(oldest)),
         attempts=int(attempts),
+        pad_space_columns=padded,
     )
 
 
@@ -91,7 +105,8 @@ def prune(
     batch: int = PRUNE_BATCH,
 ) -> int:
     """Delete claims and ledger rows older than ``older_than`` seconds (of one scope, or of
-    all), one committed batch at a time; how many."""
+    all), one committed batch at a time; how many. Below ``MIN_RETENTION`` (a day) it logs a
+    WARNING, as :meth:`Inbox.prune` does."""
     inbox = Inbox(scope or "-", table)
     with connect(db) as (dialect, conn):
         _check_tables(dialect, _raw(dialect, conn), inbox.tables)

@@ -16,10 +16,23 @@ made by either one matches the other. Needs SQLAlchemy 2 (the ``outbox-sqlalchem
 
 from __future__ import annotations
 
-import sqlalchemy as sa
+from typing import Any
 
-from reliable_amqp.inbox._schema import DEFAULT_TABLE, InboxTables
-from reliable_amqp.outbox.sqlalchemy import _MYSQL, _double, _name
+import sqlalchemy as sa
+from sqlalchemy.dialects import mysql
+
+from reliable_amqp.inbox._schema import DEFAULT_TABLE, MYSQL_KEY_BYTES, InboxTables
+from reliable_amqp.outbox.sqlalchemy import _double
+
+#: MariaDB and MySQL table options (see _schema.mysql_ddl: no character column is left)
+_MYSQL: dict[str, Any] = {"mysql_engine": "InnoDB", "mysql_charset": "utf8mb4"}
+
+
+def _name() -> sa.types.TypeEngine[Any]:
+    # a key: text, which compares bytes on PostgreSQL and SQLite; varbinary on MariaDB and
+    # MySQL, where utf8mb4_bin ignores trailing spaces (PAD SPACE)
+    return sa.Text().with_variant(mysql.VARBINARY(MYSQL_KEY_BYTES), "mysql", "mariadb")
+
 
 __all__ = ["attempts_table", "inbox_table"]
 
