@@ -6,13 +6,20 @@ its own, without the inbox and with it, in the same run, on PostgreSQL, SQLite a
     bash scripts/dev.sh run python benchmarks/inbox.py --preload 1000000 --only postgresql
     bash scripts/dev.sh run python benchmarks/inbox.py --json
 
-Three ways of handling each message, in rounds interleaved (plain, claim, handler, plain, ...)
-so that the machine's load falls on all of them alike:
+Ways of handling each message, in rounds interleaved (plain, claim, handler, pool, connect,
+plain, ...) so that the machine's load falls on all of them alike:
 
-- **plain**: ``BEGIN; INSERT INTO effects ...; COMMIT`` on one connection;
+- **plain**: ``BEGIN; INSERT INTO effects ...; COMMIT`` on one connection (the bare
+  transaction, what each ratio compares with);
 - **claim**: the same transaction with ``Inbox.claim()`` first;
-- **handler**: ``Inbox.handler(connect, handle)`` doing the same (the helper's own overhead:
-  its connection checks, the transaction block).
+- **handler**: ``Inbox.handler(connect, handle)`` doing the same on one long-lived connection
+  (the helper's own overhead: its connection checks, the transaction block);
+- **pool** (PostgreSQL and MariaDB): ``Inbox.handler(engine.connect, handle)``, a connection
+  borrowed from SQLAlchemy's pool (its defaults) for each message, docs/inbox.md's
+  recommended pattern;
+- **connect** (PostgreSQL and MariaDB): ``Inbox.handler(lambda: psycopg.connect(dsn), ...)``
+  (PyMySQL's ``connect`` on MariaDB), a new connection for each message, what the docs'
+  example did before (issue 48); a tenth of the messages a round (at least 20), it is slow.
 
 Each message has a fresh id, so every claim is new (a duplicate is cheaper: it writes nothing):
 as this library's publishers make them by default, uuid4 with ``--random-ids``. On PostgreSQL
@@ -20,7 +27,8 @@ the difference shows: a random key touches a new page of the primary key with ne
 claim, and the first change of a page after a checkpoint writes the whole page to the WAL
 that the commit then syncs.
 ``--preload N`` fills the inbox with N older claims first (the claim's cost with a big table).
-Reported: messages a second (median of the rounds) and the ratio to plain (target >= 0.75).
+Reported: messages a second (median of the rounds), the ratio to plain (target >= 0.75) and
+the client's CPU time a message (median of the rounds: steadier than rates on a shared machine).
 PostgreSQL: $INBOX_PG (default postgresql://postgres@127.0.0.1:5432), a database of its own,
 dropped after; synchronous_commit as the server has it. SQLite: a file in a temporary
 directory, WAL, with ``synchronous=FULL`` and ``NORMAL`` (``--sqlite-synchronous``). FULL is the
@@ -43,6 +51,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -65,22 +74,32 @@ def _delivery() -> Any:
     return SimpleNamespace(message_id=_new_id(), redelivered=False, headers={})
 
 
+@dataclass(frozen=True)
+class Target:
+    """A benchmark's database: ``connect()`` opens a new connection; ``url`` is SQLAlchemy's
+    URL of it (None: no pool row for this database)."""
+
+    connect: Callable[[], Any]
+    url: str | None = None
+
+
 @contextlib.contextmanager
-def _pg() -> Iterator[Callable[[], Any]]:
+def _pg() -> Iterator[Target]:
     import psycopg
 
     name = "ra_bench_" + uuid.uuid4().hex[:10]
     with psycopg.connect(f"{PG}/postgres", autocommit=True) as admin:
         admin.execute(f"CREATE DATABASE {name}")
     try:
-        yield lambda: psycopg.connect(f"{PG}/{name}")
+        url = f"{PG}/{name}".replace("postgresql://", "postgresql+psycopg://", 1)
+        yield Target(lambda: psycopg.connect(f"{PG}/{name}"), url)
     finally:
         with psycopg.connect(f"{PG}/postgres", autocommit=True) as admin:
             admin.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @contextlib.contextmanager
-def _sqlite(synchronous: str) -> Iterator[Callable[[], Any]]:
+def _sqlite(synchronous: str) -> Iterator[Target]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "bench.db")
 
@@ -90,11 +109,11 @@ def _sqlite(synchronous: str) -> Iterator[Callable[[], Any]]:
             conn.execute(f"PRAGMA synchronous={synchronous}")
             return conn
 
-        yield connect
+        yield Target(connect)
 
 
 @contextlib.contextmanager
-def _mysql() -> Iterator[Callable[[], Any]]:
+def _mysql() -> Iterator[Target]:
     import pymysql
 
     from reliable_amqp.outbox._mysql import connect_args
@@ -105,7 +124,10 @@ def _mysql() -> Iterator[Callable[[], Any]]:
     with pymysql.connect(**server, autocommit=True) as admin, admin.cursor() as cur:
         cur.execute(f"CREATE DATABASE {name} CHARACTER SET utf8mb4")
     try:
-        yield lambda: pymysql.connect(**args)
+        yield Target(
+            lambda: pymysql.connect(**args),
+            f"{MYSQL}/{name}".replace("mysql://", "mysql+pymysql://", 1) + "?charset=utf8mb4",
+        )
     finally:
         with pymysql.connect(**server, autocommit=True) as admin, admin.cursor() as cur:
             cur.execute(f"DROP DATABASE IF EXISTS {name}")
@@ -148,12 +170,18 @@ def _effect(conn: Any, delivery: Any) -> None:
     )
 
 
-def _round(way: str, conn: Any, inbox: Inbox, messages: int) -> float:
-    """Messages a second of one round handled ``way``."""
+def _round(
+    way: str, conn: Any, inbox: Inbox, messages: int, connect: Any = None
+) -> tuple[float, float]:
+    """(messages a second, client CPU microseconds a message) of one round handled ``way``
+    (``connect``: the handler's, for the pool and connect ways)."""
     writer = sync_writer(conn)
-    handler = inbox.handler(lambda: contextlib.nullcontext(conn), lambda d, c: _effect(c, d))
+    handle: Callable[[Any, Any], None] = lambda d, c: _effect(c, d)  # noqa: E731
+    handler = inbox.handler(connect or (lambda: contextlib.nullcontext(conn)), handle)
+    if way == "connect":
+        messages = max(20, messages // 10)
     deliveries = [_delivery() for _ in range(messages)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if way == "plain":
         for delivery in deliveries:
             with writer.transaction(conn):
@@ -166,25 +194,40 @@ def _round(way: str, conn: Any, inbox: Inbox, messages: int) -> float:
     else:
         for delivery in deliveries:
             handler(delivery)
-    return messages / (time.perf_counter() - start)
+    cpu_us = (time.process_time() - cpu) / messages * 1e6
+    return messages / (time.perf_counter() - start), cpu_us
 
 
-WAYS = ("plain", "claim", "handler")
+WAYS = ("plain", "claim", "handler", "pool", "connect")
 
 
 def measure(name: str, opened: Any, messages: int, rounds: int, preload: int) -> dict[str, Any]:
-    with opened as connect:
+    with opened as target:
         inbox = Inbox("bench")
-        _setup(connect, inbox, preload)
-        conn = connect()
-        _round("plain", conn, inbox, min(200, messages))  # warm up: caches, prepared statements
-        _round("claim", conn, inbox, min(200, messages))
-        rates: dict[str, list[float]] = {way: [] for way in WAYS}
+        _setup(target.connect, inbox, preload)
+        ways = WAYS if target.url else WAYS[:3]
+        engine = None
+        connects: dict[str, Any] = {}
+        if target.url:
+            import sqlalchemy as sa
+
+            engine = sa.create_engine(target.url)
+            connects = {"pool": engine.connect, "connect": target.connect}
+        conn = target.connect()
+        for way in ways:  # warm up: caches, prepared statements, the pool's first connection
+            _round(way, conn, inbox, min(200, messages), connects.get(way))
+        rates: dict[str, list[float]] = {way: [] for way in ways}
+        cpus: dict[str, list[float]] = {way: [] for way in ways}
         for _ in range(rounds):
-            for way in WAYS:
-                rates[way].append(_round(way, conn, inbox, messages))
+            for way in ways:
+                rate, cpu_us = _round(way, conn, inbox, messages, connects.get(way))
+                rates[way].append(rate)
+                cpus[way].append(cpu_us)
         conn.close()
+        if engine is not None:
+            engine.dispose()
     median = {way: statistics.median(values) for way, values in rates.items()}
+    cpu = {way: statistics.median(values) for way, values in cpus.items()}
     result = {
         "database": name,
         "messages_per_round": messages,
@@ -192,15 +235,16 @@ def measure(name: str, opened: Any, messages: int, rounds: int, preload: int) ->
         "preload": preload,
         "ids": "uuid4" if _new_id is not new_message_id else "library",
         "per_s": {way: round(value, 1) for way, value in median.items()},
-        "ratio": {way: round(median[way] / median["plain"], 3) for way in WAYS[1:]},
+        "ratio": {way: round(median[way] / median["plain"], 3) for way in ways[1:]},
         "rounds_per_s": {way: [round(v, 1) for v in values] for way, values in rates.items()},
+        "cpu_us": {way: round(value, 1) for way, value in cpu.items()},
     }
-    print(
-        f"{name:<22} plain {median['plain']:>8,.0f}/s   claim {median['claim']:>8,.0f}/s "
-        f"({median['claim'] / median['plain']:.2f}x)   handler {median['handler']:>8,.0f}/s "
-        f"({median['handler'] / median['plain']:.2f}x)",
-        flush=True,
-    )
+    line = f"{name:<22} plain {median['plain']:>8,.0f}/s"
+    for way in ways[1:]:
+        line += f"   {way} {median[way]:>7,.0f}/s ({median[way] / median['plain']:.2f}x)"
+    print(line, flush=True)
+    cpus_line = "   ".join(f"{way} {cpu[way]:,.0f}" for way in ways)
+    print(f"{'':<22} client CPU a message (us): {cpus_line}", flush=True)
     return result
 
 
