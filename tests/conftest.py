@@ -74,10 +74,12 @@ LONGEST_FIRST = (
     "rabbitmq4/test_rabbitmq4_leg.py",  # 102 s
     "async/test_async_faults.py",  # 81 s
     "outbox/test_relay.py",  # 77 s
+    "cluster/test_cluster_consumer.py",  # 43-94 s (its own three-node cluster: 10-20 s of it)
     "spool/test_spool_publisher.py",  # 65 s
     "consumer/test_consumer_faults.py",  # 60 s (its own disposable node: 12 s of it)
     "test_benchmarks.py",  # 57 s
     "test_publish_inputs_broker.py",  # 42 s
+    "cli/test_worker.py",  # 40 s
     "faults/test_sync_faults.py",  # 38 s
     "cli/test_cli_interrupt.py",  # 32 s
     "spool/test_spool_crash.py",  # 31 s
