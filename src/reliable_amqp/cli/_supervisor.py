@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from reliable_amqp.cli._parse import (
     EXIT_INTERRUPTED,
@@ -46,7 +46,27 @@ from reliable_amqp.cli._parse import (
     EXIT_USAGE,
     UsageError,
 )
-from reliable_amqp.cli._worker import ARGS_ENV, WorkerSpec, child_arguments
+
+#: the environment variable a child reads its options from (JSON of the parent's arguments)
+ARGS_ENV = "RELIABLE_AMQP_WORKER_ARGS"
+
+
+class Target(Protocol):
+    """What the supervisor needs of the worker's prepared handler: which one, on which queue."""
+
+    @property
+    def queue(self) -> str: ...
+
+    @property
+    def target(self) -> str: ...
+
+
+def child_arguments(args: argparse.Namespace) -> str:
+    """The JSON a child reads its options from: the parent's, without what the parent does
+    (processes, health)."""
+    given = {**vars(args), "processes": None, "health_port": None, "child": None}
+    return json.dumps(given)
+
 
 log = logging.getLogger("reliable_amqp.worker")
 
@@ -186,7 +206,7 @@ def describe(status: int) -> str:
 class Supervisor:
     """Runs ``--processes`` children of ``reliable-amqp worker`` and keeps them running."""
 
-    def __init__(self, args: argparse.Namespace, spec: WorkerSpec) -> None:
+    def __init__(self, args: argparse.Namespace, spec: Target) -> None:
         self.args = args
         self.spec = spec
         self.slots = [_Slot(i) for i in range(args.processes)]

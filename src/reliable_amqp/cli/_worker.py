@@ -53,13 +53,13 @@ from reliable_amqp.cli._parse import (
     count_at_least_one,
     printable,
 )
+from reliable_amqp.cli._supervisor import ARGS_ENV, HealthServer, Supervisor
 
 log = logging.getLogger("reliable_amqp.worker")
 
 #: every line: when, how bad, which process (several run side by side with --processes)
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(process)d] %(message)s"
 #: a child's options, as the JSON of the parent's parsed arguments
-ARGS_ENV = "RELIABLE_AMQP_WORKER_ARGS"
 #: seconds between two health reports of a child to its parent
 REPORT_INTERVAL = 1.0
 
@@ -388,8 +388,6 @@ def run_worker(args: argparse.Namespace) -> int:
     except _DatabaseUnreachable as exc:
         print(f"reliable-amqp worker: {exc}", file=sys.stderr)
         return EXIT_CONNECTION
-    from reliable_amqp.cli._supervisor import HealthServer, Supervisor
-
     if args.processes is not None:
         return Supervisor(args, spec).run()
     consumer = spec.consumer()
@@ -407,13 +405,6 @@ def run_worker(args: argparse.Namespace) -> int:
 def _health(consumer: AnyConsumer) -> tuple[bool, dict[str, object]]:
     health = consumer.health()
     return health.healthy, health.as_dict()
-
-
-def child_arguments(args: argparse.Namespace) -> str:
-    """The JSON a child reads its options from: the parent's, without what the parent does
-    (processes, health)."""
-    given = {**vars(args), "processes": None, "health_port": None, "child": None}
-    return json.dumps(given)
 
 
 def _run_child(child: str) -> int:
