@@ -213,7 +213,7 @@ def test_import_without_pyspark_names_the_extra() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
     )
     assert result.returncode != 0
-    assert "pip install 'reliable-amqp[spark]'" in result.stderr
+    assert "pip install '.[spark]'" in result.stderr
     plain = subprocess.run(
         [sys.executable, "-c", "import sys; sys.modules['pyspark'] = None; import reliable_amqp"],
         capture_output=True,

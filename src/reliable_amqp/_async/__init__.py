@@ -5,7 +5,8 @@ try:
     import aiormq  # noqa: F401
 except ImportError as exc:  # fail loudly, with the fix, rather than deep inside a module
     raise ImportError(
-        "AsyncPublisher needs aio-pika and aiormq: pip install 'reliable-amqp[aio]'"
+        "AsyncPublisher needs aio-pika and aiormq: install the 'aio' extra "
+        "(in a checkout: pip install '.[aio]')"
     ) from exc
 
 from reliable_amqp._async.publisher import AsyncPublisher

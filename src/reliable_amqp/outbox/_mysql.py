@@ -87,7 +87,8 @@ def require_pymysql() -> Any:
     """The pymysql module, or :class:`~reliable_amqp.ConfigurationError` with the install hint."""
     if pymysql is None:
         raise ConfigurationError(
-            "MariaDB and MySQL need PyMySQL: pip install 'reliable-amqp[outbox-mysql]'"
+            "MariaDB and MySQL need PyMySQL: install the 'outbox-mysql' extra "
+            "(in a checkout: pip install '.[outbox-mysql]')"
         )
     return pymysql
 

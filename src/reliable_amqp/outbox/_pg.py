@@ -51,7 +51,10 @@ APPLICATION = "reliable-amqp relay"
 def require_psycopg() -> Any:
     """The psycopg module, or :class:`~reliable_amqp.ConfigurationError` with the install hint."""
     if psycopg is None:
-        raise ConfigurationError("PostgreSQL needs psycopg 3: pip install 'reliable-amqp[outbox]'")
+        raise ConfigurationError(
+            "PostgreSQL needs psycopg 3: install the 'outbox' extra "
+            "(in a checkout: pip install '.[outbox]')"
+        )
     return psycopg
 
 

@@ -1,6 +1,6 @@
 """PySpark integration: write DataFrames through the confirming publisher, at least once.
 
-Installed with the ``spark`` extra (``pip install 'reliable-amqp[spark]'``). Three entry points
+Installed with the ``spark`` extra (in a checkout: ``pip install '.[spark]'``). Three entry points
 share one partition-publishing function:
 
 - :class:`AmqpSink`: ``df.foreachPartition(sink)``, ``sink.write(df)`` (Arrow batches, returns
@@ -24,8 +24,8 @@ try:
     from pyspark.sql.datasource import DataSource  # noqa: F401  (PySpark >= 4)
 except ImportError as exc:  # pragma: no cover - exercised without the extra installed
     raise ImportError(
-        "reliable_amqp.spark needs PySpark 4 and PyArrow; install them with "
-        "pip install 'reliable-amqp[spark]'"
+        "reliable_amqp.spark needs PySpark 4 and PyArrow: "
+        "install the 'spark' extra (in a checkout: pip install '.[spark]')"
     ) from exc
 
 from reliable_amqp.spark._cache import close_cached_publishers
