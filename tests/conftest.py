@@ -75,6 +75,7 @@ LONGEST_FIRST = (
     "async/test_async_faults.py",  # 81 s
     "outbox/test_relay.py",  # 77 s
     "cluster/test_cluster_consumer.py",  # 43-94 s (its own three-node cluster: 10-20 s of it)
+    "cluster/test_cluster_stream_read.py",  # about 50 s (its own cluster too)
     "spool/test_spool_publisher.py",  # 65 s
     "consumer/test_consumer_faults.py",  # 60 s (its own disposable node: 12 s of it)
     "test_benchmarks.py",  # 57 s
