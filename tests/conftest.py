@@ -60,22 +60,20 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
 
 #: Work units for pytest-xdist (``RELIABLE_AMQP_TEST_WORKERS=2 scripts/dev.sh test`` runs
 #: ``-n 2 --dist loadgroup``): a test module is one unit (its module fixtures are set up once),
-#: but these directories are one unit each, for the session fixture their tests share (one
-#: SparkSession and one Spark cluster).
-SHARED_SESSION = {"spark": "spark"}
+#: but these directories are one unit each, for what their tests share (spark: one SparkSession
+#: and one Spark cluster; cluster: one three-node RabbitMQ 4 cluster).
+SHARED_SESSION = {"spark": "spark", "cluster": "cluster"}
 #: The longest units, handed out first so that no worker is left with a long one at the end
 #: (longest first; --durations of one run in a single process on a loaded machine, 2,496 s of
 #: tests in all). Every other unit follows in collection order.
 LONGEST_FIRST = (
     "spark",  # 677 s
-    "cluster/test_cluster_faults.py",  # 310 s
+    "cluster",  # 310 s before its consumer and stream-read modules (one cluster for all)
     "faults/test_spool_faults.py",  # 229 s
     "matrix/test_versions.py",  # 196 s
     "rabbitmq4/test_rabbitmq4_leg.py",  # 102 s
     "async/test_async_faults.py",  # 81 s
     "outbox/test_relay.py",  # 77 s
-    "cluster/test_cluster_consumer.py",  # 43-94 s (its own three-node cluster: 10-20 s of it)
-    "cluster/test_cluster_stream_read.py",  # about 50 s (its own cluster too)
     "spool/test_spool_publisher.py",  # 65 s
     "consumer/test_consumer_faults.py",  # 60 s (its own disposable node: 12 s of it)
     "test_benchmarks.py",  # 57 s

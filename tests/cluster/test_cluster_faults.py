@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pika
@@ -49,29 +49,6 @@ pytestmark = [pytest.mark.broker, pytest.mark.faults, pytest.mark.slow]
 KINDS = ("sync", "async")
 #: messages a second per publisher: thousands per test, not tens of thousands
 RATE = 250.0
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Rabbitmq4Cluster]:
-    """Three RabbitMQ 4 nodes in one cluster, for the whole module."""
-    with Rabbitmq4Cluster(3) as started:
-        yield started
-
-
-@pytest.fixture
-def healthy(cluster: Rabbitmq4Cluster) -> Iterator[Rabbitmq4Cluster]:
-    """The cluster with every node running and joined, before and after the test."""
-    _heal(cluster)
-    yield cluster
-    _heal(cluster)
-
-
-def _heal(cluster: Rabbitmq4Cluster) -> None:
-    for node in cluster.nodes:
-        node.thaw()
-        if not node.is_running():
-            node.start()
-    cluster.await_members()
 
 
 class Case:
