@@ -79,7 +79,8 @@ def count_at_least_one(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
     try:
         value = float(text)
     except ValueError:
@@ -125,7 +126,7 @@ TUNING: tuple[_Tuning, ...] = (
     _Tuning(
         "--retry-initial-delay",
         "retry_initial_delay",
-        _seconds,
+        seconds,
         "nack_policy.initial_delay",
         f"seconds before the first retry of a nacked message "
         f"(default {DEFAULT_NACK_POLICY.initial_delay:g}); the wait doubles each time",
@@ -133,7 +134,7 @@ TUNING: tuple[_Tuning, ...] = (
     _Tuning(
         "--retry-max-delay",
         "retry_max_delay",
-        _seconds,
+        seconds,
         "nack_policy.max_delay",
         f"longest wait between retries of a nacked message "
         f"(default {DEFAULT_NACK_POLICY.max_delay:g})",
@@ -141,7 +142,7 @@ TUNING: tuple[_Tuning, ...] = (
     _Tuning(
         "--delivery-timeout",
         "delivery_timeout",
-        _seconds,
+        seconds,
         "delivery_timeout",
         "a message's whole deadline in seconds, retries and reconnects included (default "
         f"{PublisherOptions.__dataclass_fields__['delivery_timeout'].default:g})",
@@ -159,7 +160,7 @@ TUNING: tuple[_Tuning, ...] = (
     _Tuning(
         "--connect-timeout",
         "connect_timeout",
-        _seconds,
+        seconds,
         "connect_timeout",
         "seconds one connection attempt may take (default "
         f"{PublisherOptions.__dataclass_fields__['connect_timeout'].default:g})",
@@ -203,7 +204,7 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
             dest=tuning.dest,
             type=tuning.parse,
             default=_env_default(tuning),
-            metavar="N" if tuning.parse is not _seconds else "SECONDS",
+            metavar="N" if tuning.parse is not seconds else "SECONDS",
             help=f"{tuning.help} [env {tuning.env}]",
         )
     group.add_argument(

@@ -52,6 +52,7 @@ from reliable_amqp.cli._parse import (
     count,
     count_at_least_one,
     printable,
+    seconds,
 )
 from reliable_amqp.cli._supervisor import ARGS_ENV, HealthServer, Supervisor
 
@@ -66,20 +67,10 @@ REPORT_INTERVAL = 1.0
 AnyConsumer = Consumer | AsyncConsumer
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
-
-
 def _timeout(text: str) -> float | None:
     if text.strip().lower() in ("none", "off"):
         return None
-    value = _seconds(text)
+    value = seconds(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0 or none, got {text!r}")
     return value
@@ -158,7 +149,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     consumer.add_argument(
         "--redelivery-delay",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_REDELIVERY.initial_delay,
         metavar="SECONDS",
         help="wait before the first retry of a failed message "
@@ -166,7 +157,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     consumer.add_argument(
         "--redelivery-max-delay",
-        type=_seconds,
+        type=seconds,
         default=DEFAULT_REDELIVERY.max_delay,
         metavar="SECONDS",
         help=f"longest wait between retries (default {DEFAULT_REDELIVERY.max_delay:g})",
@@ -184,7 +175,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     consumer.add_argument(
         "--stop-timeout",
-        type=_seconds,
+        type=seconds,
         default=30.0,
         metavar="SECONDS",
         help="on SIGTERM, how long running handlers may take to finish (default 30)",
