@@ -111,23 +111,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.xdist_group(units[item]))
 
 
-#: the legs that run beside the suite: (directory, module, the test that waits for its result)
-EARLY_LEGS = (
-    ("matrix", "test_versions.py", "test_contract_subset_passes"),
-    ("rabbitmq4", "test_rabbitmq4_leg.py", "test_contract_subset_passes_on_rabbitmq4"),
-)
-
-
-def _early_hooks(session: pytest.Session) -> list[Any]:
-    """The modules whose legs are among this run's tests (the version matrix's; the RabbitMQ 4
-    leg's), in that order: each has ``start_early`` and ``finish_early``."""
-    found: dict[int, Any] = {}
+def _early_hooks(session: pytest.Session) -> Any:
+    """The version matrix's module, when its legs are among this run's tests."""
     for item in session.items:
         path = item.path
-        for index, (folder, name, test) in enumerate(EARLY_LEGS):
-            if (path.parent.name, path.name) == (folder, name) and item.name.startswith(test):
-                found.setdefault(index, getattr(item, "module", None))
-    return [module for _, module in sorted(found.items()) if module is not None]
+        if (path.parent.name, path.name) == ("matrix", "test_versions.py") and item.name.startswith(
+            "test_contract_subset_passes"
+        ):
+            return getattr(item, "module", None)
+    return None
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -139,13 +131,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if int(getattr(config.option, "numprocesses", 0) or 0) > 0:
         return  # (the xdist controller: it runs no test)
-    for module in _early_hooks(session):
+    module = _early_hooks(session)
+    if module is not None:
         module.start_early(session.items)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """Wait for (or cancel) the matrix legs started early, whatever the run's outcome."""
-    for module in reversed(_early_hooks(session)):
+    module = _early_hooks(session)
+    if module is not None:
         module.finish_early()
 
 
