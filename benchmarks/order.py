@@ -72,18 +72,23 @@ def drop(queue: str) -> None:
     connection.close()
 
 
+def measured_consumer(queue: str, keyed: bool) -> AsyncConsumer:
+    """The consumer both parts measure: 16 handlers at once, with or without ``key=``."""
+    return AsyncConsumer(
+        URL,
+        queue,
+        prefetch=200,
+        concurrency=16,
+        redelivery=POLICY,
+        key="header:entity" if keyed else None,
+    )
+
+
 def consume_rate(count: int, keys: int, keyed: bool) -> float:
     queue = fresh_queue()
     try:
         fill(queue, count, keys)
-        consumer = AsyncConsumer(
-            URL,
-            queue,
-            prefetch=200,
-            concurrency=16,
-            redelivery=POLICY,
-            key="header:entity" if keyed else None,
-        )
+        consumer = measured_consumer(queue, keyed)
         marks: list[float] = []
 
         async def handler(delivery: Delivery) -> None:
@@ -120,14 +125,7 @@ def failing_run(
     queue = fresh_queue()
     try:
         fill(queue, backlog, keys)
-        consumer = AsyncConsumer(
-            URL,
-            queue,
-            prefetch=200,
-            concurrency=16,
-            redelivery=POLICY,
-            key="header:entity" if keyed else None,
-        )
+        consumer = measured_consumer(queue, keyed)
         handled: list[tuple[float, str, int]] = []
         first: list[float] = []
         peak = {"unacked": 0, "rss": 0.0}

@@ -260,21 +260,9 @@ class ConsumerIO:
 
     def _backoff(self, loss: ReliableAmqpError) -> bool:
         """Wait before the next connection or channel; False (and ``fatal`` set) when spent."""
-        now = time.monotonic()
-        if self._first_failure is None:
-            self._first_failure = now
-        self._failures += 1
-        self._last_loss = str(loss)
-        if not loss.retriable or not self._policy.allows(self._failures, now - self._first_failure):
-            self.fatal = (
-                loss
-                if not loss.retriable
-                else RecoveryFailed(
-                    f"consumer of {self.queue!r} gave up after {self._failures} attempts: {loss}"
-                )
-            )
-            if self.fatal.__cause__ is None and self.fatal is not loss:
-                self.fatal.__cause__ = loss
+        allowed = self._count_failure(loss)
+        if not loss.retriable or not allowed:
+            self.fatal = loss if not loss.retriable else _gave_up(self.queue, self._failures, loss)
             return False
         delay = self._policy.delay(self._failures)
         log.warning(
@@ -284,6 +272,15 @@ class ConsumerIO:
             delay,
         )
         return not self.stopping.wait(delay)
+
+    def _count_failure(self, loss: ReliableAmqpError) -> bool:
+        """Count a lost connection or channel; True while the connect policy allows a retry."""
+        now = time.monotonic()
+        if self._first_failure is None:
+            self._first_failure = now
+        self._failures += 1
+        self._last_loss = str(loss)
+        return self._policy.allows(self._failures, now - self._first_failure)
 
     def _recovered(self) -> None:
         lifecycle = self._lifecycle
@@ -432,17 +429,13 @@ class ConsumerIO:
             self._drained.set()
             connection.close()
             return
-        refused = self._refusal(reason)
+        refused = _refusal(reason, self._step, self.queue, connection.params)
         loss: ReliableAmqpError = refused or AmqpConnectionError(
             "the broker cancelled the subscription"
             if self._cancelled
             else f"the channel closed: {translate_connection_error(reason)}"
         )
-        now = time.monotonic()
-        if self._first_failure is None:
-            self._first_failure = now
-        self._failures += 1
-        self._last_loss = str(loss)
+        allowed = self._count_failure(loss)
         if refused is not None and not self._subscribed_once:
             self._refused += 1
             if self._refused >= REFUSED_ATTEMPTS:
@@ -450,11 +443,8 @@ class ConsumerIO:
                 self.stopping.set()
                 connection.close()
                 return
-        if not self._policy.allows(self._failures, now - self._first_failure):
-            self.fatal = RecoveryFailed(
-                f"consumer of {self.queue!r} gave up after {self._failures} attempts: {loss}"
-            )
-            self.fatal.__cause__ = loss
+        if not allowed:
+            self.fatal = _gave_up(self.queue, self._failures, loss)
             self.stopping.set()
             connection.close()
             return
@@ -466,23 +456,6 @@ class ConsumerIO:
             delay,
         )
         connection.ioloop.call_later(delay, self._open_channel)
-
-    def _refusal(self, reason: Any) -> ReliableAmqpError | None:
-        """A channel closed by the broker's refusal of a set-up step, as an error naming the
-        remedy (:mod:`reliable_amqp._core.refusals`); None for any other close."""
-        code = getattr(reason, "reply_code", None)
-        if not self._step or type(code) is not int:
-            return None
-        connection = self._connection
-        params = connection.params if connection is not None else self._params[0]
-        return refusal(
-            code,
-            str(getattr(reason, "reply_text", "")),
-            operation=self._step,
-            name=self.queue,
-            vhost=params.virtual_host,
-            user=str(getattr(params.credentials, "username", "")),
-        )
 
     def _lost_channel(self) -> None:
         connection = self._connection
@@ -596,3 +569,26 @@ class ConsumerIO:
                 connection.close()
         elif connection is not None:
             connection.ioloop.stop()
+
+
+def _gave_up(queue: str, failures: int, loss: ReliableAmqpError) -> RecoveryFailed:
+    """The error that ends a consumer whose connect policy is spent (caused by ``loss``)."""
+    error = RecoveryFailed(f"consumer of {queue!r} gave up after {failures} attempts: {loss}")
+    error.__cause__ = loss
+    return error
+
+
+def _refusal(reason: Any, step: str, queue: str, params: Any) -> ReliableAmqpError | None:
+    """A channel closed by the broker's refusal of the set-up ``step`` under way, as an error
+    naming the remedy (:mod:`reliable_amqp._core.refusals`); None for any other close."""
+    code = getattr(reason, "reply_code", None)
+    if not step or type(code) is not int:
+        return None
+    return refusal(
+        code,
+        str(getattr(reason, "reply_text", "")),
+        operation=step,
+        name=queue,
+        vhost=params.virtual_host,
+        user=str(getattr(params.credentials, "username", "")),
+    )
