@@ -129,7 +129,7 @@ def test_a_message_is_acked_only_after_its_handler_returned(
     thread = run_in_thread(second, lambda delivery: done.set())
     assert done.wait(30)
     io = second._core.io
-    wait_until(lambda: io._book is not None and io._book.held == 0, what="the ack sent")
+    wait_until(lambda: io.unacked == 0, what="the ack sent")
     io.stop(timeout=10)  # anything unacked would be requeued
     join_clean(thread)
     assert broker.count(queue) == 0 and broker.drain(queue) == []
@@ -178,7 +178,7 @@ def test_a_few_messages_are_acked_when_the_consumer_goes_idle(
     assert handled.wait(30)
     io = consumer._core.io
     # below a batch (10): only the idle flush sends these acks
-    wait_until(lambda: io._book is not None and io._book.held == 0, what="the idle flush")
+    wait_until(lambda: io.unacked == 0, what="the idle flush")
     io.stop(timeout=10)  # an abrupt end: unacked messages would be requeued
     join_clean(thread)
     assert broker.count(queue) == 0

@@ -20,6 +20,7 @@ import pytest
 from harness.fixtures import ProxyFactory
 from harness.node import DisposableBroker
 from reliable_amqp import Consumer, Delivery, RetryPolicy
+from reliable_amqp._consume._io import ConsumerIO
 from support.broker import BrokerAdmin, unique
 from support.consumer import (
     QUICK,
@@ -282,6 +283,7 @@ def test_queue_deleted_and_declared_again_consumes_what_arrives_next(
     seen: list[str | None] = []
     consumer = Consumer(amqp_url, queue, prefetch=10, redelivery=QUICK)
     io = consumer._core.io
+    assert isinstance(io, ConsumerIO)
     with running(consumer, lambda d: seen.append(d.message_id)):
         fill(amqp_url, queue, [f"a{i}" for i in range(5)])
         wait_until(lambda: len(seen) == 5, 30, "the first 5 messages handled")
@@ -318,6 +320,7 @@ def test_handler_three_heartbeats_long_is_no_reconnect(
 
     consumer = Consumer(amqp_url, queue, prefetch=10, heartbeat=heartbeat, redelivery=QUICK)
     io = consumer._core.io
+    assert isinstance(io, ConsumerIO)
     with running(consumer, handler):
         wait_until(lambda: len(calls) == 2 and consumer.stats.handled == 2, 60, "both handled")
         io.flush()
@@ -387,6 +390,7 @@ def test_consumer_timeout_closes_the_channel_and_the_consumer_recovers(
         calls: list[tuple[int, bool]] = []
         consumer = Consumer(url, queue, prefetch=5, redelivery=QUICK, handler_timeout=1.0)
         io = consumer._core.io
+        assert isinstance(io, ConsumerIO)
 
         def handler(delivery: Delivery) -> None:
             calls.append((delivery.attempt, delivery.redelivered))
@@ -462,6 +466,7 @@ def test_a_stalled_link_is_noticed_by_heartbeats_and_consuming_resumes(
 
     consumer = Consumer(proxy.url(), queue, prefetch=100, heartbeat=1, redelivery=QUICK)
     io = consumer._core.io
+    assert isinstance(io, ConsumerIO)
     with running(consumer, handler):
         try:
             wait_until(lambda: len(seen) >= 500, 60, "500 messages handled")
@@ -500,6 +505,7 @@ def test_a_declaring_consumer_declares_its_deleted_queue_again(
         queue_arguments={"x-max-priority": 3},
     )
     io = consumer._core.io
+    assert isinstance(io, ConsumerIO)
     try:
         with running(consumer, lambda d: seen.append(d.message_id or "")):
             wait_until(io.consuming.is_set, 30, "the first subscription")
@@ -547,6 +553,7 @@ def test_broker_killed_and_restarted_under_a_running_consumer(
     patient = RetryPolicy(max_attempts=None, initial_delay=0.2, max_delay=1.0, deadline=120)
     consumer = Consumer(node.url, queue, prefetch=100, redelivery=QUICK, connect_policy=patient)
     io = consumer._core.io
+    assert isinstance(io, ConsumerIO)
     try:
         with running(consumer, handler):
             try:

@@ -19,6 +19,7 @@ import pytest
 from harness.rabbitmq4 import Rabbitmq4Node
 from harness.rabbitmq4_fixtures import broker_versions
 from reliable_amqp import Consumer, Delivery
+from reliable_amqp._consume._io import ConsumerIO
 from support.broker import BrokerAdmin, unique
 from support.consumer import (
     QUICK,
@@ -100,6 +101,7 @@ def test_consumer_timeout_on_a_rabbitmq4_quorum_queue_cancels_and_the_consumer_r
         calls: list[tuple[str, bool]] = []
         consumer = Consumer(url, queue, prefetch=1, redelivery=QUICK, handler_timeout=1.0)
         io = consumer._core.io
+        assert isinstance(io, ConsumerIO)
 
         def handler(delivery: Delivery) -> None:
             calls.append((delivery.message_id or "", delivery.redelivered))

@@ -11,8 +11,8 @@ import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
-from reliable_amqp._consume._io import ConsumerIO
 from reliable_amqp._consume._lifecycle import uncounted_text
+from reliable_amqp._consume._link import ConsumerLink
 from reliable_amqp._consume._options import ConsumerOptions
 from reliable_amqp._consume._redeliver import Redeliverer
 from reliable_amqp._consume._stats import ConsumerStats
@@ -63,7 +63,7 @@ class Dispatch:
     def __init__(
         self,
         options: ConsumerOptions,
-        io: ConsumerIO,
+        io: ConsumerLink,
         redeliver: Redeliverer,
         stats: ConsumerStats,
     ) -> None:
@@ -87,7 +87,7 @@ class Dispatch:
     def fresh(self, delivery: Delivery) -> bool:
         """False for a delivery of a channel that died (the broker gives it back): skip it."""
         stats = self.stats
-        if delivery.generation != self._io.live_generation:
+        if not self._io.is_live(delivery.generation):
             stats.stale += 1
             return False
         stats.consumed += 1

@@ -125,6 +125,16 @@ class ConsumerIO:
         connection = self._connection
         return connection is not None and bool(connection.is_open)
 
+    @property
+    def unacked(self) -> int:
+        """Deliveries held on the open channel, not yet acked or requeued (a snapshot)."""
+        book = self._book
+        return 0 if book is None else book.held
+
+    def is_live(self, generation: int) -> bool:
+        """Whether ``generation`` is the open channel's (see :class:`ConsumerLink`)."""
+        return generation == self.live_generation
+
     # --- any thread ---------------------------------------------------------------------------
 
     def start(self) -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pika
 
-from reliable_amqp._consume._io import ConsumerIO
+from reliable_amqp._consume._link import ConsumerLink
 from reliable_amqp._consume._options import ConsumerOptions
 from reliable_amqp._consume._stats import ConsumerStats
 from reliable_amqp._core.acks import ACK, REQUEUE
@@ -59,7 +59,7 @@ _KEPT = (
 class Redeliverer:
     """Publishes retries and dead letters for one consumer, and settles the originals."""
 
-    def __init__(self, options: ConsumerOptions, io: ConsumerIO, stats: ConsumerStats) -> None:
+    def __init__(self, options: ConsumerOptions, io: ConsumerLink, stats: ConsumerStats) -> None:
         self._options = options
         self._io = io
         self._stats = stats

@@ -17,12 +17,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import pika
 
 from reliable_amqp._consume._dispatch import Dispatch
 from reliable_amqp._consume._health import ConsumerHealth, snapshot
 from reliable_amqp._consume._io import ConsumerIO
 from reliable_amqp._consume._lifecycle import Lifecycle
+from reliable_amqp._consume._link import ConsumerLink
 from reliable_amqp._consume._options import (
     DEFAULT_HANDLER_TIMEOUT,
     DEFAULT_PREFETCH,
@@ -49,6 +52,23 @@ CONSUMER_CONNECT_POLICY = RetryPolicy(
 )
 
 
+class LinkFactory(Protocol):
+    """Builds a consumer's I/O (:class:`ConsumerIO` by default), as ConsumerIO is built."""
+
+    def __call__(
+        self,
+        params: list[pika.URLParameters],
+        queue: str,
+        *,
+        prefetch: int,
+        connect_policy: RetryPolicy,
+        on_deliveries: Callable[[list[Delivery]], None],
+        declare: dict[str, Any] | None,
+        consumer_arguments: dict[str, Any],
+        lifecycle: Lifecycle,
+    ) -> ConsumerLink: ...
+
+
 class ConsumerCore:
     """What :class:`Consumer` and :class:`AsyncConsumer` build the same way: options, the I/O
     thread, the redeliverer and the dispatch."""
@@ -60,6 +80,8 @@ class ConsumerCore:
         own: Mapping[str, Any],
         options: dict[str, Any],
         on_deliveries: Callable[[list[Delivery]], None],
+        *,
+        make_link: LinkFactory | None = None,
     ) -> None:
         options.setdefault("connect_policy", CONSUMER_CONNECT_POLICY)
         try:
@@ -75,7 +97,7 @@ class ConsumerCore:
             declare = {"durable": True, "arguments": dict(opts.queue_arguments or {}) or None}
         self.stats = ConsumerStats()
         self.lifecycle = Lifecycle(opts)
-        self.io = ConsumerIO(
+        self.io: ConsumerLink = (make_link or ConsumerIO)(
             params,
             opts.queue,
             prefetch=opts.prefetch,
