@@ -17,15 +17,37 @@ from typing import Any
 
 import pytest
 
+from reliable_amqp._core.brokers import ANY_BROKER, LAVINMQ, RABBITMQ, BrokerLimits
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp.spark import _stream
 from reliable_amqp.spark._stream import Connector, end_offset, first_offset
 from support.memory import fill_numbered
 from support.stream import declare_stream, delete_queue, stream_name
 
-pytestmark = [pytest.mark.broker]
-
 COUNT = 20_000
+
+
+class _Connected:
+    """What the probes read of a pika connection: the broker's ``server_properties``."""
+
+    def __init__(self, product: str | None) -> None:
+        self._impl = type("Impl", (), {"server_properties": {"product": product}})()
+
+
+@pytest.mark.parametrize(
+    ("product", "limits"),
+    [("LavinMQ", LAVINMQ), ("RabbitMQ", RABBITMQ), ("Qpid", ANY_BROKER), (None, ANY_BROKER)],
+)
+def test_the_end_probe_takes_its_path_from_the_broker_table(
+    product: str | None, limits: BrokerLimits
+) -> None:
+    """Which way the end is found is a field of the broker's entry (``_core/brokers.py``), not
+    a comparison of entries: LavinMQ counts (``stream_count_is_span``), RabbitMQ has the
+    barrier (``stream_qos_barrier``), a broker not in the table neither (it probes and waits)."""
+    connection: Any = _Connected(product)
+    assert _stream._broker(connection) is limits
+    assert _stream._counts_stream(connection) is (product == "LavinMQ")
+    assert _stream._in_order(connection) is (product == "RabbitMQ")
 
 
 @pytest.fixture
@@ -48,6 +70,7 @@ def _probe(url: str, stream: str) -> tuple[int | None, int | None, float]:
     return connector.probing(look)
 
 
+@pytest.mark.broker
 def test_the_end_of_a_stream_at_rest_comes_without_an_idle_wait(amqp_url: str, full: str) -> None:
     """Exact, and quick: best of three under 0.5 s (RabbitMQ 3.10 here: 0.01 to 0.06 s; the
     idle wait alone is 0.25 s, and LavinMQ's probe read its last 8 MiB segment first)."""
@@ -58,6 +81,7 @@ def test_the_end_of_a_stream_at_rest_comes_without_an_idle_wait(amqp_url: str, f
     assert min(seconds for _, _, seconds in looks) < 0.5, looks
 
 
+@pytest.mark.broker
 @pytest.mark.parametrize("count", [0, COUNT + 5, COUNT * 2])
 def test_a_message_count_that_does_not_check_out_is_not_trusted(
     amqp_url: str, full: str, monkeypatch: pytest.MonkeyPatch, count: int

@@ -44,6 +44,16 @@ class BrokerLimits:
     #: ``x-delivery-limit``: RabbitMQ's do; LavinMQ 2.9 declares a classic queue for
     #: ``x-queue-type=quorum`` and counts only when a limit is set
     counts_without_limit: bool = True
+    #: whether a passive ``queue.declare`` of a stream answers with the number of messages it
+    #: holds, each at the next offset, so that its end is its first offset plus that count:
+    #: LavinMQ's does (its stream store counts the messages it holds); RabbitMQ 3.10 answers 0
+    #: for a stream, and RabbitMQ's offsets include entries of the stream's own
+    stream_count_is_span: bool = False
+    #: whether a new stream consumer's first deliveries come before the broker's answer to the
+    #: channel's next method, so that a ``basic.qos`` is a barrier after what the stream's
+    #: reader had at hand: RabbitMQ's channel process reads the stream first (usually: not
+    #: while the stream is written and trimmed); LavinMQ runs consumers apart from the channel
+    stream_qos_barrier: bool = False
 
     @property
     def checks_expiration(self) -> bool:
@@ -69,13 +79,16 @@ class BrokerLimits:
 
 #: what every broker takes (RabbitMQ's limits); a broker that is not in the table gets these
 ANY_BROKER = BrokerLimits("AMQP 0-9-1 broker", RABBITMQ_EXPIRATION_MAX, "")
-RABBITMQ = BrokerLimits("RabbitMQ", RABBITMQ_EXPIRATION_MAX, '406 "invalid expiration"')
+RABBITMQ = BrokerLimits(
+    "RabbitMQ", RABBITMQ_EXPIRATION_MAX, '406 "invalid expiration"', stream_qos_barrier=True
+)
 LAVINMQ = BrokerLimits(
     "LavinMQ",
     LAVINMQ_EXPIRATION_MAX,
     '406 "Expiration not a number"',
     first_stream_offset=1,
     counts_without_limit=False,
+    stream_count_is_span=True,
 )
 
 #: by product name, lower-cased

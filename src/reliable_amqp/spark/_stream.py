@@ -33,7 +33,7 @@ import pika.exceptions
 
 from reliable_amqp import ConfigurationError, ReliableAmqpError
 from reliable_amqp._compat.pika import scanner_takes_deliveries, scanning_blocking_connection
-from reliable_amqp._core.brokers import LAVINMQ, RABBITMQ, BrokerLimits, broker_limits
+from reliable_amqp._core.brokers import BrokerLimits, broker_limits
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner, HeaderDecodeError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._sync._pika import connection_parameters, translate_connection_error
@@ -342,8 +342,8 @@ def _in_order(connection: pika.BlockingConnection) -> bool:
     4.3 alike (measured: 1 to 14 probes in 180 saw nothing by the barrier). So an empty answer
     at the barrier is never taken as "the stream is empty": the probe then waits for
     :data:`PROBE_WAIT`, as it always does on other brokers (LavinMQ runs consumers apart from
-    the channel)."""
-    return _broker(connection) is RABBITMQ
+    the channel). The broker table's ``stream_qos_barrier``."""
+    return _broker(connection).stream_qos_barrier
 
 
 def _broker(connection: pika.BlockingConnection) -> BrokerLimits:
@@ -416,8 +416,8 @@ def _counts_stream(connection: pika.BlockingConnection) -> bool:
     """Whether the broker's ``queue.declare-ok`` counts a stream's messages and its offsets
     are one per message: LavinMQ's are (its stream store counts the messages it holds, and
     each message takes the next offset); RabbitMQ 3.10 answers 0 for a stream, and RabbitMQ's
-    offsets include entries of the stream's own."""
-    return _broker(connection) is LAVINMQ
+    offsets include entries of the stream's own. The broker table's ``stream_count_is_span``."""
+    return _broker(connection).stream_count_is_span
 
 
 def _message_count(connection: pika.BlockingConnection, queue: str) -> int:
