@@ -48,7 +48,6 @@ class Dispatch:
 
     __slots__ = (
         "_counting_known",
-        "_follow",
         "_io",
         "_max_attempts",
         "_options",
@@ -78,7 +77,6 @@ class Dispatch:
         self.key_of = key_reader(options.key)
         after: AfterDeadLetter = "hold" if options.after_dead_letter == "hold" else "continue"
         self.fences = Fences(after)
-        self._follow = options.follow_queue
         # keys whose park failed, told from the publisher's thread; applied on this side
         self._unparked: deque[tuple[str, int]] = deque()
         #: spans and metrics (None: OpenTelemetry is not in use), set when consuming starts
@@ -163,7 +161,7 @@ class Dispatch:
         message alone (``permanent``: MissingMessageId, InvalidMessage, HeaderDecodeError)
         are dead-lettered at once."""
         verdict = on_failure(
-            self._options.queue,
+            delivery.queue,
             delivery.attempt,
             error,
             self._options.redelivery,
@@ -173,9 +171,10 @@ class Dispatch:
         if isinstance(verdict, Retry):
             token = None
             if key is not None:  # the key's head now: its later messages wait for it
-                token = self.fences.retrying(key, self._follow, seq)
+                token = self.fences.retrying(key, self._options.follow_queue(delivery.queue), seq)
             self._redeliver.retry(delivery, verdict, token)
         else:
             if key is not None:
-                self.fences.dead(key, self._follow, seq, delivery.message_id or "")
+                follow = self._options.follow_queue(delivery.queue)
+                self.fences.dead(key, follow, seq, delivery.message_id or "")
             self._redeliver.dead(delivery, verdict)

@@ -70,6 +70,8 @@ class ConsumerIO:
         declare: dict[str, Any] | None = None,
         consumer_arguments: dict[str, Any] | None = None,
         lifecycle: Lifecycle | None = None,
+        exclusive: bool = False,
+        generations: Callable[[], int] | None = None,
     ) -> None:
         self._params = params
         self.queue = queue
@@ -79,6 +81,11 @@ class ConsumerIO:
         self._declare = declare
         self._consumer_arguments = consumer_arguments or {}
         self._lifecycle = lifecycle
+        #: an exclusive subscription (a partition): a 403 on it means another member holds
+        #: the queue, and ends this I/O quietly with ``taken`` set
+        self._exclusive = exclusive
+        self.taken = False
+        self._generations = generations
         self.stopping = threading.Event()
         #: set when a subscription is live (cleared while recovering)
         self.consuming = threading.Event()
@@ -146,6 +153,7 @@ class ConsumerIO:
         self._drained.clear()
         self.consuming.clear()
         self.fatal = None
+        self.taken = False
         self._settled.clear()
         self._force = self._draining = self._cancelled = False
         self._failures, self._first_failure = 0, None
@@ -204,6 +212,20 @@ class ConsumerIO:
             return True
         call_threadsafe(connection.ioloop, self._on_drain)
         return self._drained.wait(timeout)
+
+    def release(self, timeout: float) -> bool:
+        """Give the queue up: send every settlement made, then close the connection (what is
+        still unacked goes back to the queue as the subscription ends, in one step: no other
+        consumer gets a later message first). True once closed within ``timeout``."""
+        connection = self._connection
+        self.stopping.set()
+        if connection is not None:
+            self._force = True
+            call_threadsafe(connection.ioloop, self._on_release)
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
 
     def cancel(self) -> None:
         """Stop new deliveries (``basic.cancel``); settlements still go out."""
@@ -367,7 +389,7 @@ class ConsumerIO:
     def _on_channel_open(self, channel: Channel) -> None:
         connection = self._connection
         assert connection is not None
-        self.generation += 1
+        self.generation = self._generations() if self._generations else self.generation + 1
         self.live_generation = self.generation
         self._channel = channel
         self._cancelled = False
@@ -402,6 +424,7 @@ class ConsumerIO:
         self._consumer_tag = channel.basic_consume(
             self.queue,
             scanner_takes_deliveries,
+            exclusive=self._exclusive,
             arguments=self._consumer_arguments or None,
             callback=self._on_consume_ok,
         )
@@ -437,6 +460,15 @@ class ConsumerIO:
             return
         if self._draining:
             self._drained.set()
+            connection.close()
+            return
+        if (
+            self._exclusive
+            and self._step == "basic.consume"
+            and getattr(reason, "reply_code", None) == 403
+        ):  # another member holds this partition: not this consumer's to wait for
+            self.taken = True
+            self.stopping.set()
             connection.close()
             return
         refused = _refusal(reason, self._step, self.queue, connection.params)
@@ -571,6 +603,10 @@ class ConsumerIO:
                 else:
                     channel.basic_nack(tag, multiple, requeue=True)
         self._drained.set()
+
+    def _on_release(self) -> None:
+        self._send_acks()
+        self._close()
 
     def _close(self) -> None:
         connection = self._connection

@@ -29,18 +29,30 @@ class ConsumerLink(Protocol):
     ended: threading.Event
     #: set while a subscription is live
     consuming: threading.Event
-    #: the error that ended the I/O (a spent connect policy, a refusal), if any
-    fatal: ReliableAmqpError | None
-    #: ``host:port`` of the connection (None while there is none)
-    node: str | None
-    #: the connected broker's ``connection.start`` properties
-    server_properties: Mapping[str, Any] | None
-    #: monotonic time of the last read that brought deliveries
-    last_delivery: float | None
-    #: subscriptions got back after a loss (a new connection or channel)
-    recoveries: int
-    #: settlements dropped because their channel had died (the broker requeued those)
-    stale_settlements: int
+
+    @property
+    def fatal(self) -> ReliableAmqpError | None:
+        """The error that ended the I/O (a spent connect policy, a refusal), if any."""
+
+    @property
+    def node(self) -> str | None:
+        """``host:port`` of the connection (None while there is none)."""
+
+    @property
+    def server_properties(self) -> Mapping[str, Any] | None:
+        """The connected broker's ``connection.start`` properties."""
+
+    @property
+    def last_delivery(self) -> float | None:
+        """Monotonic time of the last read that brought deliveries."""
+
+    @property
+    def recoveries(self) -> int:
+        """Subscriptions got back after a loss (a new connection or channel)."""
+
+    @property
+    def stale_settlements(self) -> int:
+        """Settlements dropped because their channel had died (the broker requeued those)."""
 
     @property
     def connected(self) -> bool:

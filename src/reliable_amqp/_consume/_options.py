@@ -10,6 +10,7 @@ from typing import Any
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._core.options import PublisherOptions
 from reliable_amqp._core.order import key_reader
+from reliable_amqp._core.partitions import check_partitions, partition_queues
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.redelivery import delay_levels, delay_queue
 
@@ -45,12 +46,16 @@ class ConsumerOptions:
     key: object = None
     #: what a key does after one of its messages was dead-lettered: "continue" or "hold"
     after_dead_letter: str = "continue"
+    #: consume the partitions ``<queue>.0`` .. ``<queue>.<N-1>`` of the group ``queue``
+    partitions: int | None = None
     connection: PublisherOptions = field(default_factory=lambda: PublisherOptions.create("amqp://"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.queue, str) or not self.queue:
             raise ConfigurationError(f"queue must be a non-empty string, got {self.queue!r}")
-        if len(self.queue.encode()) > 200:
+        if self.partitions is not None:
+            check_partitions(self.partitions)
+        if len(self.queue.encode()) > (200 if self.partitions is None else 190):
             raise ConfigurationError(
                 f"queue name {self.queue!r} is too long: its delay and dead-letter queues "
                 "add a suffix and must stay within AMQP's 255 bytes"
@@ -99,17 +104,25 @@ class ConsumerOptions:
         return attempts
 
     @property
-    def follow_queue(self) -> str:
-        """Where a fenced key's later messages wait: the first delay queue ('' without
-        retries)."""
+    def consumed_queues(self) -> list[str]:
+        """The queues consumed: ``queue``, or every partition queue of the group ``queue``."""
+        if self.partitions is None:
+            return [self.queue]
+        return partition_queues(self.queue, self.partitions)
+
+    def follow_queue(self, queue: str) -> str:
+        """Where a fenced key's later messages from ``queue`` wait: its first delay queue (''
+        without retries)."""
         levels = delay_levels(self.redelivery)
-        return delay_queue(self.queue, min(levels)) if levels else ""
+        return delay_queue(queue, min(levels)) if levels else ""
 
     @property
     def own_queues(self) -> tuple[str, ...]:
         """The queues the consumer declares for itself: the dead letters, then one delay queue
-        per delay level of ``redelivery``."""
-        delays = [delay_queue(self.queue, level) for level in delay_levels(self.redelivery)]
+        per delay level of ``redelivery`` (per partition, for a partitioned consumer: a retry
+        comes back to the partition it left)."""
+        levels = delay_levels(self.redelivery)
+        delays = [delay_queue(q, level) for q in self.consumed_queues for level in levels]
         return (self.dead_letter_queue, *delays)
 
     @classmethod

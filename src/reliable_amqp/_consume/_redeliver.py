@@ -79,17 +79,18 @@ class Redeliverer:
             declaring = options.dead_letter_queue
             try:
                 publisher.declare_queue(declaring, durable=True)
-                for level in delay_levels(options.redelivery):  # options.own_queues, with TTLs
-                    declaring = delay_queue(options.queue, level)
-                    publisher.declare_queue(
-                        declaring,
-                        durable=True,
-                        arguments={
-                            "x-message-ttl": min(level, MAX_DELAY_MS),
-                            "x-dead-letter-exchange": "",
-                            "x-dead-letter-routing-key": options.queue,
-                        },
-                    )
+                for queue in options.consumed_queues:  # options.own_queues, with their TTLs
+                    for level in delay_levels(options.redelivery):
+                        declaring = delay_queue(queue, level)
+                        publisher.declare_queue(
+                            declaring,
+                            durable=True,
+                            arguments={
+                                "x-message-ttl": min(level, MAX_DELAY_MS),
+                                "x-dead-letter-exchange": "",
+                                "x-dead-letter-routing-key": queue,
+                            },
+                        )
             except AccessRefused as exc:
                 publisher.close(timeout=1.0)
                 raise _refused(exc, declaring, options) from exc

@@ -9,6 +9,7 @@ while it works.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import signal
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import pika
 
 from reliable_amqp._consume._dispatch import Dispatch
+from reliable_amqp._consume._group import PartitionGroup
 from reliable_amqp._consume._health import ConsumerHealth, snapshot
 from reliable_amqp._consume._io import ConsumerIO
 from reliable_amqp._consume._lifecycle import Lifecycle
@@ -97,6 +99,8 @@ class ConsumerCore:
             declare = {"durable": True, "arguments": dict(opts.queue_arguments or {}) or None}
         self.stats = ConsumerStats()
         self.lifecycle = Lifecycle(opts)
+        if make_link is None and opts.partitions is not None:
+            make_link = self._group_factory()
         self.io: ConsumerLink = (make_link or ConsumerIO)(
             params,
             opts.queue,
@@ -109,6 +113,19 @@ class ConsumerCore:
         )
         self.redeliver = Redeliverer(opts, self.io, self.stats)
         self.dispatch = Dispatch(opts, self.io, self.redeliver, self.stats)
+
+    def _group_factory(self) -> LinkFactory:
+        """A partitioned consumer's link: its member of the group (``_consume/_group.py``)."""
+        opts = self.options
+        assert opts.partitions is not None
+
+        def keep() -> set[int]:  # partitions whose keys wait for a retry here: not moved
+            follow = self.dispatch.fences.follow_queues()
+            return {i for i, q in enumerate(opts.consumed_queues) if opts.follow_queue(q) in follow}
+
+        return functools.partial(
+            PartitionGroup, partitions=opts.partitions, stop_timeout=opts.stop_timeout, keep=keep
+        )
 
     def start(self) -> None:
         """Open the redelivery publisher (declaring the delay and dead-letter queues), then
@@ -198,6 +215,12 @@ class Consumer:
     broker, behind it; other keys flow). ``after_dead_letter`` ("continue", the default, or
     "hold") says whether a key goes on after one of its messages was dead-lettered. See
     docs/consumer.md, "Order".
+
+    ``partitions=N`` makes ``queue`` the name of a group: the consumer consumes its share of
+    the partition queues ``<queue>.0`` .. ``<queue>.<N-1>`` (bound to the consistent-hash
+    exchange ``<queue>``, declared with ``declare=True``), one member per partition at a time,
+    shared evenly with every other consumer of the group and taken over within seconds when one
+    dies. See docs/consumer.md, "Partitions".
     """
 
     def __init__(
@@ -217,11 +240,13 @@ class Consumer:
         attempts: Callable[[Delivery], Any] | None = None,
         key: str | Callable[[Delivery], str | None] | None = None,
         after_dead_letter: str = "continue",
+        partitions: int | None = None,
         **options: Any,
     ) -> None:
         if heartbeat is not None:
             options["heartbeat"] = heartbeat
         own = {
+            "partitions": partitions,
             "key": key,
             "after_dead_letter": after_dead_letter,
             "prefetch": prefetch,

@@ -147,6 +147,10 @@ class Fences:
     def __len__(self) -> int:
         return len(self._fences)
 
+    def follow_queues(self) -> set[str]:
+        """Where the fenced keys' later messages wait (one queue per partition that has any)."""
+        return {fence.follow_queue for fence in list(self._fences.values())}
+
     def fenced(self, key: str) -> Fence | None:
         """The key's fence (None: the key flows)."""
         return self._fences.get(key)

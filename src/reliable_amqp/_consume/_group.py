@@ -1,0 +1,499 @@
+"""A partitioned consumer's I/O: its membership in the group and the partitions it holds.
+
+``Consumer(url, NAME, partitions=N)`` builds a :class:`PartitionGroup` where a plain consumer
+builds one :class:`~reliable_amqp._consume._io.ConsumerIO`. The group's own thread keeps a
+connection to the broker on which it declares the topology (with ``declare=True``), holds this
+process's membership (a consumer on ``NAME.members``), and every ``interval`` seconds looks at
+who holds which partition and acts on :func:`reliable_amqp._core.partitions.plan`:
+
+- a partition taken is a :class:`ConsumerIO` of its own (its own connection and thread) with an
+  *exclusive* subscription: the broker lets one member at a time hold it, and frees it when that
+  member's connection ends (kill -9 included). A race lost to another member ends that
+  ConsumerIO quietly (``taken``);
+- a partition given up (the group grew, or a starving member asked) is *released*: no further
+  delivery of it reaches the handlers, those already handed over are finished and acked, then
+  its connection closes. What it still held goes back to the queue as its subscription ends, so
+  the next member starts exactly where this one stopped;
+- a partition lost (its connection died and another member took it on reconnecting) is
+  dropped: the deliveries of its dead channel are stale, never handled here again.
+
+Settlements find their partition by the delivery's generation: every channel of every partition
+gets a generation from one counter, so a generation names one channel for good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import pika
+import pika.exceptions
+
+from reliable_amqp._consume._io import ConsumerIO
+from reliable_amqp._consume._lifecycle import node_of, product_of
+from reliable_amqp._core.acks import ACK
+from reliable_amqp._core.delivery import Delivery
+from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError, broker_error
+from reliable_amqp._core.partitions import (
+    HASH_EXCHANGE_TYPE,
+    HASH_PLUGIN,
+    members_queue,
+    partition_queue,
+    plan,
+    wanting_queue,
+)
+from reliable_amqp._core.policy import RetryPolicy
+from reliable_amqp._core.refusals import QueueNotFound, refusal
+from reliable_amqp._logs import own_context
+from reliable_amqp._sync._pika import translate_connection_error
+
+if TYPE_CHECKING:
+    from reliable_amqp._consume._lifecycle import Lifecycle
+
+log = logging.getLogger("reliable_amqp")
+
+#: how often (s) a member looks at the group: a partition freed by a dead member is taken
+#: within about this long (plus the broker noticing the death: at once for a killed process)
+DEFAULT_INTERVAL = 1.0
+
+
+class PartitionGroup:
+    """This process's member of a partitioned consumer's group (see the module docstring)."""
+
+    def __init__(
+        self,
+        params: list[pika.URLParameters],
+        queue: str,
+        *,
+        prefetch: int,
+        connect_policy: RetryPolicy,
+        on_deliveries: Callable[[list[Delivery]], None],
+        declare: dict[str, Any] | None,
+        consumer_arguments: dict[str, Any],
+        lifecycle: Lifecycle,
+        partitions: int,
+        stop_timeout: float = 30.0,
+        interval: float = DEFAULT_INTERVAL,
+        keep: Callable[[], set[int]] | None = None,
+    ) -> None:
+        self._params = params
+        self.queue = queue
+        self.prefetch = prefetch
+        self.partitions = partitions
+        self._policy = connect_policy
+        self._on_deliveries = on_deliveries
+        self._declare = declare
+        self._consumer_arguments = consumer_arguments
+        self._lifecycle = lifecycle
+        self._stop_timeout = stop_timeout
+        self._interval = interval
+        #: partitions not to give up now (their keys wait for a retry in this process)
+        self.keep = keep or set
+        self.ended = threading.Event()
+        self.consuming = threading.Event()
+        self.fatal: ReliableAmqpError | None = None
+        self.node: str | None = None
+        self.server_properties: Mapping[str, Any] | None = None
+        self.recoveries = 0
+        self._stale = 0
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._generations = itertools.count(1)
+        self._owner: dict[int, int] = {}  # generation -> partition
+        self._owner_lock = threading.Lock()
+        self._ios: dict[int, ConsumerIO] = {}  # partition -> its I/O (held or being released)
+        # partition -> deliveries not handed over since its release began
+        self._releasing: dict[int, int] = {}
+        self._release_by: dict[int, float] = {}
+        self._forward_lock = threading.Lock()
+        self._connection: pika.BlockingConnection | None = None
+        self._rng = random.Random()
+        #: partition -> monotonic time it was taken (for tests and take-over times)
+        self.taken_at: dict[int, float] = {}
+
+    # --- ConsumerLink -------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        """Whether the group's connection is open."""
+        connection = self._connection
+        return connection is not None and connection.is_open
+
+    @property
+    def held(self) -> list[int]:
+        """The partitions this member holds now (subscribed or subscribing), not those being
+        given up."""
+        return sorted(
+            p
+            for p, io in list(self._ios.items())
+            if p not in self._releasing and not io.ended.is_set()
+        )
+
+    @property
+    def last_delivery(self) -> float | None:
+        """The latest delivery over every partition held."""
+        times = [io.last_delivery for io in list(self._ios.values()) if io.last_delivery]
+        return max(times) if times else None
+
+    @property
+    def stale_settlements(self) -> int:
+        """Settlements dropped (their channel died), over every partition."""
+        return self._stale + sum(io.stale_settlements for io in list(self._ios.values()))
+
+    @property
+    def unacked(self) -> int:
+        """Deliveries unsettled over every partition held."""
+        return sum(io.unacked for io in list(self._ios.values()))
+
+    def is_live(self, generation: int) -> bool:
+        """Whether ``generation`` is an open channel of a partition this member holds."""
+        io = self._io_of(generation)
+        return io is not None and io.is_live(generation)
+
+    def start(self) -> None:
+        """Join the group (again, after a run that ended)."""
+        if self._thread is not None and self._thread.is_alive():
+            raise ReliableAmqpError("the consumer's group thread is still running")
+        self._stopping.clear()
+        self.ended.clear()
+        self.consuming.clear()
+        self.fatal = None
+        self._thread = threading.Thread(
+            target=self._run, name="reliable-amqp-consume-group", daemon=True
+        )
+        self._thread.start()
+
+    def settle(self, generation: int, tag: int, kind: int = ACK, urgent: bool = False) -> None:
+        """Route a settlement to the partition whose channel ``generation`` is."""
+        io = self._io_of(generation)
+        if io is None:
+            self._stale += 1
+            return
+        io.settle(generation, tag, kind, urgent)
+
+    def flush(self) -> None:
+        """Send every settlement due, on every partition."""
+        for io in list(self._ios.values()):
+            io.flush()
+
+    def cancel(self) -> None:
+        """Stop handing deliveries over: every partition is being given up (its subscription
+        stays until :meth:`drain`, so no other member starts on it before this one is done)."""
+        with self._forward_lock:
+            for partition in self._ios:
+                self._releasing.setdefault(partition, 0)
+        self._stopping.set()
+
+    def drain(self, timeout: float) -> bool:
+        """Give every partition up: settlements out, then each connection closed (what was
+        not handled goes back to its queue as the subscription ends)."""
+        self.cancel()
+        deadline = time.monotonic() + timeout
+        ok = True
+        for partition, io in list(self._ios.items()):
+            ok = io.release(max(0.1, deadline - time.monotonic())) and ok
+            self._forget(partition)
+        return ok
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Leave the group: close every partition's connection and the group's own."""
+        self._stopping.set()
+        for partition, io in list(self._ios.items()):
+            io.stop(timeout=2.0)
+            self._forget(partition)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # --- routing ------------------------------------------------------------------------------
+
+    def _io_of(self, generation: int) -> ConsumerIO | None:
+        partition = self._owner.get(generation)
+        return None if partition is None else self._ios.get(partition)
+
+    def _generation_for(self, partition: int) -> int:
+        with self._owner_lock:
+            generation = next(self._generations)
+            self._owner[generation] = partition
+        return generation
+
+    def _forward(self, partition: int, batch: list[Delivery]) -> None:
+        # On the partition's I/O thread: a partition being given up hands nothing more over
+        # (what it holds goes back to the queue when it closes).
+        with self._forward_lock:
+            if partition in self._releasing:
+                self._releasing[partition] += len(batch)
+                return
+        self._on_deliveries(batch)
+
+    # --- the group's thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        own_context()
+        try:
+            self._loop()
+        except ReliableAmqpError as exc:
+            self.fatal = exc
+        except BaseException as exc:  # a bug must not leave run() waiting forever
+            log.exception("reliable-amqp: consumer group thread failed")
+            self.fatal = ReliableAmqpError(f"internal error in the consumer's group: {exc!r}")
+        finally:
+            for io in list(self._ios.values()):
+                io.stop(timeout=2.0)
+            self.consuming.clear()
+            self._close_connection()
+            self.ended.set()
+
+    def _loop(self) -> None:
+        failures = 0
+        first_failure: float | None = None
+        index = 0
+        while not self._stopping.is_set():
+            params = self._params[index % len(self._params)]
+            index += 1
+            try:
+                self._member(params)
+                return
+            except pika.exceptions.ChannelClosedByBroker as exc:
+                # a refusal of what the group declares or looks at (406: a partition queue
+                # declared with other arguments, 403, 404 before any round): not for retrying
+                if self.consuming.is_set() and exc.reply_code == 404:
+                    loss: ReliableAmqpError = broker_error(exc.reply_code, exc.reply_text)
+                else:
+                    raise self._refused(exc) from None
+            except (pika.exceptions.AMQPError, OSError) as exc:
+                loss = translate_connection_error(exc, params)
+                hash_missing = _hash_missing(loss)
+                if hash_missing is not None:
+                    raise hash_missing from None
+                if not loss.retriable:
+                    raise loss from exc
+            self.consuming.clear()
+            self._close_connection()
+            if self._stopping.is_set():
+                return
+            now = time.monotonic()
+            first_failure = first_failure if first_failure is not None else now
+            failures += 1
+            if not self._policy.allows(failures, now - first_failure):
+                raise ReliableAmqpError(
+                    f"consumer group {self.queue!r} gave up after {failures} attempts: {loss}"
+                )
+            delay = self._policy.delay(failures)
+            log.warning(
+                "reliable-amqp: consumer group %r lost its connection (%s); trying again in "
+                "%.1f s (the partitions it holds are consumed meanwhile)",
+                self.queue,
+                loss,
+                delay,
+            )
+            if self._stopping.wait(delay):
+                return
+            self.recoveries += 1
+
+    def _member(self, params: pika.URLParameters) -> None:
+        """Connect, declare, join, then look at the group every interval until stopped."""
+        connection = pika.BlockingConnection(params)
+        self._connection = connection
+        self.node = node_of(params.host, params.port)
+        self.server_properties = connection._impl.server_properties
+        self._lifecycle.connected(self.node, product_of(self.server_properties))
+        channel = connection.channel()
+        if self._declare is not None:
+            self._declare_topology(channel)
+        members, wanting = members_queue(self.queue), wanting_queue(self.queue)
+        for name in (members, wanting):  # the library's own: gone with the last member
+            channel.queue_declare(name, durable=False, auto_delete=True)
+        channel.basic_consume(members, _never, auto_ack=True)
+        self._lifecycle.subscribed(self.node, None, 0, 0.0, self.server_properties)
+        self.consuming.set()
+        want_tag: str | None = None
+        while not self._stopping.is_set():
+            counts = self._counts(channel)
+            want = self._round(counts)
+            if want and want_tag is None:
+                want_tag = channel.basic_consume(wanting, _never, auto_ack=True)
+            elif not want and want_tag is not None:
+                channel.basic_cancel(want_tag)
+                want_tag = None
+            pause = self._interval * self._rng.uniform(0.8, 1.2)
+            if self._releasing:
+                pause = min(pause, 0.05)
+            connection.process_data_events(time_limit=pause)
+
+    def _declare_topology(self, channel: Any) -> None:
+        declare = self._declare or {}
+        channel.exchange_declare(self.queue, HASH_EXCHANGE_TYPE, durable=True)
+        for index in range(self.partitions):
+            name = partition_queue(self.queue, index)
+            channel.queue_declare(name, **declare)
+            channel.queue_bind(name, self.queue, routing_key="1")
+
+    def _refused(self, exc: pika.exceptions.ChannelClosedByBroker) -> ReliableAmqpError:
+        """The broker's refusal of the group's set-up, naming the remedy."""
+        if exc.reply_code == 404:
+            return QueueNotFound(
+                404,
+                f"{exc.reply_text}: the partition queues of {self.queue!r} "
+                f"({partition_queue(self.queue, 0)!r}.."
+                f"{partition_queue(self.queue, self.partitions - 1)!r}) must exist; "
+                "declare=True declares them, the consistent-hash exchange and its bindings",
+            )
+        params = self._params[0]
+        better = refusal(
+            exc.reply_code,
+            exc.reply_text,
+            operation="queue.declare",
+            name=self.queue,
+            vhost=params.virtual_host,
+            user=str(getattr(params.credentials, "username", "")),
+        )
+        return better or broker_error(exc.reply_code, exc.reply_text)
+
+    def _counts(self, channel: Any) -> tuple[int, int, list[int]]:
+        """(members, wanting, consumers of each partition): passive declares."""
+        members = channel.queue_declare(members_queue(self.queue), passive=True)
+        wanting = channel.queue_declare(wanting_queue(self.queue), passive=True)
+        per = [
+            channel.queue_declare(partition_queue(self.queue, i), passive=True)
+            for i in range(self.partitions)
+        ]
+        return (
+            members.method.consumer_count,
+            wanting.method.consumer_count,
+            [ok.method.consumer_count for ok in per],
+        )
+
+    def _round(self, counts: tuple[int, int, list[int]]) -> bool:
+        """One look at the group: settle what ended, release what is due, act on the plan.
+        True when this member wants a partition it cannot get."""
+        members, wanting, per = counts
+        self._reap()
+        self._finish_releases()
+        mine = self.held
+        busy = set(self._releasing)
+        free = [i for i, n in enumerate(per) if n == 0 and i not in mine and i not in busy]
+        step = plan(self.partitions, members, mine, free, wanting, keep=self.keep(), rng=self._rng)
+        for partition in step.take:
+            self._take(partition, members)
+        for partition in step.release:
+            self._release(partition, members)
+        return step.want
+
+    def _take(self, partition: int, members: int) -> None:
+        io = ConsumerIO(
+            self._params,
+            partition_queue(self.queue, partition),
+            prefetch=self.prefetch,
+            connect_policy=self._policy,
+            on_deliveries=lambda batch, p=partition: self._forward(p, batch),  # type: ignore[misc]
+            consumer_arguments=self._consumer_arguments,
+            exclusive=True,
+            generations=lambda p=partition: self._generation_for(p),  # type: ignore[misc]
+        )
+        self._ios[partition] = io
+        self.taken_at[partition] = time.monotonic()
+        io.start()
+        log.info(
+            "reliable-amqp: consumer group %r takes partition %r (%d member(s), holding %d of %d)",
+            self.queue,
+            io.queue,
+            members,
+            len(self.held),
+            self.partitions,
+        )
+
+    def _release(self, partition: int, members: int) -> None:
+        with self._forward_lock:
+            self._releasing[partition] = 0
+        self._release_by[partition] = time.monotonic() + self._stop_timeout
+        log.info(
+            "reliable-amqp: consumer group %r gives up partition %r to rebalance (%d member(s))",
+            self.queue,
+            partition_queue(self.queue, partition),
+            members,
+        )
+
+    def _finish_releases(self) -> None:
+        """Close each partition being given up once what it handed over is settled."""
+        for partition in list(self._releasing):
+            io = self._ios.get(partition)
+            if io is None:
+                continue
+            io.flush()
+            outstanding = io.unacked - self._releasing[partition]
+            late = time.monotonic() >= self._release_by.get(partition, 0.0)
+            if outstanding > 0 and not late:
+                continue
+            if outstanding > 0:
+                log.warning(
+                    "reliable-amqp: consumer group %r gives up partition %r with %d handler(s) "
+                    "still running after stop_timeout=%.0f s: their messages go back to the "
+                    "queue and may run again, beside the next holder's",
+                    self.queue,
+                    io.queue,
+                    outstanding,
+                    self._stop_timeout,
+                )
+            io.release(timeout=5.0)
+            self._forget(partition)
+
+    def _reap(self) -> None:
+        """Forget partitions whose I/O ended: taken by another member, or failed for good."""
+        for partition, io in list(self._ios.items()):
+            if not io.ended.is_set() or partition in self._releasing:
+                continue
+            self._forget(partition)
+            if io.taken:
+                log.info(
+                    "reliable-amqp: consumer group %r lost partition %r to another member",
+                    self.queue,
+                    io.queue,
+                )
+            elif io.fatal is not None and not self._stopping.is_set():
+                log.warning(
+                    "reliable-amqp: consumer group %r let partition %r go: %s",
+                    self.queue,
+                    io.queue,
+                    io.fatal,
+                )
+
+    def _forget(self, partition: int) -> None:
+        io = self._ios.pop(partition, None)
+        with self._forward_lock:
+            self._releasing.pop(partition, None)
+        self._release_by.pop(partition, None)
+        self.taken_at.pop(partition, None)
+        if io is not None:
+            self._stale += io.stale_settlements
+            with self._owner_lock:
+                for generation in [g for g, p in self._owner.items() if p == partition]:
+                    del self._owner[generation]
+
+    def _close_connection(self) -> None:
+        connection, self._connection = self._connection, None
+        self.node = None
+        if connection is not None:
+            with contextlib.suppress(Exception):
+                connection.close()
+
+
+def _never(*_args: Any) -> None:  # pragma: no cover - the group queues get no messages
+    """The callback of the membership consumers (their queues never hold a message)."""
+
+
+def _hash_missing(loss: ReliableAmqpError) -> ReliableAmqpError | None:
+    """The broker does not know the consistent-hash exchange type: say which plugin."""
+    text = str(loss)
+    if "x-consistent-hash" not in text and "exchange type" not in text:
+        return None
+    return ConfigurationError(
+        f"the broker does not know the exchange type {HASH_EXCHANGE_TYPE!r} ({text}): "
+        f"enable its plugin with 'rabbitmq-plugins enable {HASH_PLUGIN}' (RabbitMQ; LavinMQ "
+        "has it built in)"
+    )
