@@ -168,9 +168,24 @@ except OSError:
 PY
 }
 
+# Partitioned consumers (Consumer(..., partitions=N)) need the consistent-hash exchange: enabled
+# on the local broker when it is not (a broker elsewhere is its operator's to set up).
+ensure_hash_plugin() {
+    if [ "$AMQP_HOST" != "127.0.0.1" ] && [ "$AMQP_HOST" != "localhost" ]; then
+        return
+    fi
+    if ! command -v rabbitmq-plugins >/dev/null 2>&1; then
+        return  # not a local RabbitMQ (LavinMQ has the exchange built in)
+    fi
+    if ! rabbitmq-plugins -q is_enabled rabbitmq_consistent_hash_exchange >/dev/null 2>&1; then
+        log "enabling rabbitmq_consistent_hash_exchange on the local broker"
+        rabbitmq-plugins -q enable rabbitmq_consistent_hash_exchange >/dev/null
+    fi
+}
+
 ensure_broker() {
     if broker_answers; then
-        return
+        ensure_hash_plugin; return
     fi
     if [ "$AMQP_HOST" != "127.0.0.1" ] && [ "$AMQP_HOST" != "localhost" ]; then
         log "no broker answers at $AMQP_HOST:$AMQP_PORT"; exit 1
@@ -179,7 +194,7 @@ ensure_broker() {
     rabbitmq-server -detached || true
     for _ in $(seq 1 90); do
         if broker_answers && rabbitmqctl -q await_startup >/dev/null 2>&1; then
-            log "broker is up"; return
+            log "broker is up"; ensure_hash_plugin; return
         fi
         sleep 1
     done

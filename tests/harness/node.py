@@ -54,6 +54,8 @@ __all__ = [
 
 # The relative memory watermark the node is configured with; the fixtures restore it after a test
 # raised an alarm with `set_vm_memory_high_watermark`.
+#: plugins every disposable node starts with: the consistent-hash exchange (partitioned consumers)
+DEFAULT_PLUGINS = ("rabbitmq_consistent_hash_exchange",)
 DEFAULT_MEMORY_HIGH_WATERMARK = "0.4"
 # `set_disk_free_limit` counterpart. A tiny limit: a nearly full disk on a developer machine must
 # not block publishers in tests that did not ask for a disk alarm.
@@ -121,6 +123,7 @@ class DisposableBroker:
         scripts_dir: str | Path | None = None,
         extra_config: Mapping[str, str] | None = None,
         tls: TlsListener | None = None,
+        plugins: tuple[str, ...] = DEFAULT_PLUGINS,
     ) -> None:
         """Prepare (but do not start) a node.
 
@@ -131,11 +134,14 @@ class DisposableBroker:
                 package's ``/usr/lib/rabbitmq/bin``, else the scripts found on ``PATH``.
             extra_config: additional ``rabbitmq.conf`` keys, e.g. ``{"heartbeat": "5"}``.
             tls: a TLS listener besides the plain one, on :attr:`tls_port` (None: plain only).
+            plugins: the plugins enabled at start (default: the consistent-hash exchange, which
+                partitioned consumers need; ``()`` for a node without it).
         """
         self._base_dir = Path(base_dir) if base_dir else _default_base_dir()
         self._scripts_dir = Path(scripts_dir) if scripts_dir else _find_scripts_dir()
         self._extra_config = dict(extra_config or {})
         self._tls = tls
+        self._plugins = tuple(plugins)
         self._tls_port = 0
         short = f"ra-test-{os.getpid()}-{next(_counter)}-{secrets.token_hex(2)}"
         self.nodename = f"{short}@localhost"
@@ -336,7 +342,7 @@ class DisposableBroker:
         for sub in (home, self.dir / "mnesia", self.dir / "log"):
             sub.mkdir(parents=True)
         (self.dir / _OWNER_FILE).write_text(f"{os.getpid()} {_process_start_time(os.getpid())}\n")
-        (self.dir / "enabled_plugins").write_text("[].\n")
+        (self.dir / "enabled_plugins").write_text(f"[{','.join(self._plugins)}].\n")
         # An env file of our own: /etc/rabbitmq/rabbitmq-env.conf names the shared node.
         (self.dir / "rabbitmq-env.conf").write_text("")
         config = {

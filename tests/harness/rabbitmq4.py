@@ -38,6 +38,7 @@ from types import TracebackType
 
 from .node import (
     _LIMIT_DEFAULTS,
+    DEFAULT_PLUGINS,
     BrokerCommandError,
     BrokerStartError,
     DisposableBroker,
@@ -151,6 +152,7 @@ class Rabbitmq4Node(DisposableBroker):
         epmd_port: int | None = None,
         short_name: str | None = None,
         tls: TlsListener | None = None,
+        plugins: tuple[str, ...] = DEFAULT_PLUGINS,
     ) -> None:
         """Prepare (but do not start) a node in ``root`` (default: :func:`ensure_root`)."""
         if tls is not None:
@@ -160,6 +162,7 @@ class Rabbitmq4Node(DisposableBroker):
             base_dir=self.root / _NODES,
             scripts_dir=self.root / _SCRIPTS.relative_to("/"),
             extra_config=extra_config,
+            plugins=plugins,
         )
         if short_name is not None:
             self.nodename = f"{short_name}@localhost"
