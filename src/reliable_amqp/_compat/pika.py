@@ -1,4 +1,4 @@
-"""Every hook of the sync publisher into pika internals, probed at import.
+"""Every hook of the sync publisher and the consumers into pika internals, probed at import.
 
 - ``BaseConnection._adapter_emit_data``: where a connection hands its frames to the socket;
   :class:`CoalescingConnection` overrides it to gather many publishes into one write. pika
@@ -14,23 +14,36 @@
   (pika calls the argument "for tests/debugging"); :func:`scanning_blocking_connection` passes
   :class:`ScanningConnection`, so a blocking reader (the Spark stream reader) decodes its
   deliveries the consumer's way.
+- ``AsyncioConnection`` with the same ``_on_data_available`` override
+  (:class:`LoopScanningConnection`, the async consumer's, on the event loop), whose
+  ``_adapter_emit_data`` takes a lock, and its transport's ``_sock`` and
+  ``get_write_buffer_size()`` (``pika.adapters.utils.io_services_utils``): a watchdog thread
+  writes heartbeats there while a handler blocks the loop.
 """
 
 from __future__ import annotations
 
 import inspect
+import select
+import ssl
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import pika
 from pika import frame as pika_frame
+from pika.adapters.asyncio_connection import AsyncioConnection
 from pika.adapters.select_connection import SelectConnection
+from pika.adapters.utils import io_services_utils
 
 from reliable_amqp._compat import IncompatibleDependency, require_attributes
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner, HeaderDecodeError
 
 __all__ = [
+    "HEARTBEAT_FRAME",
     "CoalescingConnection",
+    "LoopScanningConnection",
     "ScanningConnection",
     "probe",
     "scanner_takes_deliveries",
@@ -54,6 +67,13 @@ def probe(connection_class: Any = SelectConnection) -> None:
 
 
 probe()
+probe(AsyncioConnection)
+require_attributes(
+    "pika",
+    io_services_utils._AsyncTransportBase,
+    ["get_write_buffer_size", "write"],
+    "its asyncio transport (pika.adapters.utils.io_services_utils)",
+)
 require_attributes("pika", pika_frame, ["decode_frame"], "its pika.frame module")
 if "_impl_class" not in inspect.signature(pika.BlockingConnection.__init__).parameters:
     raise IncompatibleDependency("pika", "its BlockingConnection takes no _impl_class")
@@ -108,22 +128,19 @@ def terminate_stream(connection: pika.connection.Connection, error: Exception) -
     return True
 
 
-class ScanningConnection(SelectConnection):  # type: ignore[misc]
-    """A SelectConnection whose consuming channel's deliveries bypass pika's frame decoding.
+class _FrameScanning:
+    """What both scanning connections add to pika's: ``Connection._on_data_available`` (pika
+    hands it every read from the socket) lets a scanner take the delivery frames of its channel;
+    every other frame goes through pika's own ``decode_frame``/``_process_frame``, in order.
+    ``bytes_received`` moves as pika's does, so its heartbeat checker sees the traffic."""
 
-    Overrides ``Connection._on_data_available`` (pika hands it every read from the socket): the
-    scanner takes the delivery frames of its channel, every other frame goes through pika's own
-    ``decode_frame``/``_process_frame``, in order. ``bytes_received`` moves as pika's does, so
-    its heartbeat checker sees the traffic.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.scanner: DeliveryScanner | None = None
-        self.on_deliveries: Callable[[list[Delivery]], None] = lambda batch: None
-        super().__init__(*args, **kwargs)
+    scanner: DeliveryScanner | None
+    on_deliveries: Callable[[list[Delivery]], None]
 
     def _on_data_available(self, data_in: bytes) -> None:
-        buffer: bytes = cast(bytes, self.__dict__["_frame_buffer"])
+        # self is a pika Connection: its private parts are read through Any
+        conn: Any = self
+        buffer: bytes = cast(bytes, conn.__dict__["_frame_buffer"])
         data = buffer + data_in if buffer else data_in
         pos = 0
         size = len(data)
@@ -135,12 +152,12 @@ class ScanningConnection(SelectConnection):  # type: ignore[misc]
                     if not value:
                         break
                     pos += consumed
-                    self.bytes_received += consumed
-                    self._process_frame(value)
+                    conn.bytes_received += consumed
+                    conn._process_frame(value)
                     continue
                 start = pos
                 pos, end = scanner.scan(data, pos)
-                self.bytes_received += pos - start
+                conn.bytes_received += pos - start
                 if scanner.ready:
                     batch = scanner.ready
                     scanner.ready = []
@@ -149,14 +166,90 @@ class ScanningConnection(SelectConnection):  # type: ignore[misc]
                     break
                 consumed, value = pika_frame.decode_frame(data[pos:end])
                 pos = end
-                self.bytes_received += consumed
+                conn.bytes_received += consumed
                 if value:
-                    self._process_frame(value)
+                    conn._process_frame(value)
         except HeaderDecodeError as exc:
-            self._frame_buffer = b""
-            self._terminate_stream(exc)
+            conn._frame_buffer = b""
+            conn._terminate_stream(exc)
             return
-        self._frame_buffer = data[pos:] if pos < size else b""
+        conn._frame_buffer = data[pos:] if pos < size else b""
+
+
+class ScanningConnection(_FrameScanning, SelectConnection):  # type: ignore[misc]
+    """A SelectConnection whose consuming channel's deliveries bypass pika's frame decoding
+    (:class:`_FrameScanning`): the sync consumer's, on its I/O thread."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.scanner = None
+        self.on_deliveries = _no_deliveries
+        super().__init__(*args, **kwargs)
+
+
+def _no_deliveries(batch: list[Delivery]) -> None:
+    """Where a scanning connection's deliveries go until its owner says."""
+
+
+#: a heartbeat frame (type 8, channel 0, no payload, frame-end)
+HEARTBEAT_FRAME = b"\x08\x00\x00\x00\x00\x00\x00\xce"
+
+
+class LoopScanningConnection(_FrameScanning, AsyncioConnection):  # type: ignore[misc]
+    """An AsyncioConnection (pika on the running event loop: set-up, TLS, authentication,
+    channels) whose deliveries are scanned as :class:`ScanningConnection`'s are: the async
+    consumer's, with no thread of its own.
+
+    ``_adapter_emit_data`` (every write pika makes) runs under ``write_lock``, so that
+    :meth:`heartbeat_from_thread` can put a heartbeat on the wire from another thread while the
+    event loop is blocked (a handler's blocking call), without cutting into a frame.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.scanner = None
+        self.on_deliveries = _no_deliveries
+        self.write_lock = threading.Lock()
+        super().__init__(*args, **kwargs)
+
+    def _adapter_emit_data(self, data: bytes) -> None:
+        with self.write_lock:
+            super()._adapter_emit_data(data)
+
+    def emit_frames(self, data: bytes) -> None:
+        """Write whole frames encoded elsewhere (the consumer's acks), counted as pika counts
+        its own (``bytes_sent``, for its heartbeat checker)."""
+        self.bytes_sent += len(data)
+        self.frames_sent += 1
+        self._adapter_emit_data(data)
+
+    def heartbeat_from_thread(self) -> bool:
+        """Write a heartbeat frame from a thread that is not the event loop's; True if written.
+
+        Only on a plain TCP socket (an SSL socket's state is the loop thread's alone), and only
+        when pika has no bytes waiting to go out: under ``write_lock`` no write of pika's starts,
+        and with its buffer empty none is under way, so the 8 bytes go between two frames.
+        """
+        with self.write_lock:
+            transport = getattr(self, "_transport", None)
+            sock = getattr(transport, "_sock", None)
+            if transport is None or sock is None or isinstance(sock, ssl.SSLSocket):
+                return False
+            if transport.get_write_buffer_size():
+                return False
+            data = HEARTBEAT_FRAME
+            deadline = time.monotonic() + 5.0
+            while data:
+                try:
+                    sent = sock.send(data)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    return False
+                data = data[sent:]
+                if data:  # the socket's buffer is full: wait (pika cannot write meanwhile)
+                    if time.monotonic() > deadline:
+                        return False
+                    select.select([], [sock], [], 0.1)
+            return True
 
 
 def scanning_blocking_connection(parameters: pika.ConnectionParameters) -> pika.BlockingConnection:

@@ -1,11 +1,18 @@
 """AsyncConsumer: async handlers on the event loop, ``concurrency`` of them at once.
 
-The connection is the same as :class:`~reliable_amqp.Consumer`'s (an I/O thread that decodes
-deliveries itself and batches acks; see :mod:`reliable_amqp._consume._io`): the event loop only
-runs handlers, so a slow handler or a busy loop never delays a heartbeat. Deliveries reach the
-loop in batches (one ``call_soon_threadsafe`` per read from the socket, not per message); acks
-leave in batches; handlers finish in any order and :class:`~reliable_amqp._core.acks.AckBook`
-never lets a ``multiple`` ack cover one still running.
+The connection lives on the same event loop (:mod:`reliable_amqp._consume._aio_io`: pika's
+``AsyncioConnection`` for set-up and channels, deliveries decoded from each socket read by the
+library's scanner, acks batched): a socket read's deliveries reach the workers with no thread in
+between. ``concurrency`` workers (tasks made once per run, never one per message) take them in
+order; a worker wakes another only when its handler actually suspends, so fast handlers run back
+to back in one task. ``handler_timeout`` is one timer for all workers, not a task per message.
+Handlers finish in any order and :class:`~reliable_amqp._core.acks.AckBook` never lets a
+``multiple`` ack cover one still running.
+
+A handler that blocks the loop stalls its deliveries, acks and the other handlers; a watchdog
+thread keeps the heartbeats going meanwhile and says so (see :mod:`._aio_io`).
+Another I/O (threads feeding the loop) plugs in through ``ConsumerCore(make_link=...)``: its
+batches come through :meth:`AsyncConsumer._on_deliveries` from any thread.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
+from reliable_amqp._consume._aio_io import LoopConsumerIO
 from reliable_amqp._consume._health import ConsumerHealth
 from reliable_amqp._consume._options import (
     DEFAULT_HANDLER_TIMEOUT,
@@ -97,7 +105,10 @@ class AsyncConsumer:
         }
         self._ready: deque[Delivery] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._event: asyncio.Event | None = None
+        self._loop_thread = 0
+        #: workers waiting for deliveries (each on a future of its own)
+        self._idle: deque[asyncio.Future[None]] = deque()
+        self._kick_pending = False
         self._wake_pending = False
         self._wake_lock = threading.Lock()
         self._stopping = False
@@ -106,12 +117,18 @@ class AsyncConsumer:
         self._cancelling = False
         #: a BaseException (SystemExit...) a handler raised: it ends run() and propagates
         self._halt: BaseException | None = None
-        #: when each worker's running handler started (None: idle), for health()
+        #: when each worker's running handler started (None: idle), for health() and timeouts
         self._starts: list[float | None] = []
+        #: the start of the handler call each worker was cancelled for (handler_timeout)
+        self._timed_out: list[float | None] = []
+        self._deadline: asyncio.TimerHandle | None = None
+        self._ended_check: asyncio.TimerHandle | None = None
         self._workers: list[asyncio.Task[None]] = []
         #: keys a worker holds -> their deliveries waiting for it, in arrival order
         self._keys: dict[str, deque[Delivery]] = {}
-        self._core = ConsumerCore(url, queue, own, options, self._on_deliveries)
+        self._core = ConsumerCore(
+            url, queue, own, options, self._on_deliveries, make_link=LoopConsumerIO
+        )
         self.options = self._core.options
 
     @property
@@ -126,13 +143,18 @@ class AsyncConsumer:
         """Counters: consumed, handled, retried, dead-lettered, redelivered... (live)."""
         return self._core.stats
 
-    # --- the I/O thread's side ----------------------------------------------------------------
+    # --- the I/O's side ---------------------------------------------------------------------------
 
     def _on_deliveries(self, batch: list[Delivery]) -> None:
+        """A batch of deliveries, from the loop's own I/O or from any other thread."""
         self._ready.extend(batch)
-        self._poke()
+        if threading.get_ident() == self._loop_thread:
+            self._wake_one()
+        else:
+            self._poke()
 
     def _poke(self) -> None:
+        """Wake the loop from another thread (once, however many batches arrive meanwhile)."""
         loop = self._loop
         if loop is None:
             return
@@ -146,8 +168,70 @@ class AsyncConsumer:
     def _on_poke(self) -> None:
         with self._wake_lock:
             self._wake_pending = False
-        if self._event is not None:
-            self._event.set()
+        if self._stopping:
+            self._wake_all()
+        else:
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        """Wake an idle worker (it wakes the next one if its handler suspends: ``_kick``)."""
+        idle = self._idle
+        while idle:
+            waiter = idle.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _wake_all(self) -> None:
+        idle = self._idle
+        while idle:
+            waiter = idle.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _kick(self) -> None:
+        """A handler suspended with deliveries still waiting: another worker takes the next."""
+        self._kick_pending = False
+        if self._ready or self._stopping:
+            self._wake_one()
+
+    def _check_ended(self) -> None:
+        """Once a second: an I/O that ended for good (any kind of link) ends the workers."""
+        loop = self._loop
+        if loop is None or not self._running:
+            return
+        if self._core.io.ended.is_set() and self._workers:
+            self._wake_all()
+        self._ended_check = loop.call_later(1.0, self._check_ended)
+
+    def _arm_deadline(self, started: float) -> None:
+        loop = self._loop
+        timeout = self.options.handler_timeout
+        if loop is None or timeout is None:
+            return
+        self._deadline = loop.call_later(
+            max(0.0, started + timeout - time.monotonic()), self._check_deadlines
+        )
+
+    def _check_deadlines(self) -> None:
+        """Cancel each handler past ``handler_timeout``; the timer again for the next one."""
+        self._deadline = None
+        timeout = self.options.handler_timeout
+        if timeout is None:
+            return
+        now = time.monotonic()
+        earliest: float | None = None
+        for index, started in enumerate(self._starts):
+            if started is None:
+                continue
+            if now - started >= timeout:
+                if self._timed_out[index] != started:
+                    self._timed_out[index] = started
+                    self._workers[index].cancel()
+            elif earliest is None or started < earliest:
+                earliest = started
+        if earliest is not None:
+            self._arm_deadline(earliest)
 
     # --- the caller's side --------------------------------------------------------------------
 
@@ -160,7 +244,10 @@ class AsyncConsumer:
     def stop(self) -> None:
         """Ask :meth:`run` to return (any thread, or from inside a handler)."""
         self._stopping = True
-        self._poke()
+        if threading.get_ident() == self._loop_thread:
+            self._wake_all()
+        else:
+            self._poke()
 
     async def __aenter__(self) -> AsyncConsumer:
         return self
@@ -185,16 +272,22 @@ class AsyncConsumer:
         self._halt = None
         loop = asyncio.get_running_loop()
         self._loop = loop
-        self._event = asyncio.Event()
+        self._loop_thread = threading.get_ident()
         core = self._core
+        io = core.io
+        if isinstance(io, LoopConsumerIO):
+            io.bind(loop)
+            io.on_end = self._wake_all
         restore = self._install_signals(loop)
         graceful = True
         workers: list[asyncio.Task[None]] = []
         running = 0
+        self._ended_check = loop.call_later(1.0, self._check_ended)
         try:
             await loop.run_in_executor(None, core.start)
             count = self.options.concurrency
             self._starts = [None] * count
+            self._timed_out = [None] * count
             workers = [loop.create_task(self._worker(handler, i)) for i in range(count)]
             self._workers = workers
             # asyncio.wait, not gather: a cancel of run() does not reach the workers by itself,
@@ -205,6 +298,11 @@ class AsyncConsumer:
             raise
         finally:
             self._stopping = True
+            if self._ended_check is not None:
+                self._ended_check.cancel()
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
             if isinstance(self._halt, KeyboardInterrupt):
                 graceful = False
             running = sum(1 for t in workers if not t.done())
@@ -213,60 +311,74 @@ class AsyncConsumer:
                 task.cancel()
             if workers:
                 await asyncio.gather(*workers, return_exceptions=True)
-            # Closing blocks (it waits for confirms and the I/O thread): off the loop. A thread
-            # of its own, not the default executor: under cancellation it must still finish.
-            closer = threading.Thread(
-                target=core.finish,
-                args=(graceful, running, len(self._ready)),
-                name="reliable-amqp-consume-close",
-            )
-            closer.start()
-            done = loop.create_future()
-
-            def report_closed() -> None:
-                closer.join()
-                _call_soon(loop, done)
-
-            threading.Thread(target=report_closed, daemon=True).start()
             try:
-                await asyncio.shield(done)
-            except asyncio.CancelledError:
-                closer.join()
-                raise
+                await self._finish(loop, graceful, running)
             finally:
                 self._ready.clear()
+                self._idle.clear()
                 self._stopping = False  # run() may be called again; a stop() before it is kept
                 self._starts = []
                 self._workers = []
                 self._keys.clear()
                 restore()
                 self._loop = None
+                self._loop_thread = 0
                 self._running = False
         if self._halt is not None:
             raise self._halt
         for task in workers:  # a worker that failed is a bug: not lost in the tasks
             if not task.cancelled() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
-        if core.io.fatal is not None:
-            raise core.io.fatal
+        if io.fatal is not None:
+            raise io.fatal
+
+    async def _finish(self, loop: asyncio.AbstractEventLoop, graceful: bool, running: int) -> None:
+        """Close: waiting for confirms blocks, so it runs on a thread of its own (not the
+        default executor: under cancellation it must still finish), while this loop keeps
+        running for the connection's last frames. A cancel meanwhile waits for it too."""
+        closer = threading.Thread(
+            target=self._core.finish,
+            args=(graceful, running, len(self._ready)),
+            name="reliable-amqp-consume-close",
+        )
+        closer.start()
+        done = loop.create_future()
+
+        def report_closed() -> None:
+            closer.join()
+            _call_soon(loop, done)
+
+        threading.Thread(target=report_closed, daemon=True).start()
+        cancelled: asyncio.CancelledError | None = None
+        while not done.done():
+            try:
+                await asyncio.shield(done)
+            except asyncio.CancelledError as exc:  # closing needs this loop: finish it first
+                cancelled = exc
+        if cancelled is not None:
+            raise cancelled
 
     async def _worker(self, handler: Callable[[Delivery], Awaitable[Any]], index: int) -> None:
+        loop = asyncio.get_running_loop()
         ready = self._ready
+        idle = self._idle
         starts = self._starts
+        timed_out = self._timed_out
         core = self._core
         dispatch = core.dispatch
         stats = core.stats
         io = core.io
-        event = self._event
-        assert event is not None
+        ended = io.ended
         timeout = self.options.handler_timeout
         counter = self.options.attempts
         clock = time.monotonic
         key_of = dispatch.key_of
         keys = self._keys
+        current = asyncio.current_task()
+        uncancel: Callable[[], object] | None = getattr(current, "uncancel", None)
         held: str | None = None  # the key this worker holds (its next delivery comes first)
         while True:
-            if self._stopping or io.ended.is_set():
+            if self._stopping or ended.is_set():
                 return
             if held is not None:
                 waiting = keys[held]
@@ -282,10 +394,9 @@ class AsyncConsumer:
                     delivery = ready.popleft()
                 except IndexError:
                     io.flush()
-                    event.clear()
-                    if ready or self._stopping:
-                        continue
-                    await _wait(event, 1.0)  # the timeout bounds how late an ended thread is seen
+                    waiter: asyncio.Future[None] = loop.create_future()
+                    idle.append(waiter)
+                    await waiter
                     continue
                 key = None
                 if key_of is not None:
@@ -320,23 +431,26 @@ class AsyncConsumer:
             span = telemetry.begin(delivery) if telemetry is not None else None
             error: Exception | None = None
             started = starts[index] = clock()
+            if timeout is not None and self._deadline is None:
+                self._arm_deadline(started)
+            if ready and idle and not self._kick_pending:
+                # runs only once this handler suspends: then another worker takes the next
+                self._kick_pending = True
+                loop.call_soon(self._kick)
             try:
-                if timeout is None:
-                    await handler(delivery)
-                else:
-                    try:
-                        await asyncio.wait_for(handler(delivery), timeout)
-                    except asyncio.TimeoutError:
-                        raise HandlerTimeout(
-                            f"the handler ran past handler_timeout={timeout} s and was cancelled"
-                        ) from None
+                await handler(delivery)
             except asyncio.CancelledError:
                 if self._cancelling:
                     raise  # run() ends: the message stays unacked and goes back
-                error = HandlerCancelled(
-                    "the handler raised CancelledError that neither stop(), a cancel of "
-                    "run() nor handler_timeout asked for"
-                )
+                if timed_out[index] == started:
+                    error = HandlerTimeout(
+                        f"the handler ran past handler_timeout={timeout} s and was cancelled"
+                    )
+                else:
+                    error = HandlerCancelled(
+                        "the handler raised CancelledError that neither stop(), a cancel of "
+                        "run() nor handler_timeout asked for"
+                    )
                 dispatch.failed(delivery, error, key)
             except Exception as exc:
                 error = exc
@@ -348,6 +462,10 @@ class AsyncConsumer:
                 dispatch.succeeded(delivery, key)
             finally:
                 starts[index] = None
+                if timed_out[index] == started:  # this worker's cancel was ours: taken back
+                    timed_out[index] = None
+                    if uncancel is not None:
+                        uncancel()
                 seconds = clock() - started
                 stats.handler_seconds += seconds
                 if telemetry is not None:
@@ -366,8 +484,7 @@ class AsyncConsumer:
             for task in self._workers:
                 if task is not current:
                     task.cancel()
-        if self._event is not None:
-            self._event.set()
+        self._wake_all()
 
     def _install_signals(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
         """SIGTERM and the first Ctrl-C stop gracefully (main thread, Unix); the second Ctrl-C
@@ -404,8 +521,3 @@ def _call_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) ->
 
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(finish)
-
-
-async def _wait(event: asyncio.Event, timeout: float) -> None:
-    with contextlib.suppress(asyncio.TimeoutError):
-        await asyncio.wait_for(event.wait(), timeout)

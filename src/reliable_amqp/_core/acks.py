@@ -16,9 +16,12 @@ died, and an ack of an old tag on a new channel would ack the wrong message or c
 
 from __future__ import annotations
 
+import struct
 from collections import deque
+from collections.abc import Iterable
+from typing import Protocol
 
-__all__ = ["ACK", "REQUEUE", "AckBook", "AckFrame"]
+__all__ = ["ACK", "REQUEUE", "AckBook", "AckFrame", "encode_ack_frames"]
 
 #: settlement kinds
 ACK = 1
@@ -31,6 +34,24 @@ _SENT = 3
 
 #: ("ack" | "nack", delivery tag, multiple); a "nack" always requeues
 AckFrame = tuple[str, int, bool]
+
+# basic.ack (60, 80) and basic.nack (60, 120) method frames: type 1, channel, size 13, class,
+# method, delivery tag, bits (multiple 1, requeue 2), frame-end
+_method_frame = struct.Struct(">BHIHHQBB").pack
+
+
+def encode_ack_frames(channel: int, frames: Iterable[AckFrame]) -> bytes:
+    """The wire bytes of ``frames`` on ``channel`` (a nack always requeues), as one buffer."""
+    return b"".join(
+        _method_frame(1, channel, 13, 60, 80, tag, 1 if multiple else 0, 0xCE)
+        if method == "ack"
+        else _method_frame(1, channel, 13, 60, 120, tag, 3 if multiple else 2, 0xCE)
+        for method, tag, multiple in frames
+    )
+
+
+class _Tagged(Protocol):
+    delivery_tag: int
 
 
 class AckBook:
@@ -66,6 +87,19 @@ class AckBook:
             raise ValueError(f"delivery tag {tag} is not above the last one ({self._order[-1]})")
         self._order.append(tag)
         self._state[tag] = _PENDING
+
+    def delivered_all(self, deliveries: Iterable[_Tagged]) -> None:
+        """Record a batch of deliveries (each with its ``delivery_tag``), in delivery order."""
+        order = self._order
+        state = self._state
+        last = order[-1] if order else 0
+        for d in deliveries:
+            tag = d.delivery_tag
+            if tag <= last:
+                raise ValueError(f"delivery tag {tag} is not above the last one ({last})")
+            order.append(tag)
+            state[tag] = _PENDING
+            last = tag
 
     def settle(self, generation: int, tag: int, kind: int = ACK) -> bool:
         """A handler finished ``tag``: ``ACK`` it or ``REQUEUE`` it.
