@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import aiormq.abc
@@ -88,6 +88,10 @@ class Pump(Generic[E]):
         #: the connection being served, for the liveness check, and why it was dropped (silent)
         self._watched: aiormq.abc.AbstractConnection | None = None
         self._silent: ReliableAmqpError | None = None
+        #: admitted by publish(), not yet taken by the engine: taken in one call when the
+        #: publishing task yields (:meth:`accept_pending`), not one engine call per message
+        self._pending: list[E] = []
+        self._accept_due = False  # an accept_pending is scheduled
 
     @property
     def fatal(self) -> ReliableAmqpError | None:
@@ -116,6 +120,55 @@ class Pump(Generic[E]):
         self._stop = loop.create_future()
         self._task = loop.create_task(self._run(), name="reliable-amqp-connection")
 
+    # --- the hand-over from publish() -----------------------------------------------------------
+
+    def take(self, entry: E) -> Callable[[], None] | None:
+        """The admission's hand-over of one admitted entry (its future set): it joins the run
+        the engine takes when the publishing task next yields (:meth:`accept_pending`). Returns
+        the wake-up to make (scheduling that), None when one is scheduled already."""
+        self._pending.append(entry)
+        return None if self._accept_due else self._accept_soon
+
+    def take_run(self, entries: Sequence[E]) -> Callable[[], None]:
+        """The admission's hand-over of a run (``publish_many()``, a spool's read back): to the
+        engine at once, after what :meth:`take` holds (publish order is send order)."""
+        self.accept_pending()
+        self.supervisor.accept(entries, time.monotonic())
+        return self.wake
+
+    @property
+    def pending(self) -> list[E]:
+        """What :meth:`take` holds (replaced, not emptied, when the engine takes it)."""
+        return self._pending
+
+    def holds(self, entry: E) -> bool:
+        """Whether ``entry`` is the latest message handed over (an interrupted admission asks:
+        see ``_core.admission``)."""
+        pending = self._pending
+        return (bool(pending) and pending[-1] is entry) or self.supervisor.holds(entry)
+
+    def _accept_soon(self) -> None:
+        if not self._accept_due:
+            self.loop.call_soon(self.accept_pending)
+            self._accept_due = True
+
+    def accept_pending(self) -> None:
+        """Give the engine what :meth:`take` holds, in order, and wake the writer. Scheduled by
+        the first :meth:`take` of a run; called before anything reads the engine's count of
+        messages (stats, shutdown, a run handed over)."""
+        self._accept_due = False
+        pending = self._pending
+        if not pending:
+            return
+        self._pending = []
+        try:
+            self.supervisor.accept(pending, time.monotonic())
+        except BaseException:  # a KeyboardInterrupt: the run is whole in the engine or here
+            if not self.supervisor.holds(pending[-1]):
+                self._pending[:0] = pending
+            raise
+        self.wake()
+
     def wake(self) -> None:
         """Tell the writer there is something to send (and make sure deadlines have a timer)."""
         if not self._wakeup.is_set():
@@ -129,6 +182,8 @@ class Pump(Generic[E]):
         :meth:`wake` would not set it again)."""
         self._wakeup.clear()
         self.wake()
+        if self._pending and not self._accept_due:
+            self._accept_soon()  # the interrupt may have cut the take() that owed it
 
     def stop(self) -> None:
         """Ask the connection task to tear down (the caller has settled or will settle
@@ -400,6 +455,7 @@ class Pump(Generic[E]):
         self.on_end()  # no more publishes: release those waiting for room
         if self._abandoned and self.on_abandoned is not None:
             self.on_abandoned()
+        self.accept_pending()  # settled with the rest
         self.resolve(supervisor.shutdown())
         self.ready.set()
         channel, self._channel = self._channel, None

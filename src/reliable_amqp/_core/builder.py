@@ -15,7 +15,8 @@ import binascii
 import calendar
 import datetime as _dt
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping
+import os
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from decimal import Decimal
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar, cast
@@ -37,10 +38,38 @@ from reliable_amqp._core.message import (
     MessageProperties,
     OutgoingMessage,
     checked,
-    new_message_id,
     new_message_ids,
     new_outgoing,
 )
+
+#: ids a builder takes for ``publish()`` are minted this many at a time (``new_message_ids``: a
+#: third of the cost of one ``new_message_id()`` call each; docs/benchmarks.md)
+ID_BLOCK = 256
+_minted: Iterator[str] = iter(())
+
+
+def _reset_minted() -> None:
+    global _minted  # noqa: PLW0603  (a forked child must not use the parent's ids)
+    _minted = iter(())
+
+
+# registered after message.py's reseed (imported above): a child mints from its own prefix
+os.register_at_fork(after_in_child=_reset_minted)
+
+
+def next_message_id() -> str:
+    """A fresh unique id, as :func:`~reliable_amqp._core.message.new_message_id` makes them,
+    taken from a block minted in one call. Thread-safe: ``next`` on the block is atomic, and
+    two threads that find it empty at once each mint a block of their own (ids left unused
+    are never minted again)."""
+    global _minted  # noqa: PLW0603
+    message_id = next(_minted, None)
+    if message_id is None:
+        block = iter(new_message_ids(ID_BLOCK))
+        message_id = next(block)
+        _minted = block
+    return message_id
+
 
 #: AMQP ``shortstr`` limit, which bounds exchange names, routing keys and string properties.
 SHORTSTR_MAX = 255
@@ -485,8 +514,9 @@ class MessageBuilder(Generic[M]):
         if type(body) is not bytes:
             body = check_body(body)
         if not properties:
-            return self._new(exchange, routing_key, body, DEFAULT_BASE, mandatory, new_message_id())
-        message_id = check_message_id(properties.pop("message_id", None)) or new_message_id()
+            message_id = next(_minted, None) or next_message_id()
+            return self._new(exchange, routing_key, body, DEFAULT_BASE, mandatory, message_id)
+        message_id = check_message_id(properties.pop("message_id", None)) or next_message_id()
         base = self._base(properties) if properties else DEFAULT_BASE
         if base.expiration is not None and self._limits is not None:
             self._check_expiration(base.expiration)
@@ -561,7 +591,7 @@ class MessageBuilder(Generic[M]):
             self._check_user(base.user_id)
         if base.expiration is not None and self._limits is not None:
             self._check_expiration(base.expiration)
-        message_id = message.message_id or new_message_id()
+        message_id = message.message_id or next_message_id()
         made = self._new(
             message.exchange, message.routing_key, message.body, base, message.mandatory, message_id
         )
