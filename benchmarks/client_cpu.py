@@ -3,22 +3,26 @@
     bash scripts/dev.sh run python benchmarks/client_cpu.py                 # 100,000 x 12 B
     bash scripts/dev.sh run python benchmarks/client_cpu.py --size 1024 --repeat 5
     bash scripts/dev.sh run python benchmarks/client_cpu.py --gc-stats      # time in the GC too
-    npm ci --prefix benchmarks/node && \
-    bash scripts/dev.sh run python benchmarks/client_cpu.py --node          # + Node amqplib
+    npm ci --prefix benchmarks/node    # for --node: without it, the Node row says MISSING
+    bash scripts/dev.sh run python benchmarks/client_cpu.py --node --only \
+        publish,many,async,async-many                                      # issue 47's rows
     git worktree add /tmp/before <commit> && \
     bash scripts/dev.sh run python benchmarks/client_cpu.py --compare /tmp/before/src
 
 Each row publishes ``--count`` persistent messages to a fresh durable queue on the local broker
 ($AMQP_URL), waits for every confirm, and reports the process CPU time (``time.process_time()``:
 every thread, the I/O thread included) divided by the confirmed messages, median of ``--repeat``
-runs, the rows interleaved. CPU per message is far steadier than msgs/s on a shared machine.
+runs, the rows interleaved (each pass runs every row once), and the best run; with each, how
+many times cheaper than Node's row it is (best against best, median against median). CPU per
+message is far steadier than msgs/s on a shared machine.
 Rows: ``Publisher.publish()`` in a loop, the same from ``--threads`` threads sharing one
 Publisher, ``Publisher.publish_many()`` with ``--batch`` bodies a call, and the same two for
 ``AsyncPublisher``; with ``--spool``, ``publish()`` of both through ``spool=DIR`` (``persist()``
 every 10,000: issue 21's measure, ``--only publish,async --spool`` for the side by side); each
-with its rate (msgs/s, first publish to last confirm). ``--node`` adds
-the issue's reference, Node amqplib's ``ConfirmChannel`` with 10,000 unconfirmed at most
-(``benchmarks/node/confirm_cpu.js``); ``--compare SRC`` adds the same rows measured with another
+with its rate (msgs/s, first publish to last confirm). ``--node`` adds the
+issue's reference to every pass, Node amqplib's ``ConfirmChannel`` with 10,000 unconfirmed at
+most (``benchmarks/node/confirm_cpu.js``), and each row's ratio to it; reported MISSING, loudly,
+when node or amqplib is absent; ``--compare SRC`` adds the same rows measured with another
 tree's package in a child process, so a change and its baseline are measured in one run.
 """
 
@@ -29,6 +33,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -202,6 +207,18 @@ NODE = os.path.join(HERE, "node")
 ROW_KEYS = ("publish", "threads", "many", "async", "async-many", "spool", "async-spool")
 
 
+NODE_ROW = "Node amqplib ConfirmChannel"
+
+
+def missing_node() -> str | None:
+    """Why the Node reference row cannot run here, or None when it can."""
+    if shutil.which("node") is None:
+        return "no `node` on PATH"
+    if not os.path.isdir(os.path.join(NODE, "node_modules", "amqplib")):
+        return f"amqplib not installed: npm ci --prefix {os.path.relpath(NODE)}"
+    return None
+
+
 def node_row(url: str, count: int, size: int) -> Measured:
     """Node amqplib's ConfirmChannel (window 10,000), the issue's reference, in its own process."""
     out = subprocess.run(
@@ -250,8 +267,8 @@ def main() -> int:
     parser.add_argument(
         "--node",
         action="store_true",
-        help="add Node amqplib's ConfirmChannel as a reference row\n"
-        "(needs node and `npm ci --prefix benchmarks/node`)",
+        help="add Node amqplib's ConfirmChannel, the reference row, and each row's ratio to it\n"
+        "(needs node and `npm ci --prefix benchmarks/node`; MISSING when either is absent)",
     )
     parser.add_argument(
         "--compare",
@@ -270,8 +287,9 @@ def main() -> int:
         only += [key for key in ("spool", "async-spool") if key not in only]
     if unknown := set(only) - set(ROW_KEYS):
         parser.error(f"--only: unknown rows {sorted(unknown)}; known: {', '.join(ROW_KEYS)}")
-    if args.node and not os.path.isdir(os.path.join(NODE, "node_modules", "amqplib")):
-        parser.error(f"--node needs amqplib: npm ci --prefix {os.path.relpath(NODE)}")
+    node_missing = missing_node() if args.node else None
+    if node_missing:
+        print(f"\n!!! {NODE_ROW}: MISSING ({node_missing}) !!!\n", file=sys.stderr)
     body = b"x" * args.size
     table: dict[str, tuple[str, Callable[[str, int, bytes, int, int], Measured], int, int]] = {
         "publish": ("Publisher.publish()", sync_row, 0, 1),
@@ -318,27 +336,37 @@ def main() -> int:
         if args.compare:
             for name, (spent, wall) in compare_row(args.compare, ",".join(only), args).items():
                 record(f"[{args.compare}] {name}", spent, wall)
-        if args.node:
-            record("Node amqplib ConfirmChannel", *node_row(args.url, args.count, args.size))
+        if args.node and not node_missing:
+            record(NODE_ROW, *node_row(args.url, args.count, args.size))
     if args.json:
         json.dump({name: (spents[name], walls[name]) for name in cpu}, sys.stdout)
         print()
         return 0
     print(
         f"\n== client CPU per confirmed message: {args.count:,} persistent x {args.size} B, "
-        f"median of {args.repeat} =="
+        f"best and median of {args.repeat}, rows alternating =="
     )
     width = max(40, *(len(name) for name in cpu))
-    header = f"{'row':<{width}} {'us/msg':>7} {'(min-max)':>13} {'msgs/s':>8}"
+    header = f"{'row':<{width}} {'best':>6} {'median':>7} {'(min-max)':>13} {'msgs/s':>8}"
+    header += f" {'vs Node (best)':>15} {'(median)':>9}"
     print(header + (f" {'in GC':>7}" if args.gc_stats else ""))
+    node = cpu.get(NODE_ROW)
     for name, values in cpu.items():
+        median = statistics.median(values)
         line = (
-            f"{name:<{width}} {statistics.median(values):7.2f} "
+            f"{name:<{width}} {min(values):6.2f} {median:7.2f} "
             f"{f'{min(values):.2f}-{max(values):.2f}':>13} {statistics.median(rate[name]):>8,.0f}"
         )
+        if node:  # how many times cheaper than Node per message (>1: cheaper)
+            line += f" {min(node) / min(values):14.2f}x {statistics.median(node) / median:8.2f}x"
+        elif node_missing:
+            line += f" {'MISSING':>15} {'':>9}"
         if name in in_gc:
             line += f" {statistics.median(in_gc[name]):7.2f}"
         print(line)
+    if node_missing:
+        print(f"{NODE_ROW:<{width}} MISSING: {node_missing}")
+        print("!!! no Node reference in this run: the ratios to Node are MISSING !!!")
     for line in spool_ratios({name: statistics.median(values) for name, values in cpu.items()}):
         print(line)
     return 0
