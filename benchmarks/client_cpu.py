@@ -24,6 +24,8 @@ issue's reference to every pass, Node amqplib's ``ConfirmChannel`` with 10,000 u
 most (``benchmarks/node/confirm_cpu.js``), and each row's ratio to it; reported MISSING, loudly,
 when node or amqplib is absent; ``--compare SRC`` adds the same rows measured with another
 tree's package in a child process, so a change and its baseline are measured in one run.
+``--consume`` prints the consuming side instead (issue 47): benchmarks/consume.py's rows with
+Node amqplib's ``channel.consume`` + ack as the reference, best of ``--repeat``.
 """
 
 from __future__ import annotations
@@ -279,7 +281,17 @@ def main() -> int:
     parser.add_argument(
         "--json", action="store_true", help="print each row's (CPU seconds, wall seconds) as JSON"
     )
+    parser.add_argument(
+        "--consume",
+        action="store_true",
+        help="the consuming side instead (issue 47): benchmarks/consume.py's rows, Node amqplib\n"
+        "channel.consume + ack, Consumer, AsyncConsumer concurrency=1 and 16, pika\n"
+        "SelectConnection, aio-pika message.process(); CPU per message, best of --repeat\n"
+        "alternating, ratio to Node (30,000 x --size B, prefetch 200, unless --count says)",
+    )
     args = parser.parse_args()
+    if args.consume:
+        return consume_table(args)
     if args.count % args.batch or args.count % args.threads:
         parser.error("--count must be a multiple of --batch and of --threads")
     only = [key for key in args.only.split(",") if key]
@@ -370,6 +382,18 @@ def main() -> int:
     for line in spool_ratios({name: statistics.median(values) for name, values in cpu.items()}):
         print(line)
     return 0
+
+
+def consume_table(args: argparse.Namespace) -> int:
+    """``--consume``: the consume rows of ``benchmarks/consume.py`` (one process, the same
+    clock: CPU from the first message handled to the last), best of ``--repeat``."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import consume
+
+    count = 30_000 if args.count == 100_000 else args.count
+    argv = ["--only", consume.ISSUE_47, "--repeat", str(args.repeat), "--count", str(count)]
+    argv += ["--size", str(args.size), "--url", args.url] + (["--json"] if args.json else [])
+    return consume.main(argv)
 
 
 #: each spool row's spool-less row (issue 21's budget: at most 1.8x its CPU per message)

@@ -2,6 +2,9 @@
 
     bash scripts/dev.sh run python benchmarks/consume.py                 # 30,000 messages a row
     bash scripts/dev.sh run python benchmarks/consume.py --count 5000 --repeat 3
+    bash scripts/dev.sh run python benchmarks/consume.py --issue47      # issue 47's table
+    PYTHONPATH=/tmp/before/src bash scripts/dev.sh run python benchmarks/consume.py --issue47
+                                               # the same rows with another tree's package
     npm ci --prefix benchmarks/node                                      # for the Node row
 
 Each row consumes ``--count`` messages (12 B bodies by default) from a fresh durable queue of its
@@ -15,8 +18,9 @@ own, filled beforehand (untimed) with ``reliable_amqp.Publisher.publish_many`` a
   (``benchmarks/node/consume_cpu.js``); without node or amqplib the row is reported MISSING,
   loudly, never dropped in silence;
 - ``reliable_amqp.Consumer``: a no-op handler, ``stop()`` at the count (acks batched by the
-  library); ``reliable_amqp.AsyncConsumer``: a no-op async handler. These rows appear once the
-  package has the classes (``--only`` picks rows).
+  library); ``reliable_amqp.AsyncConsumer``: a no-op async handler, ``concurrency=1`` and (row
+  ``async-consumer-16``, with ``--issue47`` or ``--only``) ``concurrency=16``. These rows appear
+  once the package has the classes (``--only`` picks rows).
 
 The clock runs from the first message handled to the last (the ``count``-th): connecting,
 subscribing, stopping and closing are not timed, and are the same few round trips for every
@@ -74,6 +78,9 @@ AIO_PIKA = "aio-pika queue.consume + message.process()"
 NODE = "Node amqplib channel.consume, ack each"
 CONSUMER = "reliable_amqp.Consumer (no-op handler)"
 ASYNC_CONSUMER = "reliable_amqp.AsyncConsumer (no-op async handler)"
+ASYNC_CONSUMER_16 = "reliable_amqp.AsyncConsumer concurrency=16 (no-op)"
+#: the rows issue 47 compares, in one run (``--issue47``)
+ISSUE_47 = "node,consumer,async-consumer,async-consumer-16,pika-select,aio-pika"
 
 
 #: seconds a row may take before the run gives up on it, saying how far it got (a consumer that
@@ -304,12 +311,12 @@ def reliable_consumer(url: str, queue: str, count: int, prefetch: int) -> tuple[
 
 
 def reliable_async_consumer(
-    url: str, queue: str, count: int, prefetch: int
+    url: str, queue: str, count: int, prefetch: int, concurrency: int = 1
 ) -> tuple[float, float, Row]:
     cls = _consumer_class("AsyncConsumer")
     span = Span(count)
 
-    consumer = cls(url, queue, prefetch=prefetch)
+    consumer = cls(url, queue, prefetch=prefetch, concurrency=concurrency)
 
     async def handler(_delivery: Any) -> None:
         if span.tick():
@@ -322,6 +329,12 @@ def reliable_async_consumer(
     return span.result("AsyncConsumer")
 
 
+def reliable_async_consumer_16(
+    url: str, queue: str, count: int, prefetch: int
+) -> tuple[float, float, Row]:
+    return reliable_async_consumer(url, queue, count, prefetch, concurrency=16)
+
+
 #: --only key -> (row name, measure), in table order
 ROWS: dict[str, tuple[str, Measure]] = {
     "pika-blocking": (PIKA_BLOCKING, pika_blocking),
@@ -330,7 +343,10 @@ ROWS: dict[str, tuple[str, Measure]] = {
     "node": (NODE, node_amqplib),
     "consumer": (CONSUMER, reliable_consumer),
     "async-consumer": (ASYNC_CONSUMER, reliable_async_consumer),
+    "async-consumer-16": (ASYNC_CONSUMER_16, reliable_async_consumer_16),
 }
+#: the rows a run has unless --only says (async-consumer-16 with --issue47 or --only)
+DEFAULT_ROWS = [key for key in ROWS if key != "async-consumer-16"]
 
 
 @contextmanager
@@ -361,7 +377,7 @@ def measure(url: str, key: str, count: int, body: bytes, prefetch: int) -> Row |
     """One row: fill its queue, wait for an idle broker, consume; a row, or (name, why not)."""
     name, fn = ROWS[key]
     try:
-        if key in ("consumer", "async-consumer"):
+        if key.startswith(("consumer", "async-consumer")):
             _consumer_class("Consumer" if key == "consumer" else "AsyncConsumer")
         if key == "node":  # checked before filling a queue it cannot consume
             _node()
@@ -392,17 +408,17 @@ def ratios(rows: list[Row]) -> list[str]:
     lines = []
     python_rows = [by_name[n] for n in (PIKA_BLOCKING, PIKA_SELECT, AIO_PIKA) if n in by_name]
     best = max(python_rows, key=lambda r: r["rate"], default=None)
-    for ours in (CONSUMER, ASYNC_CONSUMER):
+    for ours in (CONSUMER, ASYNC_CONSUMER, ASYNC_CONSUMER_16):
         if ours not in by_name:
             continue
         mine = by_name[ours]
-        short = ours.split(" ")[0]
+        short = ours.split(" (")[0]
         if best is not None:
             lines.append(
                 f"  {short}: {mine['rate'] / best['rate']:.2f}x the faster of pika and aio-pika "
                 f"({best['name']}){'  (target >= 2x)' if ours == CONSUMER else ''}"
             )
-        if ours == ASYNC_CONSUMER and AIO_PIKA in by_name:
+        if ours != CONSUMER and AIO_PIKA in by_name:
             lines.append(f"  {short}: {mine['rate'] / by_name[AIO_PIKA]['rate']:.2f}x aio-pika")
         if NODE in by_name:
             node = by_name[NODE]
@@ -420,11 +436,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=COUNT, help="messages per row")
     parser.add_argument("--size", type=int, default=12, help="body size in bytes")
     parser.add_argument("--prefetch", type=int, default=PREFETCH)
-    parser.add_argument("--repeat", type=int, default=1, help="passes; rows report the median")
-    parser.add_argument("--only", default=",".join(ROWS), help=f"rows: {','.join(ROWS)}")
+    parser.add_argument("--repeat", type=int, default=1, help="passes, rows alternating")
+    parser.add_argument("--only", default=",".join(DEFAULT_ROWS), help=f"rows: {','.join(ROWS)}")
+    parser.add_argument(
+        "--issue47",
+        action="store_true",
+        help=f"issue 47's table: --only {ISSUE_47} --repeat 3 (unless given)",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--url", default=URL)
     args = parser.parse_args(argv)
+    if args.issue47:
+        if args.only == ",".join(DEFAULT_ROWS):
+            args.only = ISSUE_47
+        if args.repeat == 1:
+            args.repeat = 3
     keys = args.only.split(",")
     unknown = [k for k in keys if k not in ROWS]
     if unknown:
@@ -448,7 +474,8 @@ MISSING: dict[str, str] = {}
 def run(
     url: str, keys: list[str], count: int, size: int, *, prefetch: int, repeat: int
 ) -> list[Row]:
-    """``repeat`` passes over the rows ``keys`` (interleaved); each row's median."""
+    """``repeat`` passes over the rows ``keys`` (interleaved); each row's median, and its
+    best pass (the least CPU per message: ``best_cpu_us``, with that pass's rate)."""
     body = b"x" * size
     runs: dict[str, list[Row]] = {}
     for n in range(repeat):
@@ -468,28 +495,45 @@ def run(
     rows = []
     for results in runs.values():
         rates = sorted(r["rate"] for r in results)
+        best = min(results, key=lambda r: r["cpu_us"])
         row = dict(results[0])
         row["rate"] = statistics.median(rates)
         row["runs"] = rates
+        row["cpu_runs"] = [r["cpu_us"] for r in results]
         row["cpu_us"] = statistics.median(r["cpu_us"] for r in results)
+        row["best_cpu_us"] = best["cpu_us"]
+        row["best_rate"] = best["rate"]
         if "child_cpu_us" in row:
             row["child_cpu_us"] = statistics.median(r["child_cpu_us"] for r in results)
         rows.append(row)
+    node = next((r for r in rows if r["name"] == NODE), None)
+    for row in rows:  # Node's CPU per message over this row's, best pass against best pass
+        if node is not None:
+            row["vs_node"] = node["best_cpu_us"] / row["best_cpu_us"]
     return rows
 
 
 def table(rows: list[Row], *, count: int, size: int, prefetch: int, repeat: int) -> str:
     """The rows, the rows that could not run (and why), and the ratios."""
     lines = [
-        f"== consume {count:,} messages of {size} B, prefetch {prefetch}, "
-        f"ack after each, median of {repeat} ==",
-        f"{'row':<52} {'msgs/s':>9} {'(min-max)':>15} {'client CPU':>12}",
+        f"== consume {count:,} messages of {size} B, prefetch {prefetch}, ack after each, "
+        f"{repeat} pass(es) alternating: median and best (least CPU per message) ==",
+        f"{'row':<52} {'msgs/s':>9} {'(min-max)':>15} {'CPU/msg':>9} {'best':>8} "
+        f"{'best msgs/s':>11} {'vs Node':>8}",
     ]
     for r in rows:
         spread = f"{min(r['runs']) / 1000:.1f}k-{max(r['runs']) / 1000:.1f}k"
-        lines.append(f"{r['name']:<52} {r['rate']:>9,.0f} {spread:>15} {r['cpu_us']:>8.1f} us")
+        versus = f"{r['vs_node']:.2f}x" if "vs_node" in r else "-"
+        lines.append(
+            f"{r['name']:<52} {r['rate']:>9,.0f} {spread:>15} {r['cpu_us']:>6.1f} us "
+            f"{r['best_cpu_us']:>5.1f} us {r['best_rate']:>11,.0f} {versus:>8}"
+        )
     for name, why in MISSING.items():
         lines.append(f"{name:<52} MISSING: {why}")
+    lines.append(
+        "  vs Node: Node amqplib's CPU per message over the row's (best passes): 1.00x or more "
+        "is as cheap as Node or cheaper"
+    )
     lines += ratios(rows)
     return "\n".join(lines)
 
