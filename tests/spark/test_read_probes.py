@@ -108,6 +108,8 @@ def test_the_end_probe_returns_credit_when_a_whole_window_came_before_its_idle_w
 
         real_consume, real_await_first = _stream._consume, _stream._await_first
         monkeypatch.setattr(_stream, "_in_order", lambda _connection: False)
+        # the idle-wait probe itself: not LavinMQ's count of the stream (test_read_end_probe.py)
+        monkeypatch.setattr(_stream, "_counts_stream", lambda _connection: False)
         # what is tested is the credit, not the probe's time limits: a loaded machine must not
         # make the probe stop early and give a lower bound (the old code stops at the window
         # whatever they are)
