@@ -71,8 +71,11 @@ class Dispatch:
         self._redeliver = redeliver
         self._max_attempts = options.max_attempts
         self.stats = stats
-        # True once it is known that crash loops are counted (a ledger), or once said not
-        self._counting_known = options.attempts is not None
+        # True once it is known that crash loops are counted (a ledger), or once said not; for
+        # a queue the consumer declares, the lifecycle's check at start says it
+        self._counting_known = (
+            options.attempts is not None or options.declare or options.queue_arguments is not None
+        )
         #: the delivery's key (None: the consumer keeps no per-key order)
         self.key_of = key_reader(options.key)
         after: AfterDeadLetter = "hold" if options.after_dead_letter == "hold" else "continue"

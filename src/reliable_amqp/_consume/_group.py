@@ -114,6 +114,7 @@ class PartitionGroup:
         self._forward_lock = threading.Lock()
         self._connection: pika.BlockingConnection | None = None
         self._rng = random.Random()
+        self._looked = False  # a round saw every queue of the group (this run)
         #: partition -> monotonic time it was taken (for tests and take-over times)
         self.taken_at: dict[int, float] = {}
 
@@ -164,6 +165,7 @@ class PartitionGroup:
         self.ended.clear()
         self.consuming.clear()
         self.fatal = None
+        self._looked = False
         self._thread = threading.Thread(
             target=self._run, name="reliable-amqp-consume-group", daemon=True
         )
@@ -243,8 +245,10 @@ class PartitionGroup:
             log.exception("reliable-amqp: consumer group thread failed")
             self.fatal = ReliableAmqpError(f"internal error in the consumer's group: {exc!r}")
         finally:
-            for io in list(self._ios.values()):
-                io.stop(timeout=2.0)
+            if not self._stopping.is_set():  # ended by an error: the partitions end with it
+                for io in list(self._ios.values()):
+                    io.stop(timeout=2.0)
+            # (asked to stop: drain() or stop() gives the partitions up, acks first)
             self.consuming.clear()
             self._close_connection()
             self.ended.set()
@@ -262,7 +266,7 @@ class PartitionGroup:
             except pika.exceptions.ChannelClosedByBroker as exc:
                 # a refusal of what the group declares or looks at (406: a partition queue
                 # declared with other arguments, 403, 404 before any round): not for retrying
-                if self.consuming.is_set() and exc.reply_code == 404:
+                if self._looked and exc.reply_code == 404:
                     loss: ReliableAmqpError = broker_error(exc.reply_code, exc.reply_text)
                 else:
                     raise self._refused(exc) from None
@@ -286,8 +290,8 @@ class PartitionGroup:
                 )
             delay = self._policy.delay(failures)
             log.warning(
-                "reliable-amqp: consumer group %r lost its connection (%s); trying again in "
-                "%.1f s (the partitions it holds are consumed meanwhile)",
+                "reliable-amqp: consumer group %r lost its view of the group (%s); trying again "
+                "in %.1f s (the partitions it holds are consumed meanwhile)",
                 self.queue,
                 loss,
                 delay,
@@ -315,6 +319,7 @@ class PartitionGroup:
         want_tag: str | None = None
         while not self._stopping.is_set():
             counts = self._counts(channel)
+            self._looked = True
             want = self._round(counts)
             if want and want_tag is None:
                 want_tag = channel.basic_consume(wanting, _never, auto_ack=True)
@@ -357,8 +362,10 @@ class PartitionGroup:
 
     def _counts(self, channel: Any) -> tuple[int, int, list[int]]:
         """(members, wanting, consumers of each partition): passive declares."""
-        members = channel.queue_declare(members_queue(self.queue), passive=True)
-        wanting = channel.queue_declare(wanting_queue(self.queue), passive=True)
+        # Declared, not looked up: an auto-delete queue goes when its last consumer does (the
+        # wanting queue whenever no member starves), and comes back here with the same count.
+        members = channel.queue_declare(members_queue(self.queue), auto_delete=True)
+        wanting = channel.queue_declare(wanting_queue(self.queue), auto_delete=True)
         per = [
             channel.queue_declare(partition_queue(self.queue, i), passive=True)
             for i in range(self.partitions)

@@ -1,0 +1,249 @@
+"""Partitions over several consumers (issue 46, docs/consumer.md "Partitions"), real broker.
+
+Members here are several ``Consumer(partitions=N)`` objects in one process: each is a member of
+its own (its own connections), as a process would be. Killed processes are
+tests/consumer/test_partitions_chain.py's; the cluster is tests/cluster's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import pika
+import pytest
+
+from reliable_amqp import ConfigurationError, Consumer, Delivery, Publisher, RetryPolicy
+from reliable_amqp._consume._group import PartitionGroup
+from reliable_amqp._core.errors import PreconditionFailed
+from reliable_amqp._core.partitions import members_queue, partition_queues, wanting_queue
+from reliable_amqp._core.refusals import QueueNotFound
+from support.broker import unique
+from support.consumer import delete_queues, running, side_queues, wait_until
+
+pytestmark = pytest.mark.broker
+
+RETRY = RetryPolicy(max_attempts=4, initial_delay=0.1, max_delay=0.3, jitter=0.0)
+N = 8
+
+
+def _group(consumer: Consumer) -> PartitionGroup:
+    io = consumer._core.io
+    assert isinstance(io, PartitionGroup)
+    return io
+
+
+def _consumer_counts(url: str, name: str) -> list[int]:
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        return [
+            channel.queue_declare(q, passive=True).method.consumer_count
+            for q in partition_queues(name, N)
+        ]
+    finally:
+        connection.close()
+
+
+def _one_consumer_each(url: str, name: str) -> None:
+    """Wait until the broker counts one consumer on every partition (subscriptions just made
+    may still be on their way); never more than one."""
+    seen: list[list[int]] = []
+
+    def one_each() -> bool:
+        counts = _consumer_counts(url, name)
+        seen.append(counts)
+        assert max(counts) <= 1, f"a partition with two consumers: {counts}"
+        return counts == [1] * N
+
+    wait_until(one_each, 30, "one consumer on every partition")
+
+
+@pytest.fixture
+def name(amqp_url: str) -> Iterator[str]:
+    group = unique("c-part")
+    yield group
+    queues = [*partition_queues(group, N), members_queue(group), wanting_queue(group)]
+    side = [s for q in partition_queues(group, N) for s in side_queues(q, RETRY)[1:]]
+    delete_queues(amqp_url, [*queues, *side, f"{group}.dead"])
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        connection.channel().exchange_delete(group)
+    finally:
+        connection.close()
+
+
+def _member(url: str, name: str, **kwargs: object) -> Consumer:
+    return Consumer(
+        url,
+        name,
+        partitions=N,
+        declare=True,
+        key="routing_key",
+        redelivery=RETRY,
+        prefetch=20,
+        stop_timeout=10,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+class Effects:
+    """What the handlers did, by key, from every member (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_key: dict[str, list[int]] = defaultdict(list)
+        self.partitions: dict[str, set[str]] = defaultdict(set)
+        self.count = 0
+
+    def handler(self, delay: float = 0.0) -> object:
+        def handle(delivery: Delivery) -> None:
+            if delay:
+                time.sleep(delay)
+            with self.lock:
+                self.by_key[delivery.routing_key].append(int(delivery.body))
+                self.partitions[delivery.routing_key].add(delivery.queue)
+                self.count += 1
+
+        return handle
+
+
+def _publish(url: str, name: str, keys: int, per_key: int, start: int = 0) -> None:
+    with Publisher(url) as publisher:
+        for seq in range(start, start + per_key):
+            for k in range(keys):
+                publisher.publish(name, f"key-{k}", str(seq).encode())
+        assert publisher.flush(60) == 0
+
+
+def test_bad_partitions_are_refused_before_anything_connects(amqp_url: str) -> None:
+    for bad in (0, True, "8", 2.0, 5000):
+        with pytest.raises(ConfigurationError, match="partitions must be an integer"):
+            Consumer(amqp_url, "orders", partitions=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="too long"):
+        Consumer(amqp_url, "x" * 195, partitions=2)
+
+
+def test_missing_partition_queues_end_run_naming_declare(amqp_url: str, name: str) -> None:
+    consumer = Consumer(amqp_url, name, partitions=N)
+    started = time.monotonic()
+    with pytest.raises(QueueNotFound, match="declare=True"):
+        consumer.run(lambda d: None)
+    assert time.monotonic() - started < 30
+
+
+def test_a_partition_queue_declared_otherwise_is_refused_loudly(amqp_url: str, name: str) -> None:
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:  # partition 3 exists as a quorum queue; the consumer asks for classic ones
+        connection.channel().queue_declare(
+            partition_queues(name, N)[3], durable=True, arguments={"x-queue-type": "quorum"}
+        )
+    finally:
+        connection.close()
+    consumer = _member(amqp_url, name)
+    with pytest.raises(PreconditionFailed, match="x-queue-type"):
+        consumer.run(lambda d: None)
+
+
+def test_one_member_takes_every_partition_and_keeps_key_order(amqp_url: str, name: str) -> None:
+    effects = Effects()
+    consumer = _member(amqp_url, name)
+    with running(consumer, effects.handler()):  # type: ignore[arg-type]
+        wait_until(lambda: len(_group(consumer).held) == N, 30, "all partitions held")
+        _publish(amqp_url, name, keys=50, per_key=10)
+        wait_until(lambda: effects.count >= 500, 60, "500 handled")
+    assert effects.count == 500
+    for key, seqs in effects.by_key.items():
+        assert seqs == list(range(10)), key
+        assert len(effects.partitions[key]) == 1  # a key always lands in one partition
+    used = set().union(*effects.partitions.values())
+    assert len(used) == N  # 50 keys spread over every partition
+
+
+def test_members_share_evenly_and_a_rebalance_neither_loses_nor_reorders(
+    amqp_url: str, name: str
+) -> None:
+    effects = Effects()
+    first = _member(amqp_url, name)
+    second = _member(amqp_url, name)
+    third = _member(amqp_url, name)
+    with running(first, effects.handler(0.002)):  # type: ignore[arg-type]
+        wait_until(lambda: len(_group(first).held) == N, 30, "the first member holding all")
+        sender = threading.Thread(target=_publish, args=(amqp_url, name, 40, 30))
+        sender.start()  # 1,200 messages while the group grows: partitions move mid-flow
+        with running(second, effects.handler(0.002)):  # type: ignore[arg-type]
+            wait_until(
+                lambda: sorted([len(_group(first).held), len(_group(second).held)]) == [4, 4],
+                30,
+                "4 and 4",
+            )
+            _one_consumer_each(amqp_url, name)
+            with running(third, effects.handler(0.002)):  # type: ignore[arg-type]
+                groups = [_group(c) for c in (first, second, third)]
+                wait_until(
+                    lambda: sorted(len(g.held) for g in groups) == [2, 3, 3],
+                    30,
+                    "3, 3 and 2",
+                )
+                held = [p for g in groups for p in g.held]
+                assert sorted(held) == list(range(N))  # each partition held once
+                _one_consumer_each(amqp_url, name)
+                sender.join(60)
+                wait_until(lambda: effects.count >= 1200, 60, "1,200 handled")
+            # the third left (gracefully): its partitions are taken again
+            wait_until(
+                lambda: sorted([len(_group(first).held), len(_group(second).held)]) == [4, 4],
+                30,
+                "4 and 4 again",
+            )
+            _publish(amqp_url, name, keys=40, per_key=5, start=30)
+            wait_until(lambda: effects.count >= 1400, 60, "1,400 handled")
+    assert effects.count == 1400  # exactly once: a partition given up finished its work
+    for key, seqs in effects.by_key.items():
+        assert seqs == list(range(35)), f"{key}: {seqs}"
+
+
+def test_retries_come_back_to_their_own_partition_in_key_order(amqp_url: str, name: str) -> None:
+    effects = Effects()
+    failed: set[str] = set()
+    lock = threading.Lock()
+    record = effects.handler()
+
+    def handler(delivery: Delivery) -> None:
+        with lock:
+            first = delivery.body.endswith(b"3") and delivery.message_id not in failed
+            if first:
+                failed.add(delivery.message_id or "")
+        if first:
+            raise RuntimeError("the first attempt of every 3rd, 13th, 23rd... fails")
+        record(delivery)  # type: ignore[operator]
+
+    consumer = _member(amqp_url, name)
+    with running(consumer, handler):
+        wait_until(lambda: len(_group(consumer).held) == N, 30, "all partitions held")
+        _publish(amqp_url, name, keys=20, per_key=30)
+        wait_until(lambda: effects.count >= 600, 60, "600 handled")
+    assert consumer.stats.retried == 20 * 3
+    for key, seqs in effects.by_key.items():
+        assert seqs == list(range(30)), key
+        assert len(effects.partitions[key]) == 1
+
+
+def test_a_partition_held_by_someone_else_is_left_alone(amqp_url: str, name: str) -> None:
+    effects = Effects()
+    consumer = _member(amqp_url, name)
+    with running(consumer, effects.handler()):  # type: ignore[arg-type]
+        wait_until(lambda: len(_group(consumer).held) == N, 30, "all partitions held")
+    # another client holds partition 5 exclusively: the member takes the 7 others only
+    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        channel = connection.channel()
+        channel.basic_consume(partition_queues(name, N)[5], lambda *a: None, exclusive=True)
+        with running(consumer, effects.handler()):  # type: ignore[arg-type]
+            wait_until(lambda: len(_group(consumer).held) == N - 1, 30, "7 held")
+            assert 5 not in _group(consumer).held
+        connection.process_data_events(0)
+    finally:
+        connection.close()
