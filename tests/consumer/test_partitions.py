@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pika
 import pytest
 
+from harness.node import DisposableBroker
 from reliable_amqp import ConfigurationError, Consumer, Delivery, Publisher, RetryPolicy
 from reliable_amqp._consume._group import PartitionGroup
 from reliable_amqp._core.errors import PreconditionFailed
@@ -247,3 +248,29 @@ def test_a_partition_held_by_someone_else_is_left_alone(amqp_url: str, name: str
         connection.process_data_events(0)
     finally:
         connection.close()
+
+
+def test_a_broker_without_the_hash_exchange_ends_run_with_the_command(
+    disposable_broker: DisposableBroker,
+) -> None:
+    """The broker answers as one without the plugin does (503 unknown exchange type): the
+    type is unregistered on the node for the test (the plugin's module stays loaded)."""
+    ctl = disposable_broker.ctl
+    ctl("eval", 'rabbit_registry:unregister(exchange, <<"x-consistent-hash">>).')
+    try:
+        consumer = Consumer(
+            disposable_broker.url, unique("c-part-noplugin"), partitions=2, declare=True
+        )
+        started = time.monotonic()
+        with pytest.raises(ConfigurationError) as caught:
+            consumer.run(lambda d: None)
+        assert time.monotonic() - started < 30
+        text = str(caught.value)
+        assert "rabbitmq-plugins enable rabbitmq_consistent_hash_exchange" in text
+        assert "503 COMMAND_INVALID" in text
+    finally:
+        ctl(
+            "eval",
+            'rabbit_registry:register(exchange, <<"x-consistent-hash">>, '
+            "rabbit_exchange_type_consistent_hash).",
+        )

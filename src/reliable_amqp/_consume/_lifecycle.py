@@ -75,15 +75,21 @@ class Lifecycle:
             self._announced = True
             self._check_counting(server_properties)
             own = options.own_queues
+            delays = list(own[1:])
+            per = ""
+            if options.partitions is not None:  # the first partition's stand for every one
+                delays = delays[: len(delays) // options.partitions]
+                per = f" per partition of {options.partitions}"
             log.info(
                 "reliable-amqp: consumer of %r subscribed (prefetch %d, concurrency %d); "
-                "dead letters go to %r, retries through %d delay queue(s)%s",
+                "dead letters go to %r, retries through %d delay queue(s)%s%s",
                 options.queue,
                 options.prefetch,
                 options.concurrency,
                 own[0],
-                len(own) - 1,
-                f" ({', '.join(own[1:])})" if len(own) > 1 else "",
+                len(delays),
+                per,
+                f" ({', '.join(delays)})" if delays else "",
             )
             return
         log.info(

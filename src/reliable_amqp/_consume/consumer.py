@@ -99,7 +99,7 @@ class ConsumerCore:
             declare = {"durable": True, "arguments": dict(opts.queue_arguments or {}) or None}
         self.stats = ConsumerStats()
         self.lifecycle = Lifecycle(opts)
-        if make_link is None and opts.partitions is not None:
+        if opts.partitions is not None:  # a group of partitions, whatever feeds one queue
             make_link = self._group_factory()
         self.io: ConsumerLink = (make_link or ConsumerIO)(
             params,
