@@ -274,3 +274,14 @@ def test_a_broker_without_the_hash_exchange_ends_run_with_the_command(
             'rabbit_registry:register(exchange, <<"x-consistent-hash">>, '
             "rabbit_exchange_type_consistent_hash).",
         )
+
+
+def test_a_member_counting_other_partitions_is_refused(amqp_url: str, name: str) -> None:
+    effects = Effects()
+    consumer = _member(amqp_url, name)
+    with running(consumer, effects.handler()):  # type: ignore[arg-type]
+        wait_until(lambda: len(_group(consumer).held) == N, 30, "all partitions held")
+        other = Consumer(amqp_url, name, partitions=N // 2, declare=True)
+        with pytest.raises(ConfigurationError, match=f"partitions={N // 2}.*same number"):
+            other.run(lambda d: None)
+        assert len(_group(consumer).held) == N

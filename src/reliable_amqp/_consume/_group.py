@@ -312,7 +312,7 @@ class PartitionGroup:
             self._declare_topology(channel)
         members, wanting = members_queue(self.queue), wanting_queue(self.queue)
         for name in (members, wanting):  # the library's own: gone with the last member
-            channel.queue_declare(name, durable=False, auto_delete=True)
+            self._declare_own(channel, name)
         channel.basic_consume(members, _never, auto_ack=True)
         self._lifecycle.subscribed(self.node, None, 0, 0.0, self.server_properties)
         self.consuming.set()
@@ -360,12 +360,31 @@ class PartitionGroup:
         )
         return better or broker_error(exc.reply_code, exc.reply_text)
 
+    def _declare_own(self, channel: Any, name: str) -> Any:
+        """Declare one of the group's own queues (auto-delete: gone with its last consumer).
+
+        Its ``x-max-length`` is the number of partitions (the queue never holds a message):
+        the broker refuses a member that counts the partitions otherwise (406), which would
+        share them wrongly and leave some unconsumed."""
+        try:
+            return channel.queue_declare(
+                name, auto_delete=True, arguments={"x-max-length": self.partitions}
+            )
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 406 and "x-max-length" in str(exc.reply_text):
+                raise ConfigurationError(
+                    f"the consumer group {self.queue!r} has members with another number of "
+                    f"partitions than this one's partitions={self.partitions} (the broker: "
+                    f"{exc.reply_text}); every member of a group must give the same number"
+                ) from None
+            raise
+
     def _counts(self, channel: Any) -> tuple[int, int, list[int]]:
         """(members, wanting, consumers of each partition): passive declares."""
         # Declared, not looked up: an auto-delete queue goes when its last consumer does (the
         # wanting queue whenever no member starves), and comes back here with the same count.
-        members = channel.queue_declare(members_queue(self.queue), auto_delete=True)
-        wanting = channel.queue_declare(wanting_queue(self.queue), auto_delete=True)
+        members = self._declare_own(channel, members_queue(self.queue))
+        wanting = self._declare_own(channel, wanting_queue(self.queue))
         per = [
             channel.queue_declare(partition_queue(self.queue, i), passive=True)
             for i in range(self.partitions)
