@@ -1,0 +1,546 @@
+"""Support for the partitioned consumer's end-to-end tests (issue 46): members in processes of
+their own (``tests/consumer/partition_child.py``), what the broker says about the group while
+they run, and the effects they committed, checked.
+
+- :class:`Members`: child consumers of one group sharing a record file (membership and every
+  change of the partitions each holds), started, killed -9, stopped;
+- :class:`ConsumerCounts`: a thread that asks the broker for every partition queue's consumer
+  count (passive declares, every 50 ms) and the number of members;
+- :class:`ConsumerList`: a thread that runs ``rabbitmqctl list_consumers`` over and over (the
+  broker's own list of subscriptions, one per channel);
+- :func:`broker_shares`: which member holds which partition, by the broker (consumer, channel,
+  connection, its ``connection_name``);
+- :func:`check_effects`: every event's effect exactly once, each key's in commit order.
+
+Waits are on conditions (a record line, a sample, a count), each bounded; no fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pika
+import pika.exceptions
+import psycopg
+
+from reliable_amqp.inbox import Inbox
+
+CHILD = Path(__file__).resolve().parents[1] / "consumer" / "partition_child.py"
+
+#: the inbox's scope in the members
+INBOX_SCOPE = "partitions"
+#: the members' effects: one row per event handled (claimed), with who, where and when
+EFFECTS_TABLE = """
+CREATE TABLE effects (
+    id bigserial PRIMARY KEY,
+    message_id text NOT NULL,
+    key text NOT NULL,
+    seq integer NOT NULL,
+    pid integer NOT NULL,
+    partition integer NOT NULL,
+    redelivered boolean NOT NULL,
+    started double precision NOT NULL,
+    at double precision NOT NULL
+)
+"""
+
+#: runs rabbitmqctl with the given arguments against the broker, returns its stdout
+Ctl = Callable[..., str]
+
+
+def local_ctl(*args: str) -> str:
+    """``rabbitmqctl -q ARGS`` against the machine's broker."""
+    result = subprocess.run(
+        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    if result.returncode != 0:
+        raise AssertionError(f"rabbitmqctl {' '.join(args)}: {result.stderr or result.stdout}")
+    return result.stdout
+
+
+def shares(partitions: int, members: int) -> tuple[int, int]:
+    """The least and the most partitions one member should hold."""
+    return partitions // members, math.ceil(partitions / members)
+
+
+def prepare_database(dsn: str) -> None:
+    """The inbox's tables (scope ``partitions``) and the children's ``effects`` table."""
+    with psycopg.connect(dsn) as conn:
+        Inbox(INBOX_SCOPE).install(conn)
+        conn.execute(EFFECTS_TABLE)
+
+
+# --- the members ------------------------------------------------------------------------------
+
+
+@dataclass
+class GroupRecord:
+    """What the members wrote to their shared record file."""
+
+    #: pid -> when it became a member (monotonic)
+    joined: dict[int, float] = field(default_factory=dict)
+    #: pid -> [(when, the partitions it held from then on)]
+    held: dict[int, list[tuple[float, list[int]]]] = field(default_factory=dict)
+    exits: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, text: str) -> GroupRecord:
+        record = cls()
+        for line in text.splitlines():
+            kind, _, rest = line.partition(" ")
+            if kind == "MEMBER":
+                pid, at = rest.split(" ")
+                record.joined[int(pid)] = float(at)
+            elif kind == "HELD":
+                pid, at, held = rest.split(" ")
+                partitions = [] if held == "-" else [int(p) for p in held.split(",")]
+                record.held.setdefault(int(pid), []).append((float(at), partitions))
+            elif kind == "EXIT":
+                record.exits.append(json.loads(rest))
+        return record
+
+    def holding(self, pids: Sequence[int]) -> dict[int, list[int]]:
+        """What each of ``pids`` holds now (by its latest report)."""
+        return {pid: (self.held[pid][-1][1] if self.held.get(pid) else []) for pid in pids}
+
+    def all_held_at(self, pids: Sequence[int], after: float, partitions: int) -> float | None:
+        """The first report time after ``after`` at which ``pids`` held every partition between
+        them (by their reports), or None."""
+        events = sorted(
+            (at, pid, held) for pid in pids for at, held in self.held.get(pid, []) if at > after
+        )
+        now = {pid: [h for at, h in self.held.get(pid, []) if at <= after][-1:] for pid in pids}
+        state = {pid: (held[0] if held else []) for pid, held in now.items()}
+        for at, pid, held in events:
+            state[pid] = held
+            union = [p for h in state.values() for p in h]
+            if sorted(union) == list(range(partitions)):
+                return at
+        return None
+
+
+def settled(holding: dict[int, list[int]], partitions: int) -> bool:
+    """Every partition held by exactly one of the members, each within its share."""
+    least, most = shares(partitions, len(holding))
+    union = [p for held in holding.values() for p in held]
+    return sorted(union) == list(range(partitions)) and all(
+        least <= len(held) <= most for held in holding.values()
+    )
+
+
+class Members:
+    """Child members (``partition_child.py``) of one group sharing one record file."""
+
+    def __init__(self, place: Path, **config: Any) -> None:
+        place.mkdir(parents=True, exist_ok=True)
+        self.out = place / "record.txt"
+        self.out.touch()
+        self.stderr = place / "stderr.txt"
+        self.config = {"out": str(self.out), **config}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        #: a check run on every wait: a violation it returns (say, a partition queue the broker
+        #: showed with two consumers) fails the wait at once, naming it
+        self.watchdog: Callable[[], str | None] = lambda: None
+
+    def start(self, label: str) -> subprocess.Popen[bytes]:
+        """Start one more member, named ``member-<label>`` on the broker."""
+        config = {**self.config, "connection_name": f"member-{label}"}
+        with open(self.stderr, "ab") as err:
+            proc = subprocess.Popen(
+                [sys.executable, str(CHILD), json.dumps(config)],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        self.procs[label] = proc
+        return proc
+
+    def live(self) -> dict[str, int]:
+        """label -> pid of every member still running."""
+        return {label: p.pid for label, p in self.procs.items() if p.poll() is None}
+
+    def record(self) -> GroupRecord:
+        return GroupRecord.parse(self.out.read_text())
+
+    def holding(self) -> dict[int, list[int]]:
+        """pid -> partitions held, for the running members."""
+        return self.record().holding(list(self.live().values()))
+
+    def wait(self, predicate: Callable[[], bool], timeout: float, what: str) -> float:
+        """Wait until ``predicate()``; how long it took. Fails when a member died on its own."""
+        began = time.monotonic()
+        while not predicate():
+            violation = self.watchdog()
+            if violation is not None:
+                raise AssertionError(
+                    f"{violation} (waiting for {what}); the members hold {self.holding()}\n"
+                    f"{self.errors()}"
+                )
+            died = {
+                label: code
+                for label, code in ((label, p.poll()) for label, p in self.procs.items())
+                if code is not None and code != -signal.SIGKILL
+            }
+            if died:
+                raise AssertionError(f"members exited {died} before {what}:\n{self.errors()}")
+            if time.monotonic() - began > timeout:
+                raise AssertionError(
+                    f"timed out after {timeout} s waiting for {what}; holding "
+                    f"{self.holding()}\n{self.errors()}"
+                )
+            time.sleep(0.05)
+        return time.monotonic() - began
+
+    def wait_joined(self, timeout: float) -> float:
+        """Wait until one member has joined (the group's topology is then declared)."""
+        return self.wait(lambda: bool(self.record().joined), timeout, "a first member")
+
+    def wait_settled(self, timeout: float, what: str) -> float:
+        """Wait until the running members hold every partition, each its share."""
+        partitions = int(self.config["partitions"])
+        live = self.live()
+
+        def done() -> bool:
+            record = self.record()
+            return set(live.values()) <= set(record.joined) and settled(
+                record.holding(list(live.values())), partitions
+            )
+
+        return self.wait(done, timeout, what)
+
+    def kill9(self, label: str) -> float:
+        """SIGKILL one member and reap it; when (monotonic) the signal went."""
+        proc = self.procs[label]
+        at = time.monotonic()
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+        return at
+
+    def terminate_all(self, timeout: float = 60.0) -> dict[str, int]:
+        """SIGTERM every running member at once (a graceful stop); label -> exit code."""
+        running = {label: p for label, p in self.procs.items() if p.poll() is None}
+        for proc in running.values():
+            proc.send_signal(signal.SIGTERM)
+        return {label: proc.wait(timeout) for label, proc in running.items()}
+
+    def errors(self, tail: int = 4000) -> str:
+        text = self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
+        return text[-tail:]
+
+    def log_lines(self, word: str) -> list[str]:
+        """The children's stderr lines containing ``word``."""
+        if not self.stderr.exists():
+            return []
+        return [
+            line for line in self.stderr.read_text(errors="replace").splitlines() if word in line
+        ]
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+
+
+# --- the broker's view ------------------------------------------------------------------------
+
+
+class ConsumerCounts:
+    """A thread asking the broker every ``step`` seconds for each partition queue's consumer
+    count and the group's number of members (passive declares on one connection). A sample it
+    could not take (the node went away) is skipped; it connects again to the next URL."""
+
+    def __init__(self, urls: Sequence[str], name: str, partitions: int, step: float = 0.05):
+        self.urls = list(urls)
+        self.name = name
+        self.partitions = partitions
+        self.step = step
+        #: (monotonic time, members, [consumers of each partition])
+        self.samples: list[tuple[float, int, list[int]]] = []
+        self.most = [0] * partitions
+        self.errors = 0
+        #: the first few failures (what went wrong with a sample)
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="consumer-counts", daemon=True)
+
+    def start(self) -> ConsumerCounts:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        index = 0
+        while not self._stop.is_set():
+            url = self.urls[index % len(self.urls)]
+            index += 1
+            try:
+                params = pika.URLParameters(url)
+                params.socket_timeout = 2
+                params.blocked_connection_timeout = 5
+                connection = pika.BlockingConnection(params)
+            except pika.exceptions.AMQPError as exc:
+                self._failed(exc)
+                self._stop.wait(0.2)
+                continue
+            try:
+                channel = connection.channel()
+                while not self._stop.is_set():
+                    members = channel.queue_declare(f"{self.name}.members", passive=True)
+                    counts = [
+                        channel.queue_declare(
+                            f"{self.name}.{i}", passive=True
+                        ).method.consumer_count
+                        for i in range(self.partitions)
+                    ]
+                    at = time.monotonic()
+                    self.samples.append((at, members.method.consumer_count, counts))
+                    self.most = [max(a, b) for a, b in zip(self.most, counts, strict=True)]
+                    self._stop.wait(self.step)
+            except (pika.exceptions.AMQPError, OSError) as exc:
+                self._failed(exc)  # a 404 before the first member, a node killed: try again
+            finally:
+                if connection.is_open:
+                    with contextlib.suppress(pika.exceptions.AMQPError, OSError):
+                        connection.close()
+
+    def _failed(self, exc: BaseException) -> None:
+        self.errors += 1
+        if len(self.failures) < 20:
+            self.failures.append(f"{time.monotonic():.3f} {exc!r}"[:300])
+
+    def wait(
+        self,
+        predicate: Callable[[int, list[int]], bool],
+        after: float,
+        timeout: float,
+        what: str,
+    ) -> float:
+        """The time of the first sample after ``after`` satisfying ``predicate(members,
+        counts)`` (waiting up to ``timeout`` seconds for it)."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while True:
+            samples = self.samples
+            for at, members, counts in samples[seen:]:
+                if at > after and predicate(members, counts):
+                    return at
+            seen = len(samples)
+            if time.monotonic() > deadline:
+                last = samples[-1] if samples else None
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}: {last}")
+            time.sleep(self.step)
+
+    def violation(self) -> str | None:
+        """The first sample with a partition queue consumed twice or more, described."""
+        if max(self.most, default=0) <= 1:
+            return None
+        for at, members, counts in self.samples:
+            if max(counts) > 1:
+                doubled = [i for i, n in enumerate(counts) if n > 1]
+                return (
+                    f"the broker showed partition(s) {doubled} of {self.name!r} with "
+                    f"{[counts[i] for i in doubled]} consumers at {at:.3f} "
+                    f"(members {members}, consumers per partition {counts})"
+                )
+        return None
+
+    def gap(self, after: float) -> float | None:
+        """The first sample after ``after`` where some partition had no consumer."""
+        for at, _, counts in self.samples:
+            if at > after and 0 in counts:
+                return at
+        return None
+
+
+class ConsumerList:
+    """A thread running ``rabbitmqctl list_consumers`` over and over: for each partition queue,
+    the most channels the broker ever listed consuming it at once, and how many listings it
+    took. (On a quorum queue a passive declare's consumer count also counts a consumer
+    cancelled with messages still unacknowledged, until they are settled; this list does not.)"""
+
+    def __init__(self, ctl: Ctl, name: str, partitions: int) -> None:
+        self.ctl = ctl
+        self.queues = {f"{name}.{i}": i for i in range(partitions)}
+        self.most = [0] * partitions
+        self.listings = 0
+        self.failures: list[str] = []
+        #: listings where a partition queue had two channels or more: (time, queue, channels)
+        self.doubles: list[tuple[float, str, list[str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="list-consumers", daemon=True)
+
+    def start(self) -> ConsumerList:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(90)
+
+    def violation(self) -> str | None:
+        """The first listing with a partition queue consumed on two channels, described."""
+        if not self.doubles:
+            return None
+        at, queue, channels = self.doubles[0]
+        return f"rabbitmqctl list_consumers at {at:.3f}: {queue!r} consumed on channels {channels}"
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                listed = self.ctl(
+                    "list_consumers", "-p", "/", "queue_name", "channel_pid", "--formatter", "json"
+                )
+                rows = json.loads(listed)
+            except Exception as exc:  # a node down (the cluster test): the next listing
+                self.failures.append(repr(exc)[:200])
+                self._stop.wait(0.5)
+                continue
+            at = time.monotonic()
+            per: dict[str, set[str]] = defaultdict(set)
+            for row in rows:
+                if row["queue_name"] in self.queues:
+                    per[row["queue_name"]].add(row["channel_pid"])
+            for queue, channels in per.items():
+                index = self.queues[queue]
+                self.most[index] = max(self.most[index], len(channels))
+                if len(channels) > 1:
+                    self.doubles.append((at, queue, sorted(channels)))
+            self.listings += 1
+
+
+def second_subscription(url: str, queue: str) -> str | None:
+    """Subscribe to ``queue`` exclusively, as a member takes a partition, while its holder
+    runs: None when the broker refuses (403, what the group's ownership rests on), else what
+    it did instead (the queue's consumer count with the extra subscription)."""
+    connection = pika.BlockingConnection(pika.URLParameters(url))
+    try:
+        channel = connection.channel()
+        try:
+            channel.basic_consume(queue, lambda *_: None, exclusive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code == 403:
+                return None
+            return f"refused with {exc.reply_code} {exc.reply_text}"
+        count = channel.queue_declare(queue, passive=True).method.consumer_count
+        return f"a second exclusive basic.consume on {queue!r} accepted: {count} consumers"
+    finally:
+        if connection.is_open:
+            connection.close()
+
+
+def _connection_name(properties: Any) -> str:
+    """The ``connection_name`` of a connection's listed client properties (``[name, type,
+    value]`` triples; anything else, a connection still opening say, gives ``?``)."""
+    for item in properties if isinstance(properties, list) else ():
+        if isinstance(item, list) and len(item) == 3 and item[0] == "connection_name":
+            return str(item[2])
+    return "?"
+
+
+def broker_shares(ctl: Ctl, name: str, partitions: int) -> dict[str, list[int]]:
+    """By the broker: ``connection_name`` -> the partitions whose queue it has a subscription
+    on (consumers, their channels, the channels' connections and those connections' names)."""
+    queues = {f"{name}.{i}": i for i in range(partitions)}
+    consumers = json.loads(
+        ctl("list_consumers", "-p", "/", "queue_name", "channel_pid", "--formatter", "json")
+    )
+    channels = json.loads(ctl("list_channels", "pid", "connection", "--formatter", "json"))
+    connections = json.loads(
+        ctl("list_connections", "pid", "client_properties", "--formatter", "json")
+    )
+    of_channel = {row["pid"]: row["connection"] for row in channels}
+    names = {row["pid"]: _connection_name(row["client_properties"]) for row in connections}
+    held: dict[str, list[int]] = defaultdict(list)
+    for row in consumers:
+        if row["queue_name"] in queues:
+            owner = names.get(of_channel.get(row["channel_pid"], ""), "?")
+            held[owner].append(queues[row["queue_name"]])
+    return {owner: sorted(parts) for owner, parts in held.items()}
+
+
+# --- the effects ------------------------------------------------------------------------------
+
+
+@dataclass
+class Effects:
+    """What :func:`check_effects` found."""
+
+    total: int
+    #: effects whose delivery was a redelivery (after a kill or a partition moving)
+    redelivered: int
+    #: partition -> the pids that handled it, in turn (one entry per run of effects)
+    turns: dict[int, list[int]]
+    #: partition -> (last effect of a turn, first effect of the next), monotonic seconds
+    handovers: dict[int, list[tuple[float, float]]]
+
+
+def check_effects(dsn: str, per_key: dict[str, int]) -> Effects:
+    """Assert that ``effects`` holds every event of ``per_key`` (key -> its number of events,
+    seq 1..n) exactly once, each key's in commit order (seq ascending by effect row id), each
+    key's from one partition, and no two members handling one partition at the same time
+    (the turns of a partition, in effect id order, do not overlap in time)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT id, message_id, key, seq, pid, partition, redelivered, started, at"
+            " FROM effects ORDER BY id"
+        ).fetchall()
+    expected = sum(per_key.values())
+    ids = Counter(row[1] for row in rows)
+    twice = [m for m, n in ids.items() if n > 1]
+    assert not twice, f"{len(twice)} events with two effects or more, e.g. {twice[:5]}"
+    pairs = Counter((row[2], row[3]) for row in rows)
+    assert max(pairs.values(), default=1) == 1, [p for p, n in pairs.items() if n > 1][:5]
+    seqs: dict[str, list[int]] = defaultdict(list)
+    partition_of: dict[str, set[int]] = defaultdict(set)
+    for _, _, key, seq, _, partition, _, _, _ in rows:
+        seqs[key].append(seq)
+        partition_of[key].add(partition)
+    missing = {k: n - len(seqs.get(k, [])) for k, n in per_key.items() if len(seqs.get(k, [])) < n}
+    assert not missing, f"{sum(missing.values())} events without an effect: {list(missing)[:5]}"
+    assert len(rows) == expected, (len(rows), expected)
+    disordered = {k: s for k, s in seqs.items() if s != list(range(1, per_key[k] + 1))}
+    assert not disordered, (
+        f"{len(disordered)} keys' effects out of commit order, e.g. "
+        + "; ".join(f"{k}: {s[:12]}" for k, s in list(disordered.items())[:3])
+    )
+    split = {k: sorted(p) for k, p in partition_of.items() if len(p) > 1}
+    assert not split, f"keys handled from several partitions: {list(split.items())[:5]}"
+    turns: dict[int, list[int]] = defaultdict(list)
+    spans: dict[int, list[list[float]]] = defaultdict(list)  # [first start, last write] a turn
+    for _, _, _, _, pid, partition, _, started, at in rows:
+        if turns[partition] and turns[partition][-1] == pid:
+            spans[partition][-1][1] = at
+        else:
+            turns[partition].append(pid)
+            spans[partition].append([started, at])
+    handovers: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for partition, runs in spans.items():
+        for before, after in itertools.pairwise(runs):
+            handovers[partition].append((before[1], after[0]))
+            assert before[1] <= after[0], (
+                f"partition {partition}: pid {turns[partition]} handled it at the same time "
+                f"(a turn's last effect at {before[1]:.3f}, the next turn began at {after[0]:.3f})"
+            )
+    return Effects(
+        total=len(rows),
+        redelivered=sum(1 for row in rows if row[6]),
+        turns=dict(turns),
+        handovers=dict(handovers),
+    )
