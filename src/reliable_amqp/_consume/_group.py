@@ -482,12 +482,10 @@ class PartitionGroup:
                     io.queue,
                 )
             elif io.fatal is not None and not self._stopping.is_set():
-                log.warning(
-                    "reliable-amqp: consumer group %r let partition %r go: %s",
-                    self.queue,
-                    io.queue,
-                    io.fatal,
-                )
+                # a refusal (permissions), a queue gone for good, a spent connect policy: the
+                # member cannot consume its share, so it ends (loud), rather than retake and
+                # lose the partition every second
+                raise io.fatal
 
     def _forget(self, partition: int) -> None:
         io = self._ios.pop(partition, None)
