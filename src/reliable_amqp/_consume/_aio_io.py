@@ -16,10 +16,10 @@ another channel.
 
 Heartbeats are pika's timers on the loop, so a handler that *awaits* for minutes costs nothing.
 A handler that *blocks* the loop (``time.sleep``, a blocking driver) stops every timer: a
-watchdog thread (:class:`_Watchdog`) notices that the loop has not run for half a heartbeat,
-says so in one WARNING, and writes the heartbeat frames itself (plain TCP; on TLS it can only
-warn: the broker then closes the connection after two missed heartbeats, and the consumer
-reconnects once the loop runs again; the blocked message comes back, redelivered).
+watchdog thread (:mod:`reliable_amqp._consume._aio_watchdog`) notices that the loop has not run
+for half a heartbeat, says so in one WARNING, and writes the heartbeat frames itself (plain TCP;
+on TLS it can only warn: the broker then closes the connection after two missed heartbeats, and
+the consumer reconnects once the loop runs again; the blocked message comes back, redelivered).
 """
 
 from __future__ import annotations
@@ -35,19 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 import pika
 import pika.exceptions
-from pika.channel import Channel
 
-from reliable_amqp._compat.pika import (
-    LoopScanningConnection,
-    scanner_takes_deliveries,
-    terminate_stream,
-)
+from reliable_amqp._compat.pika import LoopScanningConnection, terminate_stream
+from reliable_amqp._consume._aio_channel import Subscription
+from reliable_amqp._consume._aio_watchdog import Watchdog
 from reliable_amqp._consume._io import REFUSED_ATTEMPTS, _gave_up, _refusal
 from reliable_amqp._consume._lifecycle import node_of, product_of
-from reliable_amqp._core.acks import ACK, AckBook, encode_ack_frames
-from reliable_amqp._core.delivery import Delivery, DeliveryScanner
+from reliable_amqp._core.acks import ACK
+from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
-from reliable_amqp._core.liveness import LinkWatch
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._logs import own_context
 from reliable_amqp._sync._pika import translate_connection_error
@@ -112,19 +108,17 @@ class LoopConsumerIO:
         self._connection: LoopScanningConnection | None = None
         self._closed: asyncio.Future[None] | None = None
         self._sleep: asyncio.Future[None] | None = None
-        self._channel: Channel | None = None
-        self._consumer_tag: str | None = None
-        self._book: AckBook | None = None
+        #: the open channel's subscription (None while there is none)
+        self._sub: Subscription | None = None
         self._loss: ReliableAmqpError | None = None
         self._failures = 0
         self._first_failure: float | None = None
-        self._cancelled = self._careful = self._draining = False
+        self._draining = False
         self._drained = threading.Event()
-        self._step = ""
         self._subscribed_once = False
         self._refused = 0
         self._last_loss: str | None = None
-        self._watchdog: _Watchdog | None = None
+        self._watchdog: Watchdog | None = None
 
     @property
     def connected(self) -> bool:
@@ -135,8 +129,8 @@ class LoopConsumerIO:
     @property
     def unacked(self) -> int:
         """Deliveries held on the open channel, not yet acked or requeued (a snapshot)."""
-        book = self._book
-        return 0 if book is None else book.held
+        sub = self._sub
+        return 0 if sub is None else sub.book.held
 
     def is_live(self, generation: int) -> bool:
         """Whether ``generation`` is the open channel's (see :class:`ConsumerLink`)."""
@@ -162,11 +156,11 @@ class LoopConsumerIO:
         self.consuming.clear()
         self.fatal = None
         self._settled.clear()
-        self._force = self._draining = self._cancelled = False
+        self._force = self._draining = False
         self._failures, self._first_failure = 0, None
         self._subscribed_once, self._refused, self._last_loss = False, 0, None
         self.last_delivery = None
-        self._watchdog = _Watchdog(self)
+        self._watchdog = Watchdog(self.queue)
         self._call(lambda: loop.create_task(self._run()))
 
     def settle(self, generation: int, tag: int, kind: int = ACK, urgent: bool = False) -> None:
@@ -177,10 +171,10 @@ class LoopConsumerIO:
         it sent at once.
         """
         if threading.get_ident() == self._loop_thread:
-            book = self._book
-            if book is None or not book.settle(generation, tag, kind):
+            sub = self._sub
+            if sub is None or not sub.book.settle(generation, tag, kind):
                 self.stale_settlements += 1
-            elif urgent or book.due >= book.batch:
+            elif urgent or sub.book.due >= sub.book.batch:
                 self._force = self._force or urgent
                 self._send_acks()
             return
@@ -193,8 +187,8 @@ class LoopConsumerIO:
 
     def flush(self) -> None:
         """Send every ack that is due now (the handler side is idle)."""
-        book = self._book
-        if self._settled or (book is not None and book.due):
+        sub = self._sub
+        if self._settled or (sub is not None and sub.book.due):
             self._force = True
             if threading.get_ident() == self._loop_thread:
                 self._send_acks()
@@ -203,7 +197,7 @@ class LoopConsumerIO:
 
     def cancel(self) -> None:
         """Stop new deliveries (``basic.cancel``); settlements still go out."""
-        self._call(self._on_cancel_request)
+        self._call(self._cancel_subscription)
 
     def drain(self, timeout: float) -> bool:
         """Cancel the subscription, ack what was settled, requeue the rest; True once the
@@ -241,7 +235,7 @@ class LoopConsumerIO:
         if self._wake_pending:
             return
         self._wake_pending = True
-        if not self._call(self._on_wake):
+        if not self._call(self._send_acks):
             self._wake_pending = False
 
     # --- the connection's life (a task on the loop) -------------------------------------------
@@ -282,8 +276,8 @@ class LoopConsumerIO:
             connection = LoopScanningConnection(
                 params,
                 on_open_callback=self._on_connection_open,
-                on_open_error_callback=self._on_open_error,
-                on_close_callback=self._on_connection_closed,
+                on_open_error_callback=self._on_connection_ended,
+                on_close_callback=self._on_connection_ended,
                 custom_ioloop=loop,
             )
             connection.on_deliveries = self._deliver
@@ -324,7 +318,64 @@ class LoopConsumerIO:
         self._last_loss = str(loss)
         return self._policy.allows(self._failures, now - self._first_failure)
 
-    def _recovered(self) -> None:
+    def _link_lost(self, connection: LoopScanningConnection, loss: ReliableAmqpError) -> None:
+        """Two heartbeats without a byte (the watchdog's LinkWatch): end this connection."""
+        if connection is not self._connection:
+            return
+        self._loss = loss
+        if not terminate_stream(connection, loss):
+            self._end_connection()
+
+    def _end_connection(self) -> None:
+        closed = self._closed
+        if closed is not None and not closed.done():
+            closed.set_result(None)
+
+    # --- pika callbacks (the loop) --------------------------------------------------------------
+
+    def _on_connection_ended(self, _connection: Any, error: Any) -> None:
+        """pika's open-error and close callbacks: the connect loop goes on."""
+        if self._loss is None and not self.stopping.is_set():
+            self._loss = translate_connection_error(error)
+        self._end_connection()
+
+    def _on_connection_open(self, connection: LoopScanningConnection) -> None:
+        if self.stopping.is_set():
+            connection.close()
+            return
+        params = connection.params
+        self.node = node_of(params.host, params.port)
+        self.server_properties = connection.server_properties
+        if self._lifecycle is not None:
+            self._lifecycle.connected(self.node, product_of(self.server_properties))
+        heartbeat = int(params.heartbeat or 0)  # the negotiated value
+        if self._watchdog is not None:
+            self._watchdog.watch(connection, heartbeat, self._link_lost)
+        self._open_channel()
+
+    def _open_channel(self) -> None:
+        connection = self._connection
+        if connection is None or not connection.is_open or self.stopping.is_set():
+            return
+        self.generation += 1
+        sub = Subscription(
+            connection,
+            self.queue,
+            self.prefetch,
+            self.generation,
+            declare=self._declare,
+            consumer_arguments=self._consumer_arguments,
+            on_ready=self._on_subscribed,
+            on_closed=self._on_channel_closed,
+        )
+        sub.draining = self._draining
+        self._sub = sub
+        self.live_generation = sub.generation
+        sub.open()
+
+    def _on_subscribed(self, sub: Subscription) -> None:
+        if sub is not self._sub:
+            return
         lifecycle = self._lifecycle
         if lifecycle is not None and not self.consuming.is_set():
             first = self._first_failure
@@ -341,134 +392,12 @@ class LoopConsumerIO:
         self._first_failure = None
         self._subscribed_once = True
         self._refused = 0
-
-    def _end_connection(self) -> None:
-        closed = self._closed
-        if closed is not None and not closed.done():
-            closed.set_result(None)
-
-    # --- pika callbacks (the loop) --------------------------------------------------------------
-
-    def _on_open_error(self, _connection: Any, error: Any) -> None:
-        self._loss = translate_connection_error(error)
-        self._end_connection()
-
-    def _on_connection_closed(self, _connection: Any, reason: Any) -> None:
-        if self._loss is None and not self.stopping.is_set():
-            self._loss = translate_connection_error(reason)
-        self._end_connection()
-
-    def _on_connection_open(self, connection: LoopScanningConnection) -> None:
-        if self.stopping.is_set():
-            connection.close()
-            return
-        params = connection.params
-        self.node = node_of(params.host, params.port)
-        self.server_properties = connection.server_properties
-        if self._lifecycle is not None:
-            self._lifecycle.connected(self.node, product_of(self.server_properties))
-        heartbeat = int(params.heartbeat or 0)  # the negotiated value
-        if self._watchdog is not None:
-            self._watchdog.watch(connection, heartbeat)
-        self._watch_link(connection, heartbeat)
-        self._open_channel()
-
-    def _watch_link(self, connection: LoopScanningConnection, heartbeat: int) -> None:
-        """Two heartbeats without a byte is a lost link (a frozen node closes nothing): the
-        publishers' rule (:class:`~reliable_amqp._core.liveness.LinkWatch`), on a loop timer."""
-        watch = LinkWatch()
-        watch.reset(time.monotonic(), heartbeat)
-        watch.check(connection.bytes_received, time.monotonic())
-        loop = asyncio.get_running_loop()
-
-        def check() -> None:
-            if connection is not self._connection or not connection.is_open:
-                return
-            now = time.monotonic()
-            loss = watch.check(connection.bytes_received, now)
-            if loss is not None:
-                self._loss = loss
-                if not terminate_stream(connection, loss):
-                    self._end_connection()
-                return
-            due = watch.check_at
-            if due is not None:
-                loop.call_later(max(0.0, due - now), check)
-
-        due = watch.check_at
-        if due is not None:
-            loop.call_later(max(0.0, due - time.monotonic()), check)
-
-    def _open_channel(self) -> None:
-        connection = self._connection
-        if connection is None or not connection.is_open or self.stopping.is_set():
-            return
-        connection.channel(on_open_callback=self._on_channel_open)
-
-    def _on_channel_open(self, channel: Channel) -> None:
-        connection = self._connection
-        assert connection is not None
-        self.generation += 1
-        self.live_generation = self.generation
-        self._channel = channel
-        self._cancelled = False
-        self._book = AckBook(self.generation, self._batch)
-        connection.scanner = DeliveryScanner(channel.channel_number, self.generation, self.queue)
-        channel.add_on_close_callback(self._on_channel_closed)
-        channel.add_on_cancel_callback(self._on_server_cancel)
-        # The careful start (see ConsumerIO): one message at a time while the broker
-        # redelivers; the first fresh delivery opens the full prefetch.
-        self._careful = self.prefetch > 1
-        channel.basic_qos(
-            prefetch_count=1 if self._careful else self.prefetch, callback=self._on_qos
-        )
-
-    def _on_qos(self, _frame: Any) -> None:
-        channel = self._channel
-        if channel is None:
-            return
-        if self._declare is not None:
-            self._step = "queue.declare"
-            channel.queue_declare(self.queue, callback=self._on_declared, **self._declare)
-        else:
-            self._on_declared(None)
-
-    def _on_declared(self, _frame: Any) -> None:
-        channel = self._channel
-        if channel is None or self._draining:
-            return
-        self._step = "basic.consume"
-        self._consumer_tag = channel.basic_consume(
-            self.queue,
-            scanner_takes_deliveries,
-            arguments=self._consumer_arguments or None,
-            callback=self._on_consume_ok,
-        )
-
-    def _on_consume_ok(self, _frame: Any) -> None:
-        self._step = ""
-        self._recovered()
         self.consuming.set()
         if self._draining:
             self._on_drain()
 
-    def _on_server_cancel(self, _frame: Any) -> None:
-        # The queue was deleted or became unavailable: close the channel (its deliveries go back
-        # to the queue) and subscribe again under the policy.
-        if self._draining or self.stopping.is_set():
-            return
-        self._cancelled = True
-        log.warning(
-            "reliable-amqp: the broker cancelled the consumer of %r (queue deleted or "
-            "unavailable); subscribing again",
-            self.queue,
-        )
-        channel = self._channel
-        if channel is not None and channel.is_open:
-            channel.close()
-
-    def _on_channel_closed(self, channel: Channel, reason: Any) -> None:
-        if channel is not self._channel:
+    def _on_channel_closed(self, sub: Subscription, reason: Any) -> None:
+        if sub is not self._sub:
             return
         self._lost_channel()
         connection = self._connection
@@ -478,10 +407,10 @@ class LoopConsumerIO:
             self._drained.set()
             connection.close()
             return
-        refused = _refusal(reason, self._step, self.queue, connection.params)
+        refused = _refusal(reason, sub.step, self.queue, connection.params)
         loss: ReliableAmqpError = refused or AmqpConnectionError(
             "the broker cancelled the subscription"
-            if self._cancelled
+            if sub.cancelled
             else f"the channel closed: {translate_connection_error(reason)}"
         )
         allowed = self._count_failure(loss)
@@ -510,85 +439,38 @@ class LoopConsumerIO:
             connection.scanner = None
         self.consuming.clear()
         self.live_generation = 0
-        self._channel = None
-        self._book = None
-        self._consumer_tag = None
+        self._sub = None
 
     def _deliver(self, batch: list[Delivery]) -> None:
         self.last_delivery = time.monotonic()
-        book = self._book
-        if book is not None:
-            book.delivered_all(batch)
-        if self._careful and any(not d.redelivered for d in batch):
-            self._leave_careful()
+        sub = self._sub
+        if sub is not None:
+            sub.delivered(batch)
         self._on_deliveries(batch)
 
-    def _leave_careful(self) -> None:
-        """The redelivered messages are through: subscribe again with the full prefetch (see
-        ConsumerIO._leave_careful: the cancel first, then a prefetch less what is held)."""
-        self._careful = False
-        channel = self._channel
-        tag = self._consumer_tag
-        if channel is None or not channel.is_open or tag is None or self._draining:
-            return
-        same: Channel = channel
-
-        def current() -> bool:
-            return bool(same.is_open) and same is self._channel and not self._draining
-
-        def resubscribe(_frame: Any) -> None:
-            if current():
-                self._on_declared(None)
-
-        def cancelled(_frame: Any) -> None:
-            if current():
-                book = self._book
-                held = book.held if book is not None else 0
-                same.basic_qos(prefetch_count=max(1, self.prefetch - held), callback=resubscribe)
-
-        self._consumer_tag = None
-        channel.basic_cancel(tag, callback=cancelled)
-
-    def _on_wake(self) -> None:
-        self._wake_pending = False
-        self._send_acks()
-
     def _send_acks(self) -> None:
-        book = self._book
+        self._wake_pending = False
+        sub = self._sub
         settled = self._settled
         force = self._force
         self._force = False
         while settled:
             generation, tag, kind = settled.popleft()
-            if book is None or not book.settle(generation, tag, kind):
+            if sub is None or not sub.book.settle(generation, tag, kind):
                 self.stale_settlements += 1
-        if book is None:
-            return
-        channel = self._channel
-        connection = self._connection
-        if channel is None or not channel.is_open or connection is None:
-            return
-        frames = book.take(force)
-        if frames:
-            connection.emit_frames(encode_ack_frames(channel.channel_number, frames))
+        if sub is not None:
+            sub.send_acks(force)
 
-    def _on_cancel_request(self) -> None:
-        channel = self._channel
-        if channel is not None and channel.is_open and self._consumer_tag is not None:
-            channel.basic_cancel(self._consumer_tag)
-            self._consumer_tag = None
+    def _cancel_subscription(self) -> None:
+        if self._sub is not None:
+            self._sub.cancel()
 
     def _on_drain(self) -> None:
-        self._on_cancel_request()
         self._force = True
         self._send_acks()
-        book = self._book
-        channel = self._channel
-        connection = self._connection
-        if book is not None and channel is not None and channel.is_open and connection:
-            frames = book.requeue_rest()
-            if frames:
-                connection.emit_frames(encode_ack_frames(channel.channel_number, frames))
+        sub = self._sub
+        if sub is not None:
+            sub.drain()
         self._drained.set()
 
     def _close(self) -> None:
@@ -605,79 +487,3 @@ class LoopConsumerIO:
 
 def _nothing() -> None:
     """The default end callback."""
-
-
-class _Watchdog:
-    """Keeps a connection's heartbeats going while the event loop is blocked.
-
-    The loop stamps :attr:`pulse` on a timer every quarter heartbeat; this thread looks as
-    often. When the stamp is older than half a heartbeat, the loop is blocked (a handler's
-    blocking call): it says so once per stall at WARNING and writes a heartbeat frame itself
-    (:meth:`LoopScanningConnection.heartbeat_from_thread`); when the loop runs again, the loop
-    says for how long it was blocked.
-    """
-
-    def __init__(self, io: LoopConsumerIO) -> None:
-        self._io = io
-        self._connection: LoopScanningConnection | None = None
-        self._period = 0.0
-        self.pulse = time.monotonic()
-        self._stalled_since: float | None = None
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(
-            target=self._watch, name="reliable-amqp-consume-watchdog", daemon=True
-        )
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._done.set()
-        self._connection = None
-
-    def watch(self, connection: LoopScanningConnection, heartbeat: int) -> None:
-        """A connection opened with ``heartbeat`` (0: none, nothing to keep alive)."""
-        self._connection = connection if heartbeat else None
-        self._period = heartbeat / 4
-        if heartbeat:
-            self._beat(connection)
-
-    def _beat(self, connection: LoopScanningConnection) -> None:
-        now = time.monotonic()
-        if self._stalled_since is not None:
-            log.warning(
-                "reliable-amqp: the event loop of the consumer of %r ran again after %.1f s "
-                "blocked",
-                self._io.queue,
-                now - self.pulse,
-            )
-            self._stalled_since = None
-        self.pulse = now
-        if connection is self._connection and connection.is_open and not self._done.is_set():
-            asyncio.get_running_loop().call_later(self._period, self._beat, connection)
-
-    def _watch(self) -> None:
-        while not self._done.wait(self._period or 0.5):
-            connection = self._connection
-            period = self._period
-            if connection is None or not period or not connection.is_open:
-                continue
-            stalled = time.monotonic() - self.pulse
-            if stalled < 2 * period:  # half a heartbeat
-                continue
-            written = connection.heartbeat_from_thread()
-            if self._stalled_since is None:
-                self._stalled_since = self.pulse
-                log.warning(
-                    "reliable-amqp: the event loop of the consumer of %r has not run for %.1f s "
-                    "(a blocking call in a handler?): deliveries, acks and the other handlers "
-                    "wait for it; %s",
-                    self._io.queue,
-                    stalled,
-                    "this consumer's watchdog thread sends the connection's heartbeats meanwhile"
-                    if written
-                    else "heartbeats cannot be sent from another thread on this connection "
-                    "(TLS): the broker closes it after two missed heartbeats and the consumer "
-                    "reconnects once the loop runs again",
-                )

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import signal
 import threading
 import time
 from collections import deque
@@ -29,6 +28,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from reliable_amqp._consume._aio_io import LoopConsumerIO
+from reliable_amqp._consume._aio_run import install_signals, off_the_loop
 from reliable_amqp._consume._health import ConsumerHealth
 from reliable_amqp._consume._options import (
     DEFAULT_HANDLER_TIMEOUT,
@@ -278,7 +278,7 @@ class AsyncConsumer:
         if isinstance(io, LoopConsumerIO):
             io.bind(loop)
             io.on_end = self._wake_all
-        restore = self._install_signals(loop)
+        restore = install_signals(loop, self.stop)
         graceful = True
         workers: list[asyncio.Task[None]] = []
         running = 0
@@ -312,7 +312,8 @@ class AsyncConsumer:
             if workers:
                 await asyncio.gather(*workers, return_exceptions=True)
             try:
-                await self._finish(loop, graceful, running)
+                # closing blocks (it waits for confirms): off the loop, which keeps running
+                await off_the_loop(loop, self._core.finish, graceful, running, len(self._ready))
             finally:
                 self._ready.clear()
                 self._idle.clear()
@@ -331,32 +332,6 @@ class AsyncConsumer:
                 raise task.exception()  # type: ignore[misc]
         if io.fatal is not None:
             raise io.fatal
-
-    async def _finish(self, loop: asyncio.AbstractEventLoop, graceful: bool, running: int) -> None:
-        """Close: waiting for confirms blocks, so it runs on a thread of its own (not the
-        default executor: under cancellation it must still finish), while this loop keeps
-        running for the connection's last frames. A cancel meanwhile waits for it too."""
-        closer = threading.Thread(
-            target=self._core.finish,
-            args=(graceful, running, len(self._ready)),
-            name="reliable-amqp-consume-close",
-        )
-        closer.start()
-        done = loop.create_future()
-
-        def report_closed() -> None:
-            closer.join()
-            _call_soon(loop, done)
-
-        threading.Thread(target=report_closed, daemon=True).start()
-        cancelled: asyncio.CancelledError | None = None
-        while not done.done():
-            try:
-                await asyncio.shield(done)
-            except asyncio.CancelledError as exc:  # closing needs this loop: finish it first
-                cancelled = exc
-        if cancelled is not None:
-            raise cancelled
 
     async def _worker(self, handler: Callable[[Delivery], Awaitable[Any]], index: int) -> None:
         loop = asyncio.get_running_loop()
@@ -485,39 +460,3 @@ class AsyncConsumer:
                 if task is not current:
                     task.cancel()
         self._wake_all()
-
-    def _install_signals(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
-        """SIGTERM and the first Ctrl-C stop gracefully (main thread, Unix); the second Ctrl-C
-        is Python's again (asyncio.run cancels the task: a close without waiting)."""
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-        installed: list[int] = []
-
-        def on_signal(signum: int) -> None:
-            if signum == signal.SIGINT:
-                loop.remove_signal_handler(signal.SIGINT)
-                installed.remove(signal.SIGINT)
-                log.info("reliable-amqp: stopping the consumer (Ctrl-C again to stop at once)")
-            self.stop()
-
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            try:
-                loop.add_signal_handler(signum, on_signal, signum)
-                installed.append(signum)
-            except (NotImplementedError, RuntimeError, ValueError):
-                pass
-
-        def restore() -> None:
-            for signum in installed:
-                loop.remove_signal_handler(signum)
-
-        return restore
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
-    def finish() -> None:
-        if not future.done():
-            future.set_result(None)
-
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(finish)
