@@ -270,6 +270,8 @@ class ConsumerCounts:
         self.step = step
         #: (monotonic time, members, [consumers of each partition])
         self.samples: list[tuple[float, int, list[int]]] = []
+        #: (monotonic time, [messages ready in each partition]), sampled with the counts
+        self.ready: list[tuple[float, list[int]]] = []
         self.most = [0] * partitions
         self.errors = 0
         #: the first few failures (what went wrong with a sample)
@@ -303,14 +305,14 @@ class ConsumerCounts:
                 channel = connection.channel()
                 while not self._stop.is_set():
                     members = channel.queue_declare(f"{self.name}.members", passive=True)
-                    counts = [
-                        channel.queue_declare(
-                            f"{self.name}.{i}", passive=True
-                        ).method.consumer_count
+                    oks = [
+                        channel.queue_declare(f"{self.name}.{i}", passive=True).method
                         for i in range(self.partitions)
                     ]
+                    counts = [ok.consumer_count for ok in oks]
                     at = time.monotonic()
                     self.samples.append((at, members.method.consumer_count, counts))
+                    self.ready.append((at, [ok.message_count for ok in oks]))
                     self.most = [max(a, b) for a, b in zip(self.most, counts, strict=True)]
                     self._stop.wait(self.step)
             except (pika.exceptions.AMQPError, OSError) as exc:
@@ -360,6 +362,13 @@ class ConsumerCounts:
                     f"(members {members}, consumers per partition {counts})"
                 )
         return None
+
+    def backlogged(self, partition: int, begin: float, end: float) -> bool:
+        """Whether ``partition`` had messages ready in every sample from ``begin`` to ``end``
+        (and at least one sample fell between): a pause then was the group's, not an empty
+        queue's."""
+        inside = [ready[partition] for at, ready in self.ready if begin <= at <= end]
+        return bool(inside) and min(inside) > 0
 
     def gap(self, after: float) -> float | None:
         """The first sample after ``after`` where some partition had no consumer."""
