@@ -7,6 +7,7 @@ tests/consumer/test_partitions_chain.py's; the cluster is tests/cluster's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -144,7 +145,7 @@ def test_a_partition_queue_declared_otherwise_is_refused_loudly(amqp_url: str, n
     finally:
         connection.close()
     consumer = _member(amqp_url, name)
-    with pytest.raises(PreconditionFailed, match="x-queue-type"):
+    with pytest.raises(PreconditionFailed, match="inequivalent arg"):
         consumer.run(lambda d: None)
 
 
@@ -232,24 +233,6 @@ def test_retries_come_back_to_their_own_partition_in_key_order(amqp_url: str, na
         assert len(effects.partitions[key]) == 1
 
 
-def test_a_partition_held_by_someone_else_is_left_alone(amqp_url: str, name: str) -> None:
-    effects = Effects()
-    consumer = _member(amqp_url, name)
-    with running(consumer, effects.handler()):  # type: ignore[arg-type]
-        wait_until(lambda: len(_group(consumer).held) == N, 30, "all partitions held")
-    # another client holds partition 5 exclusively: the member takes the 7 others only
-    connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
-    try:
-        channel = connection.channel()
-        channel.basic_consume(partition_queues(name, N)[5], lambda *a: None, exclusive=True)
-        with running(consumer, effects.handler()):  # type: ignore[arg-type]
-            wait_until(lambda: len(_group(consumer).held) == N - 1, 30, "7 held")
-            assert 5 not in _group(consumer).held
-        connection.process_data_events(0)
-    finally:
-        connection.close()
-
-
 def test_a_broker_without_the_hash_exchange_ends_run_with_the_command(
     disposable_broker: DisposableBroker,
 ) -> None:
@@ -285,3 +268,25 @@ def test_a_member_counting_other_partitions_is_refused(amqp_url: str, name: str)
         with pytest.raises(ConfigurationError, match=f"partitions={N // 2}.*same number"):
             other.run(lambda d: None)
         assert len(_group(consumer).held) == N
+
+
+def test_members_started_at_once_on_quorum_partitions_never_share_one(
+    amqp_url: str, name: str
+) -> None:
+    """Quorum queues ignore an exclusive basic.consume (a second one is accepted): ownership
+    is the lock queue's (classic), and single active consumer guards the partition itself."""
+    effects = Effects()
+    quorum = {"x-queue-type": "quorum"}
+    members = [_member(amqp_url, name, queue_arguments=quorum) for _ in range(3)]
+    groups = [_group(c) for c in members]
+    with contextlib.ExitStack() as stack:
+        for member in members:  # all three race for the same free partitions
+            stack.enter_context(running(member, effects.handler()))  # type: ignore[arg-type]
+        wait_until(lambda: sorted(len(g.held) for g in groups) == [2, 3, 3], 30, "3, 3, 2")
+        held = [p for g in groups for p in g.held]
+        assert sorted(held) == list(range(N))
+        _publish(amqp_url, name, keys=40, per_key=15)
+        wait_until(lambda: effects.count >= 600, 60, "600 handled")
+    assert effects.count == 600
+    for key, seqs in effects.by_key.items():
+        assert seqs == list(range(15)), key

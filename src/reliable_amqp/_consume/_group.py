@@ -3,19 +3,26 @@
 ``Consumer(url, NAME, partitions=N)`` builds a :class:`PartitionGroup` where a plain consumer
 builds one :class:`~reliable_amqp._consume._io.ConsumerIO`. The group's own thread keeps a
 connection to the broker on which it declares the topology (with ``declare=True``), holds this
-process's membership (a consumer on ``NAME.members``), and every ``interval`` seconds looks at
-who holds which partition and acts on :func:`reliable_amqp._core.partitions.plan`:
+process's membership (a consumer on ``NAME.members``) and its partitions' locks, and every
+``interval`` seconds looks at who holds which partition and acts on
+:func:`reliable_amqp._core.partitions.plan`:
 
-- a partition taken is a :class:`ConsumerIO` of its own (its own connection and thread) with an
-  *exclusive* subscription: the broker lets one member at a time hold it, and frees it when that
-  member's connection ends (kill -9 included). A race lost to another member ends that
-  ConsumerIO quietly (``taken``);
-- a partition given up (the group grew, or a starving member asked) is *released*: no further
-  delivery of it reaches the handlers, those already handed over are finished and acked, then
-  its connection closes. What it still held goes back to the queue as its subscription ends, so
-  the next member starts exactly where this one stopped;
-- a partition lost (its connection died and another member took it on reconnecting) is
-  dropped: the deliveries of its dead channel are stale, never handled here again.
+- a partition is taken by taking its lock first: an *exclusive* consumer on the classic queue
+  ``NAME.<i>.lock`` (the broker refuses a second one with 403, and frees it with its
+  connection: a member killed -9 loses its locks at once). Then the partition queue itself is
+  consumed by a :class:`ConsumerIO` of its own (its own connection and thread). The partition
+  queues are declared with *single active consumer*, so even while two members believe they
+  hold one (a lock lost with its node, a member cut off), the broker delivers to one of them
+  at a time, and to the next only once the first one's channel is gone. (Quorum queues accept
+  a second exclusive consumer, which is why ownership is a classic lock queue's, not the
+  partition's own.)
+- a partition given up (the group grew, a starving member asked, its lock was lost) is
+  *released*: no further delivery of it reaches the handlers, those already handed over are
+  finished and acked, then its connection closes, then its lock. What it still held goes back
+  to the queue as its subscription ends, so the next member starts exactly where this one
+  stopped;
+- a partition whose connection died is dropped: the deliveries of its dead channel are stale,
+  never handled here again.
 
 Settlements find their partition by the delivery's generation: every channel of every partition
 gets a generation from one counter, so a generation names one channel for good.
@@ -43,6 +50,8 @@ from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError, br
 from reliable_amqp._core.partitions import (
     HASH_EXCHANGE_TYPE,
     HASH_PLUGIN,
+    SAC,
+    lock_queue,
     members_queue,
     partition_queue,
     plan,
@@ -114,6 +123,8 @@ class PartitionGroup:
         self._forward_lock = threading.Lock()
         self._connection: pika.BlockingConnection | None = None
         self._rng = random.Random()
+        self._locks: dict[int, Any] = {}  # partition -> the channel holding its lock
+        self._lock_lost: set[int] = set()
         self._looked = False  # a round saw every queue of the group (this run)
         #: partition -> monotonic time it was taken (for tests and take-over times)
         self.taken_at: dict[int, float] = {}
@@ -314,6 +325,10 @@ class PartitionGroup:
         for name in (members, wanting):  # the library's own: gone with the last member
             self._declare_own(channel, name)
         channel.basic_consume(members, _never, auto_ack=True)
+        self._locks.clear()  # a new connection: the old one's locks died with it
+        for partition in self.held:  # consumed meanwhile: locked again, or given up
+            if not self._lock(partition):
+                self._release(partition, 0, "its lock was taken while this member was away")
         self._lifecycle.subscribed(self.node, None, 0, 0.0, self.server_properties)
         self.consuming.set()
         want_tag: str | None = None
@@ -332,12 +347,41 @@ class PartitionGroup:
             connection.process_data_events(time_limit=pause)
 
     def _declare_topology(self, channel: Any) -> None:
-        declare = self._declare or {}
+        declare = dict(self._declare or {})
+        # single active consumer: whatever a member believes, the broker delivers a partition
+        # to one consumer at a time, and to the next only once that one's channel is gone
+        declare["arguments"] = {**(declare.get("arguments") or {}), SAC: True}
         channel.exchange_declare(self.queue, HASH_EXCHANGE_TYPE, durable=True)
         for index in range(self.partitions):
             name = partition_queue(self.queue, index)
             channel.queue_declare(name, **declare)
             channel.queue_bind(name, self.queue, routing_key="1")
+
+    def _lock(self, partition: int) -> bool:
+        """Take ``partition``'s lock: an exclusive consumer on its lock queue, on a channel of
+        its own (a refusal closes the channel). False: another member holds it."""
+        connection = self._connection
+        if connection is None:
+            return False
+        channel = connection.channel()
+        try:
+            channel.basic_consume(
+                lock_queue(self.queue, partition), _never, auto_ack=True, exclusive=True
+            )
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code in (403, 405):  # held by another member
+                return False
+            raise
+        channel.add_on_cancel_callback(lambda _frame: self._lock_lost.add(partition))
+        self._locks[partition] = channel
+        return True
+
+    def _unlock(self, partition: int) -> None:
+        channel = self._locks.pop(partition, None)
+        self._lock_lost.discard(partition)
+        if channel is not None and channel.is_open:
+            with contextlib.suppress(Exception):
+                channel.close()
 
     def _refused(self, exc: pika.exceptions.ChannelClosedByBroker) -> ReliableAmqpError:
         """The broker's refusal of the group's set-up, naming the remedy."""
@@ -367,8 +411,10 @@ class PartitionGroup:
         the broker refuses a member that counts the partitions otherwise (406), which would
         share them wrongly and leave some unconsumed."""
         try:
-            return channel.queue_declare(
-                name, auto_delete=True, arguments={"x-max-length": self.partitions}
+            return channel.queue_declare(  # classic: a quorum queue ignores exclusive consumers
+                name,
+                auto_delete=True,
+                arguments={"x-max-length": self.partitions, "x-queue-type": "classic"},
             )
         except pika.exceptions.ChannelClosedByBroker as exc:
             if exc.reply_code == 406 and "x-max-length" in str(exc.reply_text):
@@ -385,9 +431,10 @@ class PartitionGroup:
         # wanting queue whenever no member starves), and comes back here with the same count.
         members = self._declare_own(channel, members_queue(self.queue))
         wanting = self._declare_own(channel, wanting_queue(self.queue))
-        per = [
+        for i in range(self.partitions):  # they must exist (declare=True declares them)
             channel.queue_declare(partition_queue(self.queue, i), passive=True)
-            for i in range(self.partitions)
+        per = [
+            self._declare_own(channel, lock_queue(self.queue, i)) for i in range(self.partitions)
         ]
         return (
             members.method.consumer_count,
@@ -400,6 +447,10 @@ class PartitionGroup:
         True when this member wants a partition it cannot get."""
         members, wanting, per = counts
         self._reap()
+        for partition in list(self._lock_lost):  # its lock queue went (its node is down)
+            self._lock_lost.discard(partition)
+            if partition in self._ios and partition not in self._releasing:
+                self._release(partition, members, "its lock was lost")
         self._finish_releases()
         mine = self.held
         busy = set(self._releasing)
@@ -408,10 +459,12 @@ class PartitionGroup:
         for partition in step.take:
             self._take(partition, members)
         for partition in step.release:
-            self._release(partition, members)
+            self._release(partition, members, "to rebalance")
         return step.want
 
     def _take(self, partition: int, members: int) -> None:
+        if not self._lock(partition):
+            return  # another member took it first
         io = ConsumerIO(
             self._params,
             partition_queue(self.queue, partition),
@@ -419,7 +472,6 @@ class PartitionGroup:
             connect_policy=self._policy,
             on_deliveries=lambda batch, p=partition: self._forward(p, batch),  # type: ignore[misc]
             consumer_arguments=self._consumer_arguments,
-            exclusive=True,
             generations=lambda p=partition: self._generation_for(p),  # type: ignore[misc]
         )
         self._ios[partition] = io
@@ -434,14 +486,15 @@ class PartitionGroup:
             self.partitions,
         )
 
-    def _release(self, partition: int, members: int) -> None:
+    def _release(self, partition: int, members: int, why: str) -> None:
         with self._forward_lock:
             self._releasing[partition] = 0
         self._release_by[partition] = time.monotonic() + self._stop_timeout
         log.info(
-            "reliable-amqp: consumer group %r gives up partition %r to rebalance (%d member(s))",
+            "reliable-amqp: consumer group %r gives up partition %r %s (%d member(s))",
             self.queue,
             partition_queue(self.queue, partition),
+            why,
             members,
         )
 
@@ -475,13 +528,7 @@ class PartitionGroup:
             if not io.ended.is_set() or partition in self._releasing:
                 continue
             self._forget(partition)
-            if io.taken:
-                log.info(
-                    "reliable-amqp: consumer group %r lost partition %r to another member",
-                    self.queue,
-                    io.queue,
-                )
-            elif io.fatal is not None and not self._stopping.is_set():
+            if io.fatal is not None and not self._stopping.is_set():
                 # a refusal (permissions), a queue gone for good, a spent connect policy: the
                 # member cannot consume its share, so it ends (loud), rather than retake and
                 # lose the partition every second
@@ -493,6 +540,8 @@ class PartitionGroup:
             self._releasing.pop(partition, None)
         self._release_by.pop(partition, None)
         self.taken_at.pop(partition, None)
+        if self._connection is not None and threading.current_thread() is self._thread:
+            self._unlock(partition)  # (the group's connection is its thread's alone)
         if io is not None:
             self._stale += io.stale_settlements
             with self._owner_lock:

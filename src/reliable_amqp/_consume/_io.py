@@ -70,7 +70,6 @@ class ConsumerIO:
         declare: dict[str, Any] | None = None,
         consumer_arguments: dict[str, Any] | None = None,
         lifecycle: Lifecycle | None = None,
-        exclusive: bool = False,
         generations: Callable[[], int] | None = None,
     ) -> None:
         self._params = params
@@ -81,10 +80,6 @@ class ConsumerIO:
         self._declare = declare
         self._consumer_arguments = consumer_arguments or {}
         self._lifecycle = lifecycle
-        #: an exclusive subscription (a partition): a 403 on it means another member holds
-        #: the queue, and ends this I/O quietly with ``taken`` set
-        self._exclusive = exclusive
-        self.taken = False
         self._generations = generations
         self.stopping = threading.Event()
         #: set when a subscription is live (cleared while recovering)
@@ -153,7 +148,6 @@ class ConsumerIO:
         self._drained.clear()
         self.consuming.clear()
         self.fatal = None
-        self.taken = False
         self._settled.clear()
         self._force = self._draining = self._cancelled = False
         self._failures, self._first_failure = 0, None
@@ -424,7 +418,6 @@ class ConsumerIO:
         self._consumer_tag = channel.basic_consume(
             self.queue,
             scanner_takes_deliveries,
-            exclusive=self._exclusive,
             arguments=self._consumer_arguments or None,
             callback=self._on_consume_ok,
         )
@@ -460,15 +453,6 @@ class ConsumerIO:
             return
         if self._draining:
             self._drained.set()
-            connection.close()
-            return
-        if (
-            self._exclusive
-            and self._step == "basic.consume"
-            and getattr(reason, "reply_code", None) == 403
-        ):  # another member holds this partition: not this consumer's to wait for
-            self.taken = True
-            self.stopping.set()
             connection.close()
             return
         refused = _refusal(reason, self._step, self.queue, connection.params)

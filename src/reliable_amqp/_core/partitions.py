@@ -6,9 +6,12 @@ members of a group (every consumer started with the same ``NAME``) share the par
 
 - **who is a member**: each holds one consumer on the group queue ``NAME.members``; its consumer
   count (a passive ``queue.declare``) is the number of live members;
-- **who owns a partition**: the member whose *exclusive* consumer is on its queue. The broker
-  refuses a second one (403), and forgets the first with its connection, so a member killed -9
-  loses its partitions at once and a member cut off loses them when the broker notices;
+- **who owns a partition**: the member whose *exclusive* consumer is on its lock queue
+  ``NAME.<i>.lock`` (classic: a quorum queue accepts a second exclusive consumer). The broker
+  refuses a second one (403) and forgets the first with its connection, so a member killed -9
+  loses its partitions at once. The partition queues themselves have *single active consumer*:
+  the broker's guard that one member at a time gets a partition's messages, whatever the
+  members believe;
 - **the share**: every ``interval`` each member looks at the partitions' consumer counts and
   takes free ones up to its fair share (:func:`plan`), gives up what it holds beyond it, and
   says it is starving (a consumer on ``NAME.wanting``) when it holds less than the least share
@@ -31,6 +34,8 @@ MAX_PARTITIONS = 1024
 HASH_EXCHANGE_TYPE = "x-consistent-hash"
 #: the plugin to enable when the broker does not know that exchange type
 HASH_PLUGIN = "rabbitmq_consistent_hash_exchange"
+#: the partition queues' argument: one active consumer at a time, whatever the members think
+SAC = "x-single-active-consumer"
 
 
 def partition_queue(name: str, index: int) -> str:
@@ -41,6 +46,11 @@ def partition_queue(name: str, index: int) -> str:
 def partition_queues(name: str, partitions: int) -> list[str]:
     """Every partition queue of the group, in order."""
     return [partition_queue(name, i) for i in range(partitions)]
+
+
+def lock_queue(name: str, index: int) -> str:
+    """The queue whose exclusive consumer is the member holding partition ``index``."""
+    return f"{name}.{index}.lock"
 
 
 def members_queue(name: str) -> str:
