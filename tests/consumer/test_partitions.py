@@ -7,6 +7,7 @@ tests/consumer/test_partitions_chain.py's; the cluster is tests/cluster's.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -17,7 +18,14 @@ import pika
 import pytest
 
 from harness.node import DisposableBroker
-from reliable_amqp import ConfigurationError, Consumer, Delivery, Publisher, RetryPolicy
+from reliable_amqp import (
+    AsyncConsumer,
+    ConfigurationError,
+    Consumer,
+    Delivery,
+    Publisher,
+    RetryPolicy,
+)
 from reliable_amqp._consume._group import PartitionGroup
 from reliable_amqp._core.errors import PreconditionFailed
 from reliable_amqp._core.partitions import members_queue, partition_queues, wanting_queue
@@ -31,7 +39,7 @@ RETRY = RetryPolicy(max_attempts=4, initial_delay=0.1, max_delay=0.3, jitter=0.0
 N = 8
 
 
-def _group(consumer: Consumer) -> PartitionGroup:
+def _group(consumer: Consumer | AsyncConsumer) -> PartitionGroup:
     io = consumer._core.io
     assert isinstance(io, PartitionGroup)
     return io
@@ -290,3 +298,46 @@ def test_members_started_at_once_on_quorum_partitions_never_share_one(
     assert effects.count == 600
     for key, seqs in effects.by_key.items():
         assert seqs == list(range(15)), key
+
+
+def test_async_members_with_concurrency_keep_every_keys_order(amqp_url: str, name: str) -> None:
+    """AsyncConsumer(partitions=N, concurrency=16): the partitions' threads feed the loop."""
+    effects = Effects()
+    record = effects.handler()
+
+    async def handler(delivery: Delivery) -> None:
+        await asyncio.sleep(0.001)
+        record(delivery)  # type: ignore[operator]
+
+    async def main() -> None:
+        members = [
+            AsyncConsumer(
+                amqp_url,
+                name,
+                partitions=N,
+                declare=True,
+                key="routing_key",
+                concurrency=16,
+                prefetch=50,
+                redelivery=RETRY,
+            )
+            for _ in range(2)
+        ]
+        groups = [_group(m) for m in members]
+        runs = [asyncio.create_task(m.run(handler)) for m in members]
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(
+            None, wait_until, lambda: sorted(len(g.held) for g in groups) == [4, 4], 30, "4, 4"
+        )
+        await loop.run_in_executor(None, _publish, amqp_url, name, 100, 10)
+        await loop.run_in_executor(
+            None, wait_until, lambda: effects.count >= 1000, 60, "1,000 handled"
+        )
+        for member in members:
+            member.stop()
+        await asyncio.gather(*runs)
+
+    asyncio.run(main())
+    assert effects.count == 1000
+    for key, seqs in effects.by_key.items():
+        assert seqs == list(range(10)), key

@@ -85,11 +85,13 @@ class AsyncConsumer:
         attempts: Callable[[Delivery], Any] | None = None,
         key: str | Callable[[Delivery], str | None] | None = None,
         after_dead_letter: str = "continue",
+        partitions: int | None = None,
         **options: Any,
     ) -> None:
         if heartbeat is not None:
             options["heartbeat"] = heartbeat
         own = {
+            "partitions": partitions,
             "key": key,
             "after_dead_letter": after_dead_letter,
             "prefetch": prefetch,
