@@ -370,3 +370,45 @@ def test_attempts_db_dead_letters_a_message_that_kills_the_process_every_time(
     assert not more and props.message_id == "poison"
     assert props.headers["x-exception-type"] == "AttemptsExceeded", props.headers
     assert w.stderr().count("exited with status 17; starting it again") == 2
+
+
+def test_processes_share_the_partitions_of_a_group(
+    worker: Callable[..., Worker], amqp_url: str
+) -> None:
+    """--partitions 4 --processes 2: the two children are members of one group, 2 and 2."""
+    import pika
+
+    from reliable_amqp import Publisher
+    from reliable_amqp._core.partitions import (
+        lock_queue,
+        members_queue,
+        partition_queues,
+        wanting_queue,
+    )
+
+    name = f"ra-test-worker-part-{os.getpid()}-{time.monotonic_ns()}"
+    w = worker(
+        "worker_handlers:handle", "--queue", name, "--partitions", "4", "--declare",
+        "--key", "routing_key", "--processes", "2", "--health-port", "0", *QUICK,
+    )  # fmt: skip
+    try:
+        w.wait_health(200, what="both children in the group")
+        ids = _ids("p", 200)
+        with Publisher(amqp_url) as publisher:
+            for i, message_id in enumerate(ids):
+                publisher.publish(name, f"key-{i % 20}", b"x", message_id=message_id)
+            assert publisher.flush(30) == 0
+        w.wait_handled(lambda rows: len(rows) >= len(ids), "every message handled")
+        assert sorted(m for _, m in w.handled()) == ids  # each once
+        assert len({pid for pid, _ in w.handled()}) == 2  # both members had partitions
+        assert w.terminate() == 0, w.stderr()[-4000:]
+        assert "takes partition" in w.stderr()
+    finally:
+        w.close()
+        own = Consumer(amqp_url, name, partitions=4, redelivery=QUICK_POLICY).own_queues
+        locks = [lock_queue(name, i) for i in range(4)]
+        group = [members_queue(name), wanting_queue(name), *locks]
+        delete_queues(amqp_url, [*partition_queues(name, 4), *own, *group])
+        connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
+        connection.channel().exchange_delete(name)
+        connection.close()

@@ -28,7 +28,12 @@ from reliable_amqp import (
 )
 from reliable_amqp._consume._group import PartitionGroup
 from reliable_amqp._core.errors import PreconditionFailed
-from reliable_amqp._core.partitions import members_queue, partition_queues, wanting_queue
+from reliable_amqp._core.partitions import (
+    lock_queue,
+    members_queue,
+    partition_queues,
+    wanting_queue,
+)
 from reliable_amqp._core.refusals import QueueNotFound
 from support.broker import unique
 from support.consumer import delete_queues, running, side_queues, wait_until
@@ -75,7 +80,8 @@ def _one_consumer_each(url: str, name: str) -> None:
 def name(amqp_url: str) -> Iterator[str]:
     group = unique("c-part")
     yield group
-    queues = [*partition_queues(group, N), members_queue(group), wanting_queue(group)]
+    locks = [lock_queue(group, i) for i in range(N)]
+    queues = [*partition_queues(group, N), members_queue(group), wanting_queue(group), *locks]
     side = [s for q in partition_queues(group, N) for s in side_queues(q, RETRY)[1:]]
     delete_queues(amqp_url, [*queues, *side, f"{group}.dead"])
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))

@@ -140,6 +140,19 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="declare the queue (durable) before consuming, and again after each reconnect",
     )
     consumer.add_argument(
+        "--key",
+        metavar="KEY",
+        help="keep per-key order: routing_key, or header:NAME (docs/consumer.md, Order)",
+    )
+    consumer.add_argument(
+        "--partitions",
+        type=count_at_least_one,
+        metavar="N",
+        help="QUEUE names a group of N partitions (QUEUE.0..QUEUE.<N-1>, consistent-hash "
+        "exchange QUEUE): this worker's processes join it and share them; every member of "
+        "the group must give the same N (docs/consumer.md, Partitions)",
+    )
+    consumer.add_argument(
         "--max-attempts",
         type=count_at_least_one,
         default=DEFAULT_REDELIVERY.max_attempts,
@@ -261,6 +274,10 @@ def prepare(args: argparse.Namespace) -> WorkerSpec:
         handler_timeout=args.handler_timeout,
         declare=args.declare,
     )
+    if args.key is not None:
+        options["key"] = args.key
+    if args.partitions is not None:
+        options["partitions"] = args.partitions
     if args.heartbeat is not None:
         options["heartbeat"] = args.heartbeat
     if args.is_async:
