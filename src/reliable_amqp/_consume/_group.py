@@ -30,7 +30,6 @@ gets a generation from one counter, so a generation names one channel for good.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import random
@@ -42,23 +41,14 @@ from typing import TYPE_CHECKING, Any
 import pika
 import pika.exceptions
 
+from reliable_amqp._consume._group_view import Counts, GroupView, hash_missing
 from reliable_amqp._consume._io import ConsumerIO
 from reliable_amqp._consume._lifecycle import node_of, product_of
 from reliable_amqp._core.acks import ACK
 from reliable_amqp._core.delivery import Delivery
-from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError, broker_error
-from reliable_amqp._core.partitions import (
-    HASH_EXCHANGE_TYPE,
-    HASH_PLUGIN,
-    SAC,
-    lock_queue,
-    members_queue,
-    partition_queue,
-    plan,
-    wanting_queue,
-)
+from reliable_amqp._core.errors import ReliableAmqpError, broker_error
+from reliable_amqp._core.partitions import partition_queue, plan
 from reliable_amqp._core.policy import RetryPolicy
-from reliable_amqp._core.refusals import QueueNotFound, refusal
 from reliable_amqp._logs import own_context
 from reliable_amqp._sync._pika import translate_connection_error
 
@@ -121,10 +111,8 @@ class PartitionGroup:
         self._releasing: dict[int, int] = {}
         self._release_by: dict[int, float] = {}
         self._forward_lock = threading.Lock()
-        self._connection: pika.BlockingConnection | None = None
+        self._view: GroupView | None = None
         self._rng = random.Random()
-        self._locks: dict[int, Any] = {}  # partition -> the channel holding its lock
-        self._lock_lost: set[int] = set()
         self._looked = False  # a round saw every queue of the group (this run)
         #: partition -> monotonic time it was taken (for tests and take-over times)
         self.taken_at: dict[int, float] = {}
@@ -134,8 +122,8 @@ class PartitionGroup:
     @property
     def connected(self) -> bool:
         """Whether the group's connection is open."""
-        connection = self._connection
-        return connection is not None and connection.is_open
+        view = self._view
+        return view is not None and view.is_open
 
     @property
     def held(self) -> list[int]:
@@ -261,7 +249,7 @@ class PartitionGroup:
                     io.stop(timeout=2.0)
             # (asked to stop: drain() or stop() gives the partitions up, acks first)
             self.consuming.clear()
-            self._close_connection()
+            self._close_view()
             self.ended.set()
 
     def _loop(self) -> None:
@@ -280,16 +268,21 @@ class PartitionGroup:
                 if self._looked and exc.reply_code == 404:
                     loss: ReliableAmqpError = broker_error(exc.reply_code, exc.reply_text)
                 else:
-                    raise self._refused(exc) from None
+                    view = self._view
+                    raise (
+                        view.refused(exc)
+                        if view is not None
+                        else broker_error(exc.reply_code, exc.reply_text)
+                    ) from None
             except (pika.exceptions.AMQPError, OSError) as exc:
                 loss = translate_connection_error(exc, params)
-                hash_missing = _hash_missing(loss)
-                if hash_missing is not None:
-                    raise hash_missing from None
+                missing = hash_missing(loss)
+                if missing is not None:
+                    raise missing from None
                 if not loss.retriable:
                     raise loss from exc
             self.consuming.clear()
-            self._close_connection()
+            self._close_view()
             if self._stopping.is_set():
                 return
             now = time.monotonic()
@@ -313,142 +306,38 @@ class PartitionGroup:
 
     def _member(self, params: pika.URLParameters) -> None:
         """Connect, declare, join, then look at the group every interval until stopped."""
-        connection = pika.BlockingConnection(params)
-        self._connection = connection
+        view = GroupView(params, self.queue, self.partitions, self._declare)
+        self._view = view
         self.node = node_of(params.host, params.port)
-        self.server_properties = connection._impl.server_properties
+        self.server_properties = view.server_properties
         self._lifecycle.connected(self.node, product_of(self.server_properties))
-        channel = connection.channel()
-        if self._declare is not None:
-            self._declare_topology(channel)
-        members, wanting = members_queue(self.queue), wanting_queue(self.queue)
-        for name in (members, wanting):  # the library's own: gone with the last member
-            self._declare_own(channel, name)
-        channel.basic_consume(members, _never, auto_ack=True)
-        self._locks.clear()  # a new connection: the old one's locks died with it
+        view.join()
         for partition in self.held:  # consumed meanwhile: locked again, or given up
-            if not self._lock(partition):
+            if not view.lock(partition):
                 self._release(partition, 0, "its lock was taken while this member was away")
         self._lifecycle.subscribed(self.node, None, 0, 0.0, self.server_properties)
         self.consuming.set()
-        want_tag: str | None = None
         while not self._stopping.is_set():
-            counts = self._counts(channel)
+            counts = view.counts()
             self._looked = True
-            want = self._round(counts)
-            if want and want_tag is None:
-                want_tag = channel.basic_consume(wanting, _never, auto_ack=True)
-            elif not want and want_tag is not None:
-                channel.basic_cancel(want_tag)
-                want_tag = None
+            view.want(self._round(counts))
             pause = self._interval * self._rng.uniform(0.8, 1.2)
-            if self._releasing:
-                pause = min(pause, 0.05)
-            connection.process_data_events(time_limit=pause)
+            view.wait(min(pause, 0.05) if self._releasing else pause)
 
-    def _declare_topology(self, channel: Any) -> None:
-        declare = dict(self._declare or {})
-        # single active consumer: whatever a member believes, the broker delivers a partition
-        # to one consumer at a time, and to the next only once that one's channel is gone
-        declare["arguments"] = {**(declare.get("arguments") or {}), SAC: True}
-        channel.exchange_declare(self.queue, HASH_EXCHANGE_TYPE, durable=True)
-        for index in range(self.partitions):
-            name = partition_queue(self.queue, index)
-            channel.queue_declare(name, **declare)
-            channel.queue_bind(name, self.queue, routing_key="1")
+    def _close_view(self) -> None:
+        view, self._view = self._view, None
+        self.node = None
+        if view is not None:
+            view.close()
 
-    def _lock(self, partition: int) -> bool:
-        """Take ``partition``'s lock: an exclusive consumer on its lock queue, on a channel of
-        its own (a refusal closes the channel). False: another member holds it."""
-        connection = self._connection
-        if connection is None:
-            return False
-        channel = connection.channel()
-        try:
-            channel.basic_consume(
-                lock_queue(self.queue, partition), _never, auto_ack=True, exclusive=True
-            )
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code in (403, 405):  # held by another member
-                return False
-            raise
-        channel.add_on_cancel_callback(lambda _frame: self._lock_lost.add(partition))
-        self._locks[partition] = channel
-        return True
-
-    def _unlock(self, partition: int) -> None:
-        channel = self._locks.pop(partition, None)
-        self._lock_lost.discard(partition)
-        if channel is not None and channel.is_open:
-            with contextlib.suppress(Exception):
-                channel.close()
-
-    def _refused(self, exc: pika.exceptions.ChannelClosedByBroker) -> ReliableAmqpError:
-        """The broker's refusal of the group's set-up, naming the remedy."""
-        if exc.reply_code == 404:
-            return QueueNotFound(
-                404,
-                f"{exc.reply_text}: the partition queues of {self.queue!r} "
-                f"({partition_queue(self.queue, 0)!r}.."
-                f"{partition_queue(self.queue, self.partitions - 1)!r}) must exist; "
-                "declare=True declares them, the consistent-hash exchange and its bindings",
-            )
-        params = self._params[0]
-        better = refusal(
-            exc.reply_code,
-            exc.reply_text,
-            operation="queue.declare",
-            name=self.queue,
-            vhost=params.virtual_host,
-            user=str(getattr(params.credentials, "username", "")),
-        )
-        return better or broker_error(exc.reply_code, exc.reply_text)
-
-    def _declare_own(self, channel: Any, name: str) -> Any:
-        """Declare one of the group's own queues (auto-delete: gone with its last consumer).
-
-        Its ``x-max-length`` is the number of partitions (the queue never holds a message):
-        the broker refuses a member that counts the partitions otherwise (406), which would
-        share them wrongly and leave some unconsumed."""
-        try:
-            return channel.queue_declare(  # classic: a quorum queue ignores exclusive consumers
-                name,
-                auto_delete=True,
-                arguments={"x-max-length": self.partitions, "x-queue-type": "classic"},
-            )
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 406 and "x-max-length" in str(exc.reply_text):
-                raise ConfigurationError(
-                    f"the consumer group {self.queue!r} has members with another number of "
-                    f"partitions than this one's partitions={self.partitions} (the broker: "
-                    f"{exc.reply_text}); every member of a group must give the same number"
-                ) from None
-            raise
-
-    def _counts(self, channel: Any) -> tuple[int, int, list[int]]:
-        """(members, wanting, consumers of each partition): passive declares."""
-        # Declared, not looked up: an auto-delete queue goes when its last consumer does (the
-        # wanting queue whenever no member starves), and comes back here with the same count.
-        members = self._declare_own(channel, members_queue(self.queue))
-        wanting = self._declare_own(channel, wanting_queue(self.queue))
-        for i in range(self.partitions):  # they must exist (declare=True declares them)
-            channel.queue_declare(partition_queue(self.queue, i), passive=True)
-        per = [
-            self._declare_own(channel, lock_queue(self.queue, i)) for i in range(self.partitions)
-        ]
-        return (
-            members.method.consumer_count,
-            wanting.method.consumer_count,
-            [ok.method.consumer_count for ok in per],
-        )
-
-    def _round(self, counts: tuple[int, int, list[int]]) -> bool:
+    def _round(self, counts: Counts) -> bool:
         """One look at the group: settle what ended, release what is due, act on the plan.
         True when this member wants a partition it cannot get."""
-        members, wanting, per = counts
+        members, wanting, per = counts.members, counts.wanting, counts.locked
         self._reap()
-        for partition in list(self._lock_lost):  # its lock queue went (its node is down)
-            self._lock_lost.discard(partition)
+        lost = self._view.lock_lost if self._view is not None else set()
+        for partition in list(lost):  # its lock queue went (its node is down)
+            lost.discard(partition)
             if partition in self._ios and partition not in self._releasing:
                 self._release(partition, members, "its lock was lost")
         self._finish_releases()
@@ -463,7 +352,7 @@ class PartitionGroup:
         return step.want
 
     def _take(self, partition: int, members: int) -> None:
-        if not self._lock(partition):
+        if self._view is None or not self._view.lock(partition):
             return  # another member took it first
         io = ConsumerIO(
             self._params,
@@ -540,33 +429,11 @@ class PartitionGroup:
             self._releasing.pop(partition, None)
         self._release_by.pop(partition, None)
         self.taken_at.pop(partition, None)
-        if self._connection is not None and threading.current_thread() is self._thread:
-            self._unlock(partition)  # (the group's connection is its thread's alone)
+        view = self._view
+        if view is not None and threading.current_thread() is self._thread:
+            view.unlock(partition)  # (the group's connection is its thread's alone)
         if io is not None:
             self._stale += io.stale_settlements
             with self._owner_lock:
                 for generation in [g for g, p in self._owner.items() if p == partition]:
                     del self._owner[generation]
-
-    def _close_connection(self) -> None:
-        connection, self._connection = self._connection, None
-        self.node = None
-        if connection is not None:
-            with contextlib.suppress(Exception):
-                connection.close()
-
-
-def _never(*_args: Any) -> None:  # pragma: no cover - the group queues get no messages
-    """The callback of the membership consumers (their queues never hold a message)."""
-
-
-def _hash_missing(loss: ReliableAmqpError) -> ReliableAmqpError | None:
-    """The broker does not know the consistent-hash exchange type: say which plugin."""
-    text = str(loss)
-    if "x-consistent-hash" not in text and "exchange type" not in text:
-        return None
-    return ConfigurationError(
-        f"the broker does not know the exchange type {HASH_EXCHANGE_TYPE!r} ({text}): "
-        f"enable its plugin with 'rabbitmq-plugins enable {HASH_PLUGIN}' (RabbitMQ; LavinMQ "
-        "has it built in)"
-    )
