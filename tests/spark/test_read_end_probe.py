@@ -87,10 +87,10 @@ def test_a_message_count_that_does_not_check_out_is_not_trusted(
     amqp_url: str, full: str, monkeypatch: pytest.MonkeyPatch, count: int
 ) -> None:
     """The counting path forced on whatever broker this is, with a count past the stream's
-    messages (offsets that do not exist) or 0 (what RabbitMQ 3.10 answers for a stream): the
-    end is still the stream's. (A count below the stream's would pass the check, which proves
-    only that ``end - 1`` exists: the path is LavinMQ's alone, whose count is its stream's
-    number of messages, one offset each.)"""
+    messages (offsets that do not exist) or 0 (what RabbitMQ 3.10 answers for a stream until
+    its stats catch up): the end is still the stream's. (A count below the stream's would pass
+    the check, which proves only that ``end - 1`` exists: the path is LavinMQ's alone, whose
+    count is its stream's number of messages, one offset each.)"""
     monkeypatch.setattr(_stream, "_counts_stream", lambda connection: True)
     monkeypatch.setattr(_stream, "_message_count", lambda connection, queue: count)
     first, end, _ = _probe(amqp_url, full)

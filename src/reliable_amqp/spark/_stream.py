@@ -52,6 +52,8 @@ HELD_PROBE_BUDGET = 30.0
 END_IDLE = 0.25
 #: an end probe reads at most this long (a stream written without pause never goes idle)
 END_BUDGET = 3.0
+#: how often a channel being closed looks for the broker's close-ok
+CLOSE_TICK = 0.002
 #: how long a reader waits for the connected node's member of a stream to run
 REPLICA_WAIT = 30.0
 #: how long a stream must answer "nothing" to first-offset probes before it is called empty
@@ -173,7 +175,10 @@ def _close_quietly(channel: Any, connection: pika.BlockingConnection) -> None:
             impl.close()
             deadline = time.monotonic() + 10.0
             while not channel.is_closed and time.monotonic() < deadline:
-                connection.process_data_events(0.05)
+                # a short tick: process_data_events returns at its time limit, not at the
+                # close-ok (measured: 50 ms per close at 0.05 on RabbitMQ 3.10 and LavinMQ 2.9.1,
+                # whose close-ok comes within a few ms), and every probe closes a channel
+                connection.process_data_events(CLOSE_TICK)
         elif channel.is_open:
             channel.close()
     except (pika.exceptions.AMQPError, OSError):  # the read is complete; closing is tidying
@@ -415,8 +420,9 @@ def stream_empty(connection: pika.BlockingConnection, queue: str) -> bool:
 def _counts_stream(connection: pika.BlockingConnection) -> bool:
     """Whether the broker's ``queue.declare-ok`` counts a stream's messages and its offsets
     are one per message: LavinMQ's are (its stream store counts the messages it holds, and
-    each message takes the next offset); RabbitMQ 3.10 answers 0 for a stream, and RabbitMQ's
-    offsets include entries of the stream's own. The broker table's ``stream_count_is_span``."""
+    each message takes the next offset); RabbitMQ's count of a stream lags (3.10 answers 0
+    until a stats tick, seconds after the writes), and RabbitMQ's offsets include entries of the
+    stream's own. The broker table's ``stream_count_is_span``."""
     return _broker(connection).stream_count_is_span
 
 
@@ -468,18 +474,19 @@ def end_offset(connection: pika.BlockingConnection, queue: str) -> int | None:
     """One past the last offset the broker delivers now, or None if the stream is empty (no
     delivery within :data:`PROBE_WAIT`).
 
-    There is no AMQP 0-9-1 method that tells a stream's end (RabbitMQ 3.10 reports 0 messages
-    for a stream in ``queue.declare-ok``), so this reads the stream's last chunk (``"last"``):
-    once a first delivery came, on RabbitMQ up to a barrier (:func:`_in_order`), elsewhere until
-    no delivery comes for :data:`END_IDLE` seconds (at most :data:`END_BUDGET` in all). The
-    answer is exact when nothing is being written; otherwise it is a lower bound (offsets it
-    returns always exist), which is all a micro-batch needs: the next one reads what this one
-    did not.
+    There is no AMQP 0-9-1 method that tells a stream's end (RabbitMQ 3.10's
+    ``queue.declare-ok`` counts a stream's messages seconds late, and not its offsets), so this
+    reads the stream's last chunk (``"last"``): once a first delivery came, on RabbitMQ up to a
+    barrier (:func:`_in_order`), elsewhere until no delivery comes for :data:`END_IDLE` seconds
+    (at most :data:`END_BUDGET` in all). The answer is exact when nothing is being written;
+    otherwise it is a lower bound (offsets it returns always exist), which is all a micro-batch
+    needs: the next one reads what this one did not.
 
     On LavinMQ, which delivers apart from the channel's methods (no barrier) and starts
     ``"last"`` at its last segment (8 MiB: tens of thousands of messages to read before the
     idle wait), the end comes from the stream's first offset and its message count instead
-    (:func:`_counted_end`), when that checks out.
+    (:func:`_counted_end`), when that checks out (LavinMQ 2.9.1, a stream of 20,000 or 200,000
+    messages at rest: 0.11 to 0.13 s, against 0.75 to 1.16 s reading from ``"last"``).
     """
     if _counts_stream(connection):
         counted = _counted_end(connection, queue)
