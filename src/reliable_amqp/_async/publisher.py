@@ -19,6 +19,7 @@ import weakref
 from collections import deque
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ import aio_pika.abc
 
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
+from reliable_amqp._async._future import AsyncPublishFuture, future_entry, future_of
 from reliable_amqp._async._pump import Pump
 from reliable_amqp._async._spooled import AsyncSpooled
 from reliable_amqp._core.admission import NO_ROOM, Admission
@@ -51,7 +53,6 @@ if TYPE_CHECKING:
     from reliable_amqp._otel._telemetry import Telemetry
 
 
-Future = asyncio.Future
 _BASE_CREATE_FUTURE = asyncio.BaseEventLoop.create_future
 
 _FIX = "Call `await publisher.aclose()` (or use `async with`) before the event loop ends."
@@ -139,8 +140,6 @@ class AsyncPublisher(
         self._room_waiters: deque[asyncio.Future[None]] = deque()
         #: the event loop, once the pump is ready (publish() need not connect)
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: whether the loop's create_future() makes a plain asyncio.Future (uvloop's too)
-        self._plain_futures = False
         #: whether a publish goes in now (the core's)
         #: (a KeyboardInterrupt in an admission gives the room back unless the engine took it)
         self._admission: Admission[AsyncEntry] = Admission(
@@ -202,8 +201,12 @@ class AsyncPublisher(
         if self._spooled is not None:
             return self  # connects in the background; publish() goes to the spool meanwhile
         await pump.ready.wait()
-        self._plain_futures = type(pump.loop).create_future is _BASE_CREATE_FUTURE
-        self._loop = pump.loop
+        loop = pump.loop
+        if self._spooled is None and type(loop).create_future is _BASE_CREATE_FUTURE:
+            # the loop makes plain asyncio futures: from now on each message's future is its
+            # entry (one object a message in flight; the spool's feed needs them apart)
+            self._builder.make_with(partial(future_entry, loop))
+        self._loop = loop
         if pump.fatal is not None:
             raise pump.fatal
         if not self._admission.accepting:
@@ -330,9 +333,10 @@ class AsyncPublisher(
                 await self.connect()
             admission.check(entry)  # (closed before it ever started, say)
             loop = pump.loop
-        # asyncio.Future made directly where the loop's create_future() would make the same
-        # (a third of its cost: docs/benchmarks.md)
-        entry.handle = future = Future(loop=loop) if self._plain_futures else loop.create_future()
+        if type(entry) is AsyncPublishFuture:  # its own future
+            future: Handle = entry
+        else:  # made before the loop was known, or with a spool
+            entry.handle = future = loop.create_future()
         try:  # (free of cost on Python 3.11+ until something is raised)
             # first come, first served: behind those waiting for room, even if it would fit
             wake = NO_ROOM if self._room_waiters else admission.admit(entry)
@@ -359,10 +363,7 @@ class AsyncPublisher(
         if not self._pump.ready.is_set():
             await self.connect()
         loop = self._pump.loop
-        if self._plain_futures:
-            for entry in entries:
-                entry.handle = Future(loop=loop)
-        else:
+        if type(entries[0]) is not AsyncPublishFuture:  # made before the loop was known
             for entry in entries:
                 entry.handle = loop.create_future()
         many = self._admission.admit_many(entries)
@@ -382,8 +383,8 @@ class AsyncPublisher(
         timeout = many.timeout
         if timeout is not None:  # the window stayed full: the rest were not admitted
             for entry in many.unadmitted():
-                entry.handle.set_exception(timeout)
-        return [entry.handle for entry in entries]
+                future_of(entry).set_exception(timeout)
+        return [future_of(entry) for entry in entries]
 
     async def publish_and_wait(
         self,
@@ -497,6 +498,8 @@ class AsyncPublisher(
         spool = self._spooled.spool.directory if self._spooled is not None else None
         for entry in resolved:
             future = entry.handle
+            if future is None:  # its own future (AsyncPublishFuture)
+                future = entry
             if not future.done():  # done: the caller cancelled it; the message was settled
                 outcome = entry.raw_outcome
                 # entry.outcome, inlined (the entry is let go next): its twin is Entry.outcome,

@@ -491,6 +491,11 @@ class MessageBuilder(Generic[M]):
         #: checked properties (their message_id aside) by the keywords that gave them
         self._bases: dict[tuple[tuple[str, Any], ...], MessageProperties] = {}
 
+    def make_with(self, new: Callable[[str, str, bytes, MessageProperties, bool, str], M]) -> None:
+        """From now on, make messages with ``new`` (the async publisher's, once its event loop
+        is known: its futures are its entries)."""
+        self._new = new
+
     def message(
         self,
         exchange: str,
