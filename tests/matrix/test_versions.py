@@ -154,11 +154,20 @@ def _counts(junit: Path) -> dict[str, int]:
 
 
 def run_subset(
-    python: str, env: dict[str, str], junit: Path, timeout: float, result: LegResult
+    python: str,
+    env: dict[str, str],
+    junit: Path,
+    timeout: float,
+    result: LegResult,
+    *,
+    marks: str | None = None,
 ) -> None:
-    """Run the contract subset with ``python`` and ``env``; its exit code, output and counts
-    (read from ``junit``) go into ``result``."""
+    """Run the contract subset with ``python`` and ``env`` (only its tests matching ``marks``,
+    a ``-m`` expression, when given); its exit code, output and counts (read from ``junit``) go
+    into ``result``."""
     command = [python, "-m", "pytest", *SUBSET, "-q", "-p", "no:cacheprovider", "-rfE"]
+    if marks is not None:
+        command += ["-m", marks]
     try:
         run = subprocess.run(
             [*command, f"--junitxml={junit}"],

@@ -4,8 +4,9 @@ From 4.0 a quorum queue has a delivery limit (20) and drops a message past it un
 dead-letter target; from 4.3 ``basic.nack`` no longer raises ``x-delivery-count`` while a lost
 connection still does, and ``consumer_timeout`` is enforced by quorum queues only, which cancel
 the consumer (``basic.cancel``) instead of closing its channel. A disposable RabbitMQ 4 node
-(``scripts/rabbitmq4.sh``'s root, :class:`harness.rabbitmq4.Rabbitmq4Node`) serves the module;
-the consumer runs in a child process for the crash loop (see tests/consumer). About 25 s.
+(``scripts/rabbitmq4.sh``'s root, :class:`harness.rabbitmq4.Rabbitmq4Node`: the directory's,
+tests/rabbitmq4/conftest.py) serves the module; the consumer runs in a child process for the
+crash loop (see tests/consumer). About 25 s.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from harness.rabbitmq4 import Rabbitmq4Node
-from harness.rabbitmq4_fixtures import broker_versions
 from reliable_amqp import Consumer, Delivery
 from reliable_amqp._consume._io import ConsumerIO
 from support.broker import BrokerAdmin, unique
@@ -39,14 +39,6 @@ pytestmark = [
     pytest.mark.faults,
     pytest.mark.rabbitmq_only(reason="runs a RabbitMQ 4 node of its own (scripts/rabbitmq4.sh)"),
 ]
-
-
-@pytest.fixture(scope="module")
-def rmq4() -> Iterator[Rabbitmq4Node]:
-    """One RabbitMQ 4 node for the module."""
-    with Rabbitmq4Node() as node:
-        assert broker_versions(node.url)["version"].startswith("4.")
-        yield node
 
 
 @pytest.fixture

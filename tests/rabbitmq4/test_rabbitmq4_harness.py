@@ -43,9 +43,10 @@ def _cluster_name(url: str) -> object:
         connection.close()
 
 
-def test_a_rabbitmq4_node_has_ports_and_epmd_of_its_own(amqp_url: str) -> None:
+def test_a_rabbitmq4_node_has_ports_and_epmd_of_its_own(amqp_url: str, rmq4: Rabbitmq4Node) -> None:
     assert versions()["rabbitmq-server"].startswith("4.")
-    with Rabbitmq4Node() as node:
+    node = rmq4  # the directory's node (conftest.py), handed on running after the test
+    try:
         ports = {node.port, node.dist_port, node.epmd_port}
         assert len(ports) == 3 and not ports & MACHINE_PORTS
         short = node.nodename.split("@")[0]
@@ -71,4 +72,10 @@ def test_a_rabbitmq4_node_has_ports_and_epmd_of_its_own(amqp_url: str) -> None:
                 sock.recv(1)  # the kernel accepted the connection; the frozen node says nothing
         node.thaw()
         connection = pika.BlockingConnection(pika.URLParameters(node.url))
+        connection.close()
+    finally:
+        node.thaw()
+        node.start()
+        connection = pika.BlockingConnection(pika.URLParameters(node.url))
+        connection.channel().queue_delete("kept")
         connection.close()

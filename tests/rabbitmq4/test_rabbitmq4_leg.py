@@ -2,11 +2,13 @@
 
 A disposable RabbitMQ 4 node (Debian testing's package in the cached root that
 ``scripts/rabbitmq4.sh`` builds, see tests/harness/rabbitmq4.py) stands in for the shared broker:
-the subset the version matrix runs (:data:`matrix.test_versions.SUBSET`) runs in a subprocess of
-the main venv with ``AMQP_TEST_URL``/``AMQP_TEST_PORT`` pointing at it, and with the fault
-fixtures' disposable node a RabbitMQ 4 node too (kill -9, restart, memory alarm). The versions
-it ran with (broker as it announces itself, Erlang, client libraries) are printed at the end of
-the run, as the matrix legs print theirs. About 70 s.
+the broker tests (``-m broker``) of the subset the version matrix runs
+(:data:`matrix.test_versions.SUBSET`) run in a subprocess of the main venv with
+``AMQP_TEST_URL``/``AMQP_TEST_PORT`` pointing at it, and with the fault fixtures' disposable node
+a RabbitMQ 4 node too (kill -9, restart, memory alarm). The subset's other tests (the fake peer's,
+the frame encoders', 125 of 240) need no broker: in this venv they are the suite's own run again,
+and are left out. The versions it ran with (broker as it announces itself, Erlang, client
+libraries) are printed at the end of the run, as the matrix legs print theirs.
 """
 
 from __future__ import annotations
@@ -37,39 +39,39 @@ TIMEOUT = 900
 
 
 def test_contract_subset_passes_on_rabbitmq4(
-    request: pytest.FixtureRequest, tmp_path: Path
+    request: pytest.FixtureRequest, tmp_path: Path, rmq4: Rabbitmq4Node
 ) -> None:
     result = LegResult("rabbitmq4")
     started = time.monotonic()
-    with Rabbitmq4Node() as node:
-        announced = broker_versions(node.url)
-        assert announced["product"] == "RabbitMQ" and announced["version"].startswith("4."), (
-            announced
-        )
-        env = {
-            **_clean_env(),
-            "AMQP_TEST_URL": node.url,
-            "AMQP_TEST_HOST": "127.0.0.1",
-            "AMQP_TEST_PORT": str(node.port),
-            DISPOSABLE_BROKER_ENV: "rabbitmq4",
-            ROOT_ENV: str(ensure_root()),
-            "RELIABLE_AMQP_NO_SKIP": "1",
-        }
-        probe = subprocess.run(
-            [sys.executable, "-c", _VERSIONS, *PACKAGES],
-            capture_output=True,
-            text=True,
-            env=env,
-            check=True,
-        )
-        installed = versions()
-        result.versions = {
-            "rabbitmq": f"{announced['version']} (Debian {installed['rabbitmq-server']})",
-            "erlang": announced.get("platform", "?"),
-            **json.loads(probe.stdout),
-        }
-        junit = tmp_path / "rabbitmq4.xml"
-        run_subset(sys.executable, env, junit, TIMEOUT, result)
+    node = rmq4  # the directory's node (conftest.py)
+    announced = broker_versions(node.url)
+    assert announced["product"] == "RabbitMQ" and announced["version"].startswith("4."), announced
+    env = {
+        **_clean_env(),
+        "AMQP_TEST_URL": node.url,
+        "AMQP_TEST_HOST": "127.0.0.1",
+        "AMQP_TEST_PORT": str(node.port),
+        DISPOSABLE_BROKER_ENV: "rabbitmq4",
+        ROOT_ENV: str(ensure_root()),
+        "RELIABLE_AMQP_NO_SKIP": "1",
+    }
+    probe = subprocess.run(
+        [sys.executable, "-c", _VERSIONS, *PACKAGES],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    installed = versions()
+    result.versions = {
+        "rabbitmq": f"{announced['version']} (Debian {installed['rabbitmq-server']})",
+        "erlang": announced.get("platform", "?"),
+        **json.loads(probe.stdout),
+    }
+    junit = tmp_path / "rabbitmq4.xml"
+    # only the subset's broker tests: the others (the fake peer's, the frame encoders') run
+    # this venv's code against no broker, exactly as the suite itself runs them
+    run_subset(sys.executable, env, junit, TIMEOUT, result, marks="broker")
     result.seconds = time.monotonic() - started
     add_summary(request, "rabbitmq 4", result.headline().replace("matrix ", "", 1))
     tail = result.output[-8000:]
