@@ -18,10 +18,10 @@ broker already gave those messages back to the queue).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -34,10 +34,12 @@ from reliable_amqp._compat.pika import (
     scanner_takes_deliveries,
     terminate_stream,
 )
+from reliable_amqp._consume._attempts import Attempts, gave_up
 from reliable_amqp._consume._lifecycle import node_of, product_of
+from reliable_amqp._consume._settle import Settlements
 from reliable_amqp._core.acks import ACK, AckBook
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner
-from reliable_amqp._core.errors import AmqpConnectionError, RecoveryFailed, ReliableAmqpError
+from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
 from reliable_amqp._core.liveness import LinkWatch
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._core.refusals import refusal
@@ -88,11 +90,10 @@ class ConsumerIO:
         self.fatal: ReliableAmqpError | None = None
         self.ended = threading.Event()
         self._thread: threading.Thread | None = None
-        # settlements from any thread: (generation, tag, kind)
-        self._settled: deque[tuple[int, int, int]] = deque()
-        self._wake_pending = False
-        self._wake_lock = threading.Lock()
-        self._force = False
+        #: settlements from any thread, sent as ack frames on the I/O thread
+        self.acks = Settlements(prefetch, lambda: self.acks.send(self._book, self._channel))
+        #: lost subscriptions counted against the connect policy
+        self.attempts = Attempts(connect_policy)
         # I/O thread state
         self._connection: ScanningConnection | None = None
         self._channel: Channel | None = None
@@ -102,14 +103,10 @@ class ConsumerIO:
         #: the generation whose channel is open now (0 while there is none): deliveries of any
         #: other are stale (the broker requeued them when their channel died)
         self.live_generation = 0
-        self._failures = 0
-        self._first_failure: float | None = None
         self._cancelled = False
         self._careful = False  # consuming one at a time until a fresh delivery (see below)
         self._draining = False  # stop(): cancel, ack what finishes, requeue the rest
         self._drained = threading.Event()
-        self.stale_settlements = 0
-        self.recoveries = 0
         #: ``host:port`` of the open connection (None while there is none)
         self.node: str | None = None
         #: the connected broker's ``connection.start`` properties (product, version)
@@ -117,9 +114,6 @@ class ConsumerIO:
         #: monotonic time of the last socket read that brought deliveries
         self.last_delivery: float | None = None
         self._step = ""  # the set-up step under way (for a refusal's remedy)
-        self._subscribed_once = False  # this run had a subscription
-        self._refused = 0  # refusals in a row before any subscription
-        self._last_loss: str | None = None
 
     @property
     def connected(self) -> bool:
@@ -148,10 +142,9 @@ class ConsumerIO:
         self._drained.clear()
         self.consuming.clear()
         self.fatal = None
-        self._settled.clear()
-        self._force = self._draining = self._cancelled = False
-        self._failures, self._first_failure = 0, None
-        self._subscribed_once, self._refused, self._last_loss = False, 0, None
+        self.acks.clear()
+        self._draining = self._cancelled = False
+        self.attempts.reset()
         self.last_delivery = None
         self._thread = threading.Thread(target=self._run, name="reliable-amqp-consume", daemon=True)
         self._thread.start()
@@ -162,37 +155,21 @@ class ConsumerIO:
         Cheap: the frame leaves when a batch is due, on :meth:`flush`, or at once with
         ``urgent``.
         """
-        self._settled.append((generation, tag, kind))
-        if urgent:
-            # a republish was confirmed on another thread, maybe after the handler side went
-            # idle (its flush saw nothing): this ack must not wait for a batch
-            self._force = True
-            self._wake()
-        elif len(self._settled) >= self._batch:
-            self._wake()
-
-    @property
-    def _batch(self) -> int:
-        return max(1, self.prefetch // 10)
+        self.acks.add(generation, tag, kind, urgent)
 
     def flush(self) -> None:
         """Send every ack that is due now (the handler side is idle)."""
-        book = self._book  # read off the I/O thread: at worst one wake-up too many
-        if self._settled or (book is not None and book.due):
-            self._force = True
-            self._wake()
+        self.acks.flush(self._book)  # read off the I/O thread: at worst one wake-up too many
 
-    def _wake(self) -> None:
-        if self._wake_pending:  # read without the lock: a wake-up is on its way already
-            return
-        with self._wake_lock:
-            if self._wake_pending:
-                return
-            connection = self._connection
-            if connection is None:
-                return
-            self._wake_pending = True
-        call_threadsafe(connection.ioloop, self._on_wake)
+    @property
+    def stale_settlements(self) -> int:
+        """Settlements dropped because their channel had died."""
+        return self.acks.stale
+
+    @property
+    def recoveries(self) -> int:
+        """Subscriptions got back after a loss."""
+        return self.attempts.recoveries
 
     def drain(self, timeout: float) -> bool:
         """Stop consuming: cancel the subscription, ack what was settled, requeue the rest.
@@ -200,7 +177,7 @@ class ConsumerIO:
         Call after the handlers finished (or ran out of time). True once the frames are out.
         """
         self._draining = True
-        self._force = True
+        self.acks.force = True
         connection = self._connection
         if connection is None or self.ended.is_set():
             return True
@@ -214,8 +191,8 @@ class ConsumerIO:
         connection = self._connection
         self.stopping.set()
         if connection is not None:
-            self._force = True
-            call_threadsafe(connection.ioloop, self._on_release)
+            self.acks.force = True
+            call_threadsafe(connection.ioloop, functools.partial(self._close, acks=True))
         if self._thread is not None:
             self._thread.join(timeout)
             return not self._thread.is_alive()
@@ -225,7 +202,7 @@ class ConsumerIO:
         """Stop new deliveries (``basic.cancel``); settlements still go out."""
         connection = self._connection
         if connection is not None:
-            call_threadsafe(connection.ioloop, self._on_cancel_request)
+            call_threadsafe(connection.ioloop, lambda: _cancel_subscription(self))
 
     def stop(self, timeout: float | None = None) -> None:
         """Close the connection and end the thread (unacked deliveries go back to the queue)."""
@@ -259,13 +236,12 @@ class ConsumerIO:
             connection = ScanningConnection(
                 params,
                 on_open_callback=self._on_connection_open,
-                on_open_error_callback=self._on_open_error,
-                on_close_callback=self._on_connection_closed,
+                on_open_error_callback=self._on_link_end,
+                on_close_callback=self._on_link_end,
             )
             connection.on_deliveries = self._deliver
-            with self._wake_lock:
-                self._connection = connection
-                self._wake_pending = False
+            self._connection = connection
+            self.acks.attach(connection)
             own_loop(connection.ioloop)
             try:
                 connection.ioloop.start()
@@ -273,8 +249,8 @@ class ConsumerIO:
                 log.debug("reliable-amqp: consumer I/O loop failed: %r", exc, exc_info=True)
                 if self._loss is None:
                     self._loss = translate_connection_error(exc)
-            with self._wake_lock:
-                self._connection = None
+            self._connection = None
+            self.acks.attach(None)
             self.node = None
             connection.ioloop.close()
             self._lost_channel()
@@ -286,11 +262,12 @@ class ConsumerIO:
 
     def _backoff(self, loss: ReliableAmqpError) -> bool:
         """Wait before the next connection or channel; False (and ``fatal`` set) when spent."""
-        allowed = self._count_failure(loss)
+        attempts = self.attempts
+        allowed = attempts.count(loss)
         if not loss.retriable or not allowed:
-            self.fatal = loss if not loss.retriable else _gave_up(self.queue, self._failures, loss)
+            self.fatal = loss if not loss.retriable else attempts.gave_up(self.queue, loss)
             return False
-        delay = self._policy.delay(self._failures)
+        delay = attempts.delay()
         log.warning(
             "reliable-amqp: consumer of %r lost its subscription (%s); trying again in %.1f s",
             self.queue,
@@ -299,40 +276,10 @@ class ConsumerIO:
         )
         return not self.stopping.wait(delay)
 
-    def _count_failure(self, loss: ReliableAmqpError) -> bool:
-        """Count a lost connection or channel; True while the connect policy allows a retry."""
-        now = time.monotonic()
-        if self._first_failure is None:
-            self._first_failure = now
-        self._failures += 1
-        self._last_loss = str(loss)
-        return self._policy.allows(self._failures, now - self._first_failure)
-
-    def _recovered(self) -> None:
-        lifecycle = self._lifecycle
-        if lifecycle is not None and not self.consuming.is_set():
-            first = self._first_failure
-            lifecycle.subscribed(
-                self.node or "?",
-                self._last_loss if self._subscribed_once else None,
-                self._failures,
-                time.monotonic() - first if first is not None else 0.0,
-                self.server_properties,
-            )
-        if self._failures:
-            self.recoveries += 1
-        self._failures = 0
-        self._first_failure = None
-        self._subscribed_once = True
-        self._refused = 0
-
     # --- pika callbacks (I/O thread) ----------------------------------------------------------
 
-    def _on_open_error(self, connection: Any, error: Any) -> None:
-        self._loss = translate_connection_error(error)
-        connection.ioloop.stop()
-
-    def _on_connection_closed(self, connection: Any, reason: Any) -> None:
+    def _on_link_end(self, connection: Any, reason: Any) -> None:
+        """The connection could not open, or closed: end this connection's loop."""
         if self._loss is None and not self.stopping.is_set():
             self._loss = translate_connection_error(reason)
         connection.ioloop.stop()
@@ -346,33 +293,8 @@ class ConsumerIO:
         self.server_properties = connection.server_properties
         if self._lifecycle is not None:
             self._lifecycle.connected(self.node, product_of(self.server_properties))
-        self._watch_link(connection)
+        _watch_link(self, connection)
         self._open_channel()
-
-    def _watch_link(self, connection: ScanningConnection) -> None:
-        """Two heartbeats without a byte is a lost link (a frozen node closes nothing): the
-        publishers' rule (:class:`~reliable_amqp._core.liveness.LinkWatch`), on a pika timer."""
-        watch = LinkWatch()
-        watch.reset(time.monotonic(), connection.params.heartbeat or 0)  # the negotiated value
-        watch.check(connection.bytes_received, time.monotonic())
-
-        def check() -> None:
-            if connection is not self._connection or not connection.is_open:
-                return
-            now = time.monotonic()
-            loss = watch.check(connection.bytes_received, now)
-            if loss is not None:
-                self._loss = loss
-                if not terminate_stream(connection, loss):
-                    connection.ioloop.stop()
-                return
-            due = watch.check_at
-            if due is not None:
-                connection.ioloop.call_later(max(0.0, due - now), check)
-
-        due = watch.check_at
-        if due is not None:
-            connection.ioloop.call_later(max(0.0, due - time.monotonic()), check)
 
     def _open_channel(self) -> None:
         connection = self._connection
@@ -387,7 +309,7 @@ class ConsumerIO:
         self.live_generation = self.generation
         self._channel = channel
         self._cancelled = False
-        self._book = AckBook(self.generation, self._batch)
+        self._book = AckBook(self.generation, self.acks.batch)
         connection.scanner = DeliveryScanner(channel.channel_number, self.generation, self.queue)
         channel.add_on_close_callback(self._on_channel_closed)
         channel.add_on_cancel_callback(self._on_server_cancel)
@@ -424,7 +346,17 @@ class ConsumerIO:
 
     def _on_consume_ok(self, _frame: Any) -> None:
         self._step = ""
-        self._recovered()
+        lifecycle = self._lifecycle
+        attempts = self.attempts
+        if lifecycle is not None and not self.consuming.is_set():
+            lifecycle.subscribed(
+                self.node or "?",
+                attempts.last_loss if attempts.subscribed_once else None,
+                attempts.failures,
+                attempts.outage(),
+                self.server_properties,
+            )
+        attempts.recovered()
         self.consuming.set()
         if self._draining:
             self._on_drain()
@@ -461,20 +393,21 @@ class ConsumerIO:
             if self._cancelled
             else f"the channel closed: {translate_connection_error(reason)}"
         )
-        allowed = self._count_failure(loss)
-        if refused is not None and not self._subscribed_once:
-            self._refused += 1
-            if self._refused >= REFUSED_ATTEMPTS:
+        attempts = self.attempts
+        allowed = attempts.count(loss)
+        if refused is not None and not attempts.subscribed_once:
+            attempts.refused += 1
+            if attempts.refused >= REFUSED_ATTEMPTS:
                 self.fatal = refused
                 self.stopping.set()
                 connection.close()
                 return
         if not allowed:
-            self.fatal = _gave_up(self.queue, self._failures, loss)
+            self.fatal = attempts.gave_up(self.queue, loss)
             self.stopping.set()
             connection.close()
             return
-        delay = self._policy.delay(self._failures)
+        delay = attempts.delay()
         log.warning(
             "reliable-amqp: consumer of %r lost its channel (%s); subscribing again in %.1f s",
             self.queue,
@@ -492,10 +425,6 @@ class ConsumerIO:
         self._channel = None
         self._book = None
         self._consumer_tag = None
-
-    def _current(self, channel: Channel) -> bool:
-        """Whether ``channel`` is still the consuming one, open and not draining."""
-        return bool(channel.is_open) and channel is self._channel and not self._draining
 
     def _deliver(self, batch: list[Delivery]) -> None:
         self.last_delivery = time.monotonic()
@@ -522,12 +451,15 @@ class ConsumerIO:
 
         same: Channel = channel
 
+        def live() -> bool:  # still the consuming channel, open and not draining
+            return bool(same.is_open) and self._channel is same and not self._draining
+
         def resubscribe(_frame: Any) -> None:
-            if self._current(same):
+            if live():
                 self._on_declared(None)
 
         def cancelled(_frame: Any) -> None:
-            if self._current(same):
+            if live():
                 # What the old subscription still holds unacked counts against no consumer's
                 # prefetch any more: the new one's is smaller by that much, so the channel never
                 # holds more than ``prefetch`` (one less for good, in the usual case: cheaper
@@ -543,56 +475,16 @@ class ConsumerIO:
         self._consumer_tag = None
         channel.basic_cancel(tag, callback=cancelled)
 
-    def _on_wake(self) -> None:
-        with self._wake_lock:
-            self._wake_pending = False
-        self._send_acks()
-
-    def _send_acks(self) -> None:
-        book = self._book
-        settled = self._settled
-        force = self._force
-        self._force = False
-        while settled:
-            generation, tag, kind = settled.popleft()
-            if book is None or not book.settle(generation, tag, kind):
-                self.stale_settlements += 1
-        if book is None:
-            return
-        channel = self._channel
-        if channel is None or not channel.is_open:
-            return
-        for method, tag, multiple in book.take(force):
-            if method == "ack":
-                channel.basic_ack(tag, multiple)
-            else:
-                channel.basic_nack(tag, multiple, requeue=True)
-
-    def _on_cancel_request(self) -> None:
-        channel = self._channel
-        if channel is not None and channel.is_open and self._consumer_tag is not None:
-            channel.basic_cancel(self._consumer_tag)
-            self._consumer_tag = None
-
     def _on_drain(self) -> None:
-        self._on_cancel_request()
-        self._force = True
-        self._send_acks()
-        book = self._book
-        channel = self._channel
-        if book is not None and channel is not None and channel.is_open:
-            for method, tag, multiple in book.requeue_rest():
-                if method == "ack":
-                    channel.basic_ack(tag, multiple)
-                else:
-                    channel.basic_nack(tag, multiple, requeue=True)
+        _cancel_subscription(self)
+        self.acks.force = True
+        self.acks.send(self._book, self._channel)
+        self.acks.requeue_rest(self._book, self._channel)
         self._drained.set()
 
-    def _on_release(self) -> None:
-        self._send_acks()
-        self._close()
-
-    def _close(self) -> None:
+    def _close(self, acks: bool = False) -> None:
+        if acks:  # release(): what was settled goes out first
+            self.acks.send(self._book, self._channel)
         connection = self._connection
         if connection is not None and (connection.is_open or connection.is_opening):
             with contextlib.suppress(pika.exceptions.ConnectionWrongStateError):
@@ -601,11 +493,8 @@ class ConsumerIO:
             connection.ioloop.stop()
 
 
-def _gave_up(queue: str, failures: int, loss: ReliableAmqpError) -> RecoveryFailed:
-    """The error that ends a consumer whose connect policy is spent (caused by ``loss``)."""
-    error = RecoveryFailed(f"consumer of {queue!r} gave up after {failures} attempts: {loss}")
-    error.__cause__ = loss
-    return error
+#: the give-up error (kept here for the loop I/O, which imports it from this module)
+_gave_up = gave_up
 
 
 def _refusal(reason: Any, step: str, queue: str, params: Any) -> ReliableAmqpError | None:
@@ -622,3 +511,37 @@ def _refusal(reason: Any, step: str, queue: str, params: Any) -> ReliableAmqpErr
         vhost=params.virtual_host,
         user=str(getattr(params.credentials, "username", "")),
     )
+
+
+def _watch_link(io: ConsumerIO, connection: ScanningConnection) -> None:
+    """Two heartbeats without a byte is a lost link (a frozen node closes nothing): the
+    publishers' rule (:class:`~reliable_amqp._core.liveness.LinkWatch`), on a pika timer."""
+    watch = LinkWatch()
+    watch.reset(time.monotonic(), connection.params.heartbeat or 0)  # the negotiated value
+    watch.check(connection.bytes_received, time.monotonic())
+
+    def check() -> None:
+        if connection is not io._connection or not connection.is_open:
+            return
+        now = time.monotonic()
+        loss = watch.check(connection.bytes_received, now)
+        if loss is not None:
+            io._loss = loss
+            if not terminate_stream(connection, loss):
+                connection.ioloop.stop()
+            return
+        due = watch.check_at
+        if due is not None:
+            connection.ioloop.call_later(max(0.0, due - now), check)
+
+    due = watch.check_at
+    if due is not None:
+        connection.ioloop.call_later(max(0.0, due - time.monotonic()), check)
+
+
+def _cancel_subscription(io: ConsumerIO) -> None:
+    """``basic.cancel`` of the live subscription, if any (I/O thread)."""
+    channel = io._channel
+    if channel is not None and channel.is_open and io._consumer_tag is not None:
+        channel.basic_cancel(io._consumer_tag)
+        io._consumer_tag = None
