@@ -107,7 +107,8 @@ class PartitionGroup:
         self._owner: dict[int, int] = {}  # generation -> partition
         self._owner_lock = threading.Lock()
         self._ios: dict[int, ConsumerIO] = {}  # partition -> its I/O (held or being released)
-        # partition -> deliveries not handed over since its release began
+        # partition being given up -> its deliveries left unacked since (not handed over, or
+        # handed over and not started): what it holds beyond them is running or settling
         self._releasing: dict[int, int] = {}
         self._release_by: dict[int, float] = {}
         self._forward_lock = threading.Lock()
@@ -152,9 +153,19 @@ class PartitionGroup:
         return sum(io.unacked for io in list(self._ios.values()))
 
     def is_live(self, generation: int) -> bool:
-        """Whether ``generation`` is an open channel of a partition this member holds."""
-        io = self._io_of(generation)
-        return io is not None and io.is_live(generation)
+        """Whether a delivery of ``generation`` may start: its channel is open and its
+        partition is not being given up. (Called once per delivery, as its handler is about
+        to start: one refused for a partition being given up is counted, as it stays unacked
+        until the partition closes and goes back to the queue then.)"""
+        partition = self._owner.get(generation)
+        io = None if partition is None else self._ios.get(partition)
+        if io is None or not io.is_live(generation):
+            return False
+        with self._forward_lock:
+            if partition in self._releasing:
+                self._releasing[partition] += 1
+                return False
+        return True
 
     def start(self) -> None:
         """Join the group (again, after a run that ended)."""

@@ -63,8 +63,10 @@ class ConsumerLink(Protocol):
         """Deliveries the broker counts as unacknowledged on the open channel(s) now."""
 
     def is_live(self, generation: int) -> bool:
-        """Whether deliveries of ``generation`` may still be handled and settled (their channel
-        is open: the broker has not given them back to the queue)."""
+        """Whether a delivery of ``generation`` may start (its channel is open: the broker has
+        not given it back to the queue). Called once per delivery, as its handler is about to
+        start: False drops the delivery unsettled (a partition group counts it as left for
+        the queue)."""
 
     def start(self) -> None:
         """Start consuming (again, after a run that ended)."""
