@@ -18,6 +18,7 @@ import pika.exceptions
 
 from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError, broker_error
 from reliable_amqp._core.partitions import (
+    BINDING_WEIGHT,
     HASH_EXCHANGE_TYPE,
     HASH_PLUGIN,
     SAC,
@@ -72,7 +73,7 @@ class GroupView:
             for index in range(self.partitions):
                 queue = partition_queue(self.name, index)
                 channel.queue_declare(queue, **declare)
-                channel.queue_bind(queue, self.name, routing_key="1")
+                channel.queue_bind(queue, self.name, routing_key=BINDING_WEIGHT)
         members = members_queue(self.name)
         for queue in (members, wanting_queue(self.name)):
             self._declare_own(queue)
@@ -176,7 +177,7 @@ class GroupView:
                 arguments={"x-max-length": self.partitions, "x-queue-type": "classic"},
             )
         except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 406 and "x-max-length" in str(exc.reply_text):
+            if exc.reply_code == 406:  # (RabbitMQ names x-max-length, LavinMQ no argument)
                 raise ConfigurationError(
                     f"the consumer group {self.name!r} has members with another number of "
                     f"partitions than this one's partitions={self.partitions} (the broker: "

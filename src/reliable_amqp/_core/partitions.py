@@ -32,6 +32,10 @@ from reliable_amqp._core.errors import ConfigurationError
 MAX_PARTITIONS = 1024
 #: the exchange type of RabbitMQ's ``rabbitmq_consistent_hash_exchange`` plugin (and LavinMQ's)
 HASH_EXCHANGE_TYPE = "x-consistent-hash"
+#: each partition queue's binding weight (the consistent-hash exchange's binding key): equal
+#: for all, so keys spread evenly; 100, not 1, because LavinMQ's default hash is a ring with
+#: that many points per queue (with 1, 50 keys landed in 2 of 8 partitions there)
+BINDING_WEIGHT = "100"
 #: the plugin to enable when the broker does not know that exchange type
 HASH_PLUGIN = "rabbitmq_consistent_hash_exchange"
 #: the partition queues' argument: one active consumer at a time, whatever the members think
