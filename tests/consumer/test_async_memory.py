@@ -4,9 +4,11 @@ The same measure as ``test_consumer_memory.py`` (a child process consumes 402,00
 prefetch 300 and reports its resident set's and Python's allocated blocks' growth from after a
 2,000-message warm-up, at 100,000 and at 400,000 handled), for what that file does not run:
 ``concurrency=16`` (sixteen workers, handlers that suspend, so every worker takes turns and acks
-finish out of order) and ``key=`` (the per-key bookkeeping of the workers). Anything the new I/O
-kept per message (an ack tag, a delivery, a timer, a waiter) would show as growth between the
-two marks.
+finish out of order) with ``key=`` over 1,000 keys (the per-key bookkeeping of the workers).
+Anything the new I/O kept per message (an ack tag, a delivery, a timer, a waiter, a key's queue)
+would show as growth between the two marks. Measured 2026-11-29: with the key, RSS +0.0 MB and
++1,356 Python blocks after 100,000, +0.0 MB and -482 after 400,000; sixteen workers without a
+key (a run of this file before it kept the keyed case only), +0.0 MB, +1,141 and -169.
 """
 
 from __future__ import annotations
@@ -33,13 +35,12 @@ def _consume_rss(kind: str, url: str, queue: str) -> list[tuple[int, int]]:
     before = (0, 0)
     total = WARM_UP + MARKS[-1]
     handled = 0
-    keyed = kind == "keyed"
     consumer = AsyncConsumer(
         url,
         queue,
         prefetch=PREFETCH,
         concurrency=16,
-        key=(lambda d: d.body[5:8].decode()) if keyed else None,  # 1,000 keys
+        key=(lambda d: d.body[5:8].decode()) if kind == "keyed" else None,  # 1,000 keys
     )
     assert isinstance(consumer._core.io, LoopConsumerIO)
 
@@ -60,7 +61,7 @@ def _consume_rss(kind: str, url: str, queue: str) -> list[tuple[int, int]]:
     return grown
 
 
-@pytest.mark.parametrize("kind", ["concurrency16", "keyed"])
+@pytest.mark.parametrize("kind", ["keyed"])
 def test_async_consumer_memory_does_not_grow_with_what_it_consumed(
     kind: str, amqp_url: str, broker: BrokerAdmin
 ) -> None:
