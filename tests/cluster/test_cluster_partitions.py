@@ -1,5 +1,6 @@
 """Issue 46 on the three-node RabbitMQ 4 cluster: partitioned consumers on quorum queues, the node
-holding one partition's leader killed -9 mid-run.
+holding one partition's leader killed -9 mid-run: a node the members are not connected to, and
+(xfail, a bug) the node they are connected to.
 
 Three members (``tests/consumer/partition_child.py``: ``Consumer(urls, NAME, partitions=6,
 key="routing_key", declare=True, queue_arguments={"x-queue-type": "quorum",
@@ -7,9 +8,11 @@ key="routing_key", declare=True, queue_arguments={"x-queue-type": "quorum",
 every node's URL, node 0 first, start at once and share the six quorum partition queues (leaders
 spread over the nodes). The test publishes 5,000 events over 200 keys to the consistent-hash
 exchange with the library's ``Publisher`` (routing key = the key, body ``<key>:<seq>``, one
-thread, all confirmed: a key's seq is its publish order) through node 0, then kills -9 a node
-other than node 0 that holds the leader of one partition's queue, starts it again while the
-members go on, and waits for every effect.
+thread, all confirmed: a key's seq is its publish order) through a node it does not kill, then
+kills -9 a node holding the leader of one partition's queue (one other than node 0; in the
+second test node 0 itself, where the members' connections and the group's own queues are),
+waits for consuming to resume (20 s at most, plus 5), starts the node again while the members go
+on, and waits for every effect.
 
 Checked: every event's effect exactly once, each key's in publish order and from one partition,
 a partition's turns never overlapping; no partition queue with two active consumers whenever
@@ -21,8 +24,8 @@ while the members still run, nothing ready once they stopped, no dead letters; a
 second exclusive subscription to a held partition refused or left inactive. (A quorum queue
 accepts a second exclusive consumer: before the group guarded delivery with single active
 consumer, two members started at once held one partition.) Printed: the longest pause between
-effects (overall and on the killed leader's partition) and the figures. About 40-50 s, plus the
-cluster's start.
+effects (overall and on the killed leader's partition) and the figures. About 40-50 s each, plus
+the cluster's start.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ KILL_AT = TOTAL // 3
 #: the longest pause between two effects a kill may cause (as tests/cluster's other kills)
 PAUSE_LIMIT = 20.0
 QUEUE_ARGUMENTS = {"x-queue-type": "quorum", "x-queue-leader-locator": "balanced"}
-#: the node the members (and the test's publisher) connect to: never the one killed
+#: the node the members connect to first (every node's URL given, this one first)
 CONNECTED = 0
 
 
@@ -132,9 +135,40 @@ def _pauses(dsn: str, partition: int) -> tuple[float, float, float]:
 def test_members_ride_out_the_kill_of_a_partition_leaders_node(
     healthy: Rabbitmq4Cluster, dsn: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    """kill -9 of a node holding a partition's leader, the members connected to another."""
+    _run(healthy, dsn, tmp_path, request, own_node=False)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: kill -9 of the node the members are connected to (it holds partition leaders "
+    "and the group's own classic queues NAME.members, NAME.wanting, NAME.<i>.lock) stops every "
+    "partition while it is down: no effect within 25 s after the kill in 5 runs of 5 (60 s in "
+    "two runs that waited longer); each member's group thread was blocked in queue.declare of "
+    "the group's own queue on a surviving node (faulthandler: _group_view.py _declare_own from "
+    "join()); consuming resumed 3.9 s after the node was started again, and the group then got "
+    "404 NOT_FOUND on NAME.<i>.lock for 30 s more (its backoff growing to 15 s)",
+)
+def test_members_ride_out_the_kill_of_their_own_node(
+    healthy: Rabbitmq4Cluster, dsn: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """kill -9 of the node the members are connected to, which holds a partition's leader
+    and the group's own queues: the members fail over to the next URL."""
+    _run(healthy, dsn, tmp_path, request, own_node=True)
+
+
+def _run(
+    cluster: Rabbitmq4Cluster,
+    dsn: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    *,
+    own_node: bool,
+) -> None:
     began = time.monotonic()
-    cluster = healthy
     nodes = cluster.nodes
+    # the node the test asks (lists, publishes, counts, cleans up through): never the victim
+    ask = nodes[1] if own_node else nodes[CONNECTED]
     name = unique("cluster-part")
     queues = [f"{name}.{i}" for i in range(PARTITIONS)]
     own = Consumer(cluster.urls, name, partitions=PARTITIONS, redelivery=QUICK).own_queues
@@ -151,7 +185,7 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
         redelivery=QUICK_CONFIG,
         queue_arguments=QUEUE_ARGUMENTS,
     )
-    ctl = _ctl(nodes[CONNECTED])
+    ctl = _ctl(ask)
     counts = ConsumerCounts(cluster.urls, name, PARTITIONS)
     listing = ConsumerList(ctl, name, PARTITIONS)
 
@@ -178,13 +212,14 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
         listing.start()
         members.wait_settled(90, "three members sharing the 6 partitions")
         first_shares = broker_shares(ctl, name, PARTITIONS)
-        # The partition whose leader is on a node the members are not connected to.
+        # The victim: a node holding a partition's leader, the members' own or another.
         leaders = {i: cluster.leader(q) for i, q in enumerate(queues)}
-        partition = next((i for i, node in leaders.items() if node is not nodes[CONNECTED]), None)
-        assert partition is not None, f"every leader on node {CONNECTED}: {leaders}"
+        on_victim = [i for i, node in leaders.items() if (node is nodes[CONNECTED]) == own_node]
+        assert on_victim, f"no leader {'on' if own_node else 'off'} node {CONNECTED}: {leaders}"
+        partition = on_victim[0]
         victim = leaders[partition]
         seq = dict.fromkeys(keys, 0)
-        with Publisher(nodes[CONNECTED].url, max_in_flight=2000) as publisher:
+        with Publisher(ask.url, max_in_flight=2000) as publisher:
             futures = []
             for key in plan:
                 seq[key] += 1
@@ -200,7 +235,7 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
         # Consuming resumes past what the members held when the node died; the node comes back.
         members.wait(
             lambda: _effects(watch) >= before + PARTITIONS * PREFETCH + 100,
-            60,
+            PAUSE_LIMIT + 5,
             "consuming to resume after the kill",
         )
         resumed = time.monotonic() - killed_at
@@ -212,7 +247,7 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
         # Nothing unacknowledged while the members still run (their acks flushed).
         deadline = time.monotonic() + 30
         while True:
-            state = _queue_counts(nodes[CONNECTED], queues)
+            state = _queue_counts(ask, queues)
             if all(ready == unacked == 0 for ready, unacked in state.values()):
                 break
             assert time.monotonic() < deadline, f"(ready, unacked) left: {state}"
@@ -220,19 +255,22 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
         members.wait_settled(30, "the shares after the kill")
         final = broker_shares(ctl, name, PARTITIONS)
         # What ownership rests on: the broker refuses a second exclusive subscription.
-        intruder = second_subscription(nodes[CONNECTED].url, queues[partition], ctl)
+        intruder = second_subscription(ask.url, queues[partition], ctl)
         listing.stop()
         counts.stop()
         codes = members.terminate_all()
-        after = _queue_counts(nodes[CONNECTED], [*queues, f"{name}.dead"])
+        after = _queue_counts(ask, [*queues, f"{name}.dead"])
     finally:
         members.close()
         counts.stop()
         listing.stop()
         watch.close()
+        if victim is not None and not victim.is_running():  # a failed test: the queues of
+            victim.launch()  # the test (delay queues, dead letters) may live on it
+            victim.wait_started()
         with contextlib.suppress(pika.exceptions.AMQPError):
-            delete_queues(nodes[CONNECTED].url, [*queues, *own])
-            connection = pika.BlockingConnection(pika.URLParameters(nodes[CONNECTED].url))
+            delete_queues(ask.url, [*queues, *own])
+            connection = pika.BlockingConnection(pika.URLParameters(ask.url))
             connection.channel().exchange_delete(name)
             connection.close()
 
@@ -247,11 +285,12 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
     exits = members.record().exits
     duplicates = sum(e["duplicates"] for e in exits)
     warnings = members.errors(tail=10**7).count("WARNING")
+    killed = f"{'their own node ' if own_node else ''}{victim.nodename if victim else '?'}"
     add_summary(
         request,
         "rabbitmq 4",
-        f"partitions=6 on quorum queues, 3 members, kill -9 of {victim.nodename if victim else '?'}"
-        f" (leader of {queues[partition]}, then {new_leader.nodename}): {TOTAL} events over "
+        f"partitions=6 on quorum queues, 3 members, kill -9 of {killed} (leader of "
+        f"{queues[partition]}, then {new_leader.nodename}): {TOTAL} events over "
         f"{KEYS} keys, {effects.total} effects (each once, per-key publish order); killed at "
         f"{before} effects, consuming resumed {resumed:.2f} s after; longest pause between "
         f"effects {longest:.2f} s (from {pause_began - killed_at:+.2f} s after the kill), on "

@@ -286,7 +286,7 @@ class ConsumerCounts:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.ident is not None:  # started (a failed test may stop it before)
-            self._thread.join(30)
+            self._thread.join(10)  # a sample stuck on a dead node: the thread is a daemon
 
     def _run(self) -> None:
         index = 0
@@ -408,7 +408,7 @@ class ConsumerList:
     def stop(self) -> None:
         self._stop.set()
         if self._thread.ident is not None:  # started (a failed test may stop it before)
-            self._thread.join(90)
+            self._thread.join(10)  # a listing stuck on a dead node: the thread is a daemon
 
     def violation(self) -> str | None:
         """The first listing with a partition queue actively consumed on two channels."""
