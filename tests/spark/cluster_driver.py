@@ -144,9 +144,14 @@ def stream(spark: SparkSession, c: dict[str, Any]) -> dict[str, Any]:
             time.sleep(0.01)
         progress = query.lastProgress
         query.stop()
-        at_stop = depth_now()
-        time.sleep(c.get("settle", 4.0))
-        settled = depth_now()
+        at_stop = settled = depth_now()
+        # what still reaches the queue after stop() returned: until the depth holds still for
+        # half a second (at most ``settle`` seconds), not a fixed wait
+        deadline, still_since = time.monotonic() + c.get("settle", 4.0), time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - still_since < 0.5:
+            time.sleep(0.05)
+            if (now := depth_now()) != settled:
+                settled, still_since = now, time.monotonic()
     finally:
         depth_now.close()
     again = start(available_now=True)
