@@ -272,7 +272,7 @@ def _run(
             victim.launch()  # the test (delay queues, dead letters) may live on it
             victim.wait_started()
         with contextlib.suppress(pika.exceptions.AMQPError):
-            delete_queues(ask.url, [*queues, *own])
+            delete_queues(ask.url, [*queues, *own, f"{name}.members", f"{name}.wanting"])
             connection = pika.BlockingConnection(pika.URLParameters(ask.url))
             connection.channel().exchange_delete(name)
             connection.close()

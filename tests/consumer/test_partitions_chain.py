@@ -109,6 +109,17 @@ def _effects(dsn: str) -> int:
     return int(row[0]) if row else 0
 
 
+def _delete_group(url: str, name: str, own: tuple[str, ...]) -> None:
+    """The group's queues (partitions, delay queues, dead letters, and its auto-delete queues:
+    one never consumed stays) and its exchange."""
+    with contextlib.suppress(pika.exceptions.AMQPError):
+        extra = [f"{name}.members", f"{name}.wanting"]
+        delete_queues(url, [*(f"{name}.{i}" for i in range(PARTITIONS)), *own, *extra])
+        connection = pika.BlockingConnection(pika.URLParameters(url))
+        connection.channel().exchange_delete(name)
+        connection.close()
+
+
 def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_order(
     amqp_url: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -118,6 +129,7 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
     plan = [key for key in keys for _ in range(PER_KEY)]
     random.Random(46).shuffle(plan)
     own = Consumer(amqp_url, name, partitions=PARTITIONS, redelivery=QUICK).own_queues
+    request.addfinalizer(lambda: _delete_group(amqp_url, name, own))
     with pg_database() as dsn:
         prepare_database(dsn)
         with psycopg.connect(dsn) as conn:
@@ -206,12 +218,6 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
         remaining = {q: ready_count(amqp_url, q) for q in [f"{name}.{i}" for i in range(8)]}
         dead = ready_count(amqp_url, f"{name}.dead")
         effects = check_effects(dsn, dict.fromkeys(keys, PER_KEY))
-
-    with contextlib.suppress(pika.exceptions.AMQPError):
-        delete_queues(amqp_url, [*(f"{name}.{i}" for i in range(PARTITIONS)), *own])
-        connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
-        connection.channel().exchange_delete(name)
-        connection.close()
 
     assert codes == dict.fromkeys(codes, 0), (codes, members.errors())
     assert intruder is None, intruder
