@@ -380,10 +380,8 @@ def test_processes_share_the_partitions_of_a_group(
 
     from reliable_amqp import Publisher
     from reliable_amqp._core.partitions import (
-        lock_queue,
-        members_queue,
+        config_queue,
         partition_queues,
-        wanting_queue,
     )
 
     name = f"ra-test-worker-part-{os.getpid()}-{time.monotonic_ns()}"
@@ -406,8 +404,7 @@ def test_processes_share_the_partitions_of_a_group(
     finally:
         w.close()
         own = Consumer(amqp_url, name, partitions=4, redelivery=QUICK_POLICY).own_queues
-        locks = [lock_queue(name, i) for i in range(4)]
-        group = [members_queue(name), wanting_queue(name), *locks]
+        group = [config_queue(name)]  # (its slots and locks are exclusive: gone already)
         delete_queues(amqp_url, [*partition_queues(name, 4), *own, *group])
         connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
         connection.channel().exchange_delete(name)

@@ -113,7 +113,7 @@ def _delete_group(url: str, name: str, own: tuple[str, ...]) -> None:
     """The group's queues (partitions, delay queues, dead letters, and its auto-delete queues:
     one never consumed stays) and its exchange."""
     with contextlib.suppress(pika.exceptions.AMQPError):
-        extra = [f"{name}.members", f"{name}.wanting"]
+        extra = [f"{name}.partitions"]
         delete_queues(url, [*(f"{name}.{i}" for i in range(PARTITIONS)), *own, *extra])
         connection = pika.BlockingConnection(pika.URLParameters(url))
         connection.channel().exchange_delete(name)

@@ -16,7 +16,9 @@ from reliable_amqp._core.partitions import (
     MAX_PARTITIONS,
     Plan,
     check_partitions,
-    members_queue,
+    config_queue,
+    lock_queue,
+    member_queue,
     partition_queue,
     partition_queues,
     plan,
@@ -28,8 +30,10 @@ from reliable_amqp._core.partitions import (
 def test_names() -> None:
     assert partition_queue("orders", 3) == "orders.3"
     assert partition_queues("orders", 3) == ["orders.0", "orders.1", "orders.2"]
-    assert members_queue("orders") == "orders.members"
-    assert wanting_queue("orders") == "orders.wanting"
+    assert member_queue("orders", 2) == "orders.member.2"
+    assert wanting_queue("orders", 2) == "orders.wanting.2"
+    assert lock_queue("orders", 3) == "orders.3.lock"
+    assert config_queue("orders") == "orders.partitions"
 
 
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "8", None, MAX_PARTITIONS + 1])

@@ -305,14 +305,14 @@ class ConsumerCounts:
             try:
                 channel = connection.channel()
                 while not self._stop.is_set():
-                    members = channel.queue_declare(f"{self.name}.members", passive=True)
+                    members, channel = _held_slots(connection, channel, self.name, self.partitions)
                     oks = [
                         channel.queue_declare(f"{self.name}.{i}", passive=True).method
                         for i in range(self.partitions)
                     ]
                     counts = [ok.consumer_count for ok in oks]
                     at = time.monotonic()
-                    self.samples.append((at, members.method.consumer_count, counts))
+                    self.samples.append((at, members, counts))
                     self.ready.append((at, [ok.message_count for ok in oks]))
                     self.most = [max(a, b) for a, b in zip(self.most, counts, strict=True)]
                     self._stop.wait(self.step)
@@ -585,3 +585,17 @@ def check_effects(dsn: str, per_key: dict[str, int]) -> Effects:
         turns=dict(turns),
         handovers=dict(handovers),
     )
+
+
+def _held_slots(connection: Any, channel: Any, name: str, partitions: int) -> tuple[int, Any]:
+    """How many member slots (exclusive queues ``NAME.member.<slot>``) are held: a passive
+    declare answers 405 (another connection's) or 404 (free), and closes the channel."""
+    held = 0
+    for slot in range(partitions):
+        try:
+            channel.queue_declare(f"{name}.member.{slot}", passive=True)
+            held += 1
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            channel = connection.channel()
+            held += exc.reply_code == 405
+    return held, channel

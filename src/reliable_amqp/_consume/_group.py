@@ -7,16 +7,15 @@ process's membership (a consumer on ``NAME.members``) and its partitions' locks,
 ``interval`` seconds looks at who holds which partition and acts on
 :func:`reliable_amqp._core.partitions.plan`:
 
-- a partition is taken by taking its lock first: an *exclusive* consumer on the classic queue
-  ``NAME.<i>.lock`` (the broker refuses a second one with 403, and frees it with its
-  connection: a member killed -9 loses its locks at once). Then the partition queue itself is
-  consumed by a :class:`ConsumerIO` of its own (its own connection and thread). The partition
-  queues are declared with *single active consumer*, so even while two members believe they
-  hold one (a lock lost with its node, a member cut off), the broker delivers to one of them
-  at a time, and to the next only once the first one's channel is gone. (Quorum queues accept
-  a second exclusive consumer, which is why ownership is a classic lock queue's, not the
-  partition's own.)
-- a partition given up (the group grew, a starving member asked, its lock was lost) is
+- a partition is taken by taking its lock first: the *exclusive* queue ``NAME.<i>.lock``,
+  declared on the group's connection (the broker refuses it to any other connection with 405,
+  and deletes it with its connection: a member killed -9, or one whose node died, loses its
+  locks at once). Then the partition queue itself is consumed by a :class:`ConsumerIO` of its
+  own (its own connection and thread). The partition queues are declared with *single active
+  consumer*, so even while two members believe they hold one (a member cut off, not yet
+  noticed), the broker delivers to one of them at a time, and to the next only once the first
+  one's channel is gone.
+- a partition given up (the group grew, a starving member asked) is
   *released*: no further delivery of it reaches the handlers, those already handed over are
   finished and acked, then its connection closes, then its lock. What it still held goes back
   to the queue as its subscription ends, so the next member starts exactly where this one
@@ -216,11 +215,11 @@ class PartitionGroup:
     def stop(self, timeout: float | None = None) -> None:
         """Leave the group: close every partition's connection and the group's own."""
         self._stopping.set()
+        if self._thread is not None:  # first: it takes no partition once it has ended
+            self._thread.join(timeout)
         for partition, io in list(self._ios.items()):
             io.stop(timeout=2.0)
             self._forget(partition)
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     # --- routing ------------------------------------------------------------------------------
 
@@ -346,12 +345,12 @@ class PartitionGroup:
         True when this member wants a partition it cannot get."""
         members, wanting, per = counts.members, counts.wanting, counts.locked
         self._reap()
-        lost = self._view.lock_lost if self._view is not None else set()
-        for partition in list(lost):  # its lock queue went (its node is down)
-            lost.discard(partition)
-            if partition in self._ios and partition not in self._releasing:
-                self._release(partition, members, "its lock was lost")
         self._finish_releases()
+        view = self._view
+        if view is not None and view.slot is None:
+            view.take_slot()  # a spare: a slot may have been freed (a member gone)
+            if view.slot is None:
+                return False
         mine = self.held
         busy = set(self._releasing)
         free = [i for i, n in enumerate(per) if n == 0 and i not in mine and i not in busy]
@@ -363,6 +362,8 @@ class PartitionGroup:
         return step.want
 
     def _take(self, partition: int, members: int) -> None:
+        if self._stopping.is_set():  # stopping: drain() and stop() see what is held now
+            return
         if self._view is None or not self._view.lock(partition):
             return  # another member took it first
         io = ConsumerIO(
@@ -373,6 +374,7 @@ class PartitionGroup:
             on_deliveries=lambda batch, p=partition: self._forward(p, batch),  # type: ignore[misc]
             consumer_arguments=self._consumer_arguments,
             generations=lambda p=partition: self._generation_for(p),  # type: ignore[misc]
+            careful_start=False,  # single active consumer: a cancel would hand it over
         )
         self._ios[partition] = io
         self.taken_at[partition] = time.monotonic()

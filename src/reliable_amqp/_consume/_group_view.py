@@ -22,8 +22,9 @@ from reliable_amqp._core.partitions import (
     HASH_EXCHANGE_TYPE,
     HASH_PLUGIN,
     SAC,
+    config_queue,
     lock_queue,
-    members_queue,
+    member_queue,
     partition_queue,
     wanting_queue,
 )
@@ -55,13 +56,14 @@ class GroupView:
         self.connection = pika.BlockingConnection(params)
         self.server_properties: Mapping[str, Any] = self.connection._impl.server_properties
         self._channel = self.connection.channel()
-        self._locks: dict[int, Any] = {}  # partition -> the channel holding its lock
-        #: partitions whose lock queue went (its node is down): to give up
-        self.lock_lost: set[int] = set()
-        self._want_tag: str | None = None
+        #: this member's slot (its exclusive queue ``NAME.member.<slot>``), None: the group
+        #: has as many members as partitions already (this one waits as a spare)
+        self.slot: int | None = None
+        self._wanting = False
 
     def join(self) -> None:
-        """Declare (with ``declare``) the topology, then become a member."""
+        """Declare (with ``declare``) the topology, check the group's number of partitions,
+        then take a member's slot if one is free."""
         channel = self._channel
         if self._declare is not None:
             declare = dict(self._declare)
@@ -74,59 +76,99 @@ class GroupView:
                 queue = partition_queue(self.name, index)
                 channel.queue_declare(queue, **declare)
                 channel.queue_bind(queue, self.name, routing_key=BINDING_WEIGHT)
-        members = members_queue(self.name)
-        for queue in (members, wanting_queue(self.name)):
-            self._declare_own(queue)
-        channel.basic_consume(members, _never, auto_ack=True)
+        self._check_partitions()
+        self.take_slot()
+
+    def take_slot(self) -> None:
+        """Hold the lowest free member slot (a spare tries again each round)."""
+        if self.slot is not None:
+            return
+        for slot in range(self.partitions):
+            if self._exclusive(member_queue(self.name, slot)):
+                self.slot = slot
+                return
 
     def counts(self) -> Counts:
-        """Read the group: every partition queue must exist; the library's own queues are
-        declared, not looked up (an auto-delete queue goes with its last consumer: the
-        wanting queue whenever no member starves, a lock queue whenever it is free)."""
-        members = self._declare_own(members_queue(self.name))
-        wanting = self._declare_own(wanting_queue(self.name))
+        """Read the group: every partition queue must exist; members, starving members and
+        partition locks are exclusive queues, held (405 to anyone else), free (404) or ours."""
         for index in range(self.partitions):
             self._channel.queue_declare(partition_queue(self.name, index), passive=True)
-        locks = [self._declare_own(lock_queue(self.name, i)) for i in range(self.partitions)]
-        return Counts(
-            members.method.consumer_count,
-            wanting.method.consumer_count,
-            [ok.method.consumer_count for ok in locks],
-        )
+        slots = [self._probe(member_queue(self.name, s)) for s in range(self.partitions)]
+        locked = [self._probe(lock_queue(self.name, i)) for i in range(self.partitions)]
+        members = sum(slots)
+        wanting = 0
+        if all(locked):  # a member starves only while nothing is free
+            wanting = sum(
+                self._probe(wanting_queue(self.name, s)) for s in range(self.partitions) if slots[s]
+            )
+        return Counts(max(1, members), wanting, [int(x) for x in locked])
 
     def want(self, wanting: bool) -> None:
-        """Say (or stop saying) that this member starves: a consumer on the wanting queue."""
-        if wanting and self._want_tag is None:
-            self._want_tag = self._channel.basic_consume(
-                wanting_queue(self.name), _never, auto_ack=True
-            )
-        elif not wanting and self._want_tag is not None:
-            self._channel.basic_cancel(self._want_tag)
-            self._want_tag = None
+        """Say (or stop saying) that this member starves: its exclusive wanting queue."""
+        if self.slot is None or wanting == self._wanting:
+            return
+        queue = wanting_queue(self.name, self.slot)
+        if wanting:
+            self._wanting = self._exclusive(queue)
+        else:
+            self._channel.queue_delete(queue)
+            self._wanting = False
 
     def lock(self, partition: int) -> bool:
-        """Take ``partition``'s lock: an exclusive consumer on its lock queue, on a channel of
-        its own (a refusal closes the channel). False: another member holds it."""
-        channel = self.connection.channel()
-        try:
-            channel.basic_consume(
-                lock_queue(self.name, partition), _never, auto_ack=True, exclusive=True
-            )
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code in (403, 405):  # held by another member
-                return False
-            raise
-        channel.add_on_cancel_callback(lambda _frame: self.lock_lost.add(partition))
-        self._locks[partition] = channel
-        return True
+        """Take ``partition``'s lock: its exclusive lock queue (refused with 405 while another
+        member's connection holds it). False: another member holds it."""
+        return self.slot is not None and self._exclusive(lock_queue(self.name, partition))
 
     def unlock(self, partition: int) -> None:
         """Let ``partition``'s lock go (after its consumer closed)."""
-        channel = self._locks.pop(partition, None)
-        self.lock_lost.discard(partition)
-        if channel is not None and channel.is_open:
-            with contextlib.suppress(Exception):
-                channel.close()
+        with contextlib.suppress(pika.exceptions.AMQPError):
+            self._channel.queue_delete(lock_queue(self.name, partition))
+
+    def _exclusive(self, name: str) -> bool:
+        """Declare ``name`` exclusive to this connection; False when another holds it."""
+        try:
+            self._channel.queue_declare(name, exclusive=True, auto_delete=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._channel = self.connection.channel()
+            if exc.reply_code in (403, 405):  # another connection's
+                return False
+            raise
+        return True
+
+    def _probe(self, name: str) -> int:
+        """1 when ``name`` (an exclusive queue) is held, by anyone; 0 when free."""
+        try:
+            self._channel.queue_declare(name, passive=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._channel = self.connection.channel()
+            if exc.reply_code == 404:
+                return 0
+            if exc.reply_code in (403, 405):  # another connection's
+                return 1
+            raise
+        return 1
+
+    def _check_partitions(self) -> None:
+        """The group's record of its number of partitions (a durable queue whose
+        ``x-max-length`` is that number: the broker refuses another with 406). A record the
+        broker cannot reach now (its node down) is not checked."""
+        try:
+            self._channel.queue_declare(
+                config_queue(self.name),
+                durable=True,
+                arguments={"x-max-length": self.partitions, "x-queue-type": "classic"},
+            )
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._channel = self.connection.channel()
+            if exc.reply_code == 406:  # (RabbitMQ names x-max-length, LavinMQ no argument)
+                raise ConfigurationError(
+                    f"the consumer group {self.name!r} has another number of partitions than "
+                    f"this one's partitions={self.partitions} (the broker: {exc.reply_text}); "
+                    f"every member of a group must give the same number (to change it, stop "
+                    f"every member and delete the queue {config_queue(self.name)!r})"
+                ) from None
+            if exc.reply_code != 404:  # 404: its node is down
+                raise
 
     def wait(self, seconds: float) -> None:
         """Serve the connection (heartbeats, cancels) for ``seconds``."""
@@ -162,28 +204,6 @@ class GroupView:
             user=str(getattr(params.credentials, "username", "")),
         )
         return better or broker_error(exc.reply_code, exc.reply_text)
-
-    def _declare_own(self, name: str) -> Any:
-        """Declare one of the group's own queues (auto-delete, classic: a quorum queue ignores
-        exclusive consumers).
-
-        Its ``x-max-length`` is the number of partitions (the queue never holds a message):
-        the broker refuses a member that counts the partitions otherwise (406), which would
-        share them wrongly and leave some unconsumed."""
-        try:
-            return self._channel.queue_declare(
-                name,
-                auto_delete=True,
-                arguments={"x-max-length": self.partitions, "x-queue-type": "classic"},
-            )
-        except pika.exceptions.ChannelClosedByBroker as exc:
-            if exc.reply_code == 406:  # (RabbitMQ names x-max-length, LavinMQ no argument)
-                raise ConfigurationError(
-                    f"the consumer group {self.name!r} has members with another number of "
-                    f"partitions than this one's partitions={self.partitions} (the broker: "
-                    f"{exc.reply_text}); every member of a group must give the same number"
-                ) from None
-            raise
 
 
 def hash_missing(loss: ReliableAmqpError) -> ReliableAmqpError | None:

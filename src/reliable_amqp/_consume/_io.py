@@ -73,6 +73,7 @@ class ConsumerIO:
         consumer_arguments: dict[str, Any] | None = None,
         lifecycle: Lifecycle | None = None,
         generations: Callable[[], int] | None = None,
+        careful_start: bool = True,
     ) -> None:
         self._params = params
         self.queue = queue
@@ -83,6 +84,10 @@ class ConsumerIO:
         self._consumer_arguments = consumer_arguments or {}
         self._lifecycle = lifecycle
         self._generations = generations
+        # the careful start resubscribes (cancel, then consume again): not on a queue with
+        # single active consumer, where a cancel hands the queue to another consumer (and
+        # LavinMQ requeues what the cancelled one holds)
+        self._careful_start = careful_start
         self.stopping = threading.Event()
         #: set when a subscription is live (cleared while recovering)
         self.consuming = threading.Event()
@@ -317,7 +322,7 @@ class ConsumerIO:
         # with them). A crash loop then charges the broker's delivery count of the poison
         # alone, not of every message prefetched with it; the first fresh delivery opens the
         # full prefetch (see _leave_careful).
-        self._careful = self.prefetch > 1
+        self._careful = self._careful_start and self.prefetch > 1
         channel.basic_qos(
             prefetch_count=1 if self._careful else self.prefetch, callback=self._on_qos
         )

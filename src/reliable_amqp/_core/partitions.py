@@ -4,18 +4,21 @@
 to the consistent-hash exchange ``NAME`` (one routing key always lands in the same queue). The
 members of a group (every consumer started with the same ``NAME``) share the partitions:
 
-- **who is a member**: each holds one consumer on the group queue ``NAME.members``; its consumer
-  count (a passive ``queue.declare``) is the number of live members;
-- **who owns a partition**: the member whose *exclusive* consumer is on its lock queue
-  ``NAME.<i>.lock`` (classic: a quorum queue accepts a second exclusive consumer). The broker
-  refuses a second one (403) and forgets the first with its connection, so a member killed -9
-  loses its partitions at once. The partition queues themselves have *single active consumer*:
-  the broker's guard that one member at a time gets a partition's messages, whatever the
-  members believe;
-- **the share**: every ``interval`` each member looks at the partitions' consumer counts and
-  takes free ones up to its fair share (:func:`plan`), gives up what it holds beyond it, and
-  says it is starving (a consumer on ``NAME.wanting``) when it holds less than the least share
-  and nothing is free, so that a member holding the most gives one up.
+- **who is a member**: the holder of an exclusive queue ``NAME.member.<slot>`` (slots
+  0..N-1: more members than partitions would hold nothing; a spare waits for a slot);
+- **who owns a partition**: the holder of the exclusive queue ``NAME.<i>.lock``. An exclusive
+  queue belongs to one connection: the broker refuses it to any other (405) and deletes it
+  with its connection, so a member killed -9, or whose node died, loses its slot and locks at
+  once, and nothing of the group is left on a node that went down. The partition queues
+  themselves have *single active consumer*: the broker's guard that one member at a time gets
+  a partition's messages, whatever the members believe;
+- **the share**: every ``interval`` each member probes the slots and locks (a passive declare:
+  404 free, 405 held) and takes free partitions up to its fair share (:func:`plan`), gives up
+  what it holds beyond it, and says it is starving (its exclusive ``NAME.wanting.<slot>``)
+  when it holds less than the least share and nothing is free, so that a member holding the
+  most gives one up;
+- **the number of partitions** is recorded in the durable queue ``NAME.partitions`` (its
+  ``x-max-length``): a member that counts otherwise is refused (406).
 
 This module decides; :mod:`reliable_amqp._consume._group` does the I/O.
 """
@@ -57,15 +60,20 @@ def lock_queue(name: str, index: int) -> str:
     return f"{name}.{index}.lock"
 
 
-def members_queue(name: str) -> str:
-    """The queue whose consumer count is the number of live members of the group."""
-    return f"{name}.members"
+def member_queue(name: str, slot: int) -> str:
+    """The exclusive queue that is a member's slot: held by one member's connection."""
+    return f"{name}.member.{slot}"
 
 
-def wanting_queue(name: str) -> str:
-    """The queue whose consumer count is the number of members holding less than their
-    share while no partition is free."""
-    return f"{name}.wanting"
+def wanting_queue(name: str, slot: int) -> str:
+    """The exclusive queue of the member in ``slot`` while it holds less than its share and
+    no partition is free."""
+    return f"{name}.wanting.{slot}"
+
+
+def config_queue(name: str) -> str:
+    """The durable queue whose ``x-max-length`` records the group's number of partitions."""
+    return f"{name}.partitions"
 
 
 def check_partitions(partitions: object) -> int:
