@@ -268,9 +268,6 @@ def own_queues(amqp_url: str) -> Iterator[list[str]]:
         delete_queues(amqp_url, side_queues(queue, QUICK))
 
 
-@pytest.mark.rabbitmq_only(
-    reason="RabbitMQ's basic.cancel on queue deletion (consumer_cancel_notify)"
-)
 def test_queue_deleted_and_declared_again_consumes_what_arrives_next(
     amqp_url: str,
     broker: BrokerAdmin,
@@ -485,9 +482,6 @@ def test_a_stalled_link_is_noticed_by_heartbeats_and_consuming_resumes(
     assert broker.count(queue) == 0
 
 
-@pytest.mark.rabbitmq_only(
-    reason="RabbitMQ's basic.cancel on queue deletion (consumer_cancel_notify)"
-)
 def test_a_declaring_consumer_declares_its_deleted_queue_again(
     amqp_url: str, broker: BrokerAdmin, own_queues: list[str]
 ) -> None:
