@@ -346,7 +346,7 @@ ROWS: dict[str, tuple[str, Measure]] = {
     "async-consumer-16": (ASYNC_CONSUMER_16, reliable_async_consumer_16),
 }
 #: the rows a run has unless --only says (async-consumer-16 with --issue47 or --only)
-DEFAULT_ROWS = [key for key in ROWS if key != "async-consumer-16"]
+DEFAULT_ROWS = list(ROWS)  # every row, AsyncConsumer at concurrency 1 and 16 included
 
 
 @contextmanager

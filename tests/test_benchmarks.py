@@ -160,6 +160,7 @@ def test_consume_benchmark_runs_every_row(amqp_url: str) -> None:
         node,
         "reliable_amqp.Consumer (no-op handler)",
         "reliable_amqp.AsyncConsumer (no-op async handler)",
+        "reliable_amqp.AsyncConsumer concurrency=16 (no-op)",
     }
     if "missing" in rows[node]:  # no node or amqplib here: said, not skipped in silence
         assert f"MISSING ROW {node}" in result.stderr
