@@ -81,6 +81,10 @@ def name(amqp_url: str) -> Iterator[str]:
     # (the group's slots and locks are exclusive queues: gone with their connections)
     queues = [*partition_queues(group, N), config_queue(group)]
     side = [s for q in partition_queues(group, N) for s in side_queues(q, RETRY)[1:]]
+    # a consumer with the default policy declares its delay queues too (at start: before it
+    # finds the partition queues missing), and one with half the partitions
+    for count in (N, N // 2):
+        side += Consumer(amqp_url, group, partitions=count).own_queues
     delete_queues(amqp_url, [*queues, *side, f"{group}.dead"])
     connection = pika.BlockingConnection(pika.URLParameters(amqp_url))
     try:
