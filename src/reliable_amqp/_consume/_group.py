@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import pika
 import pika.exceptions
 
+from reliable_amqp._consume._attempts import Attempts
 from reliable_amqp._consume._group_view import Counts, GroupView, hash_missing
 from reliable_amqp._consume._io import ConsumerIO
 from reliable_amqp._consume._lifecycle import node_of, product_of
@@ -98,7 +99,8 @@ class PartitionGroup:
         self.fatal: ReliableAmqpError | None = None
         self.node: str | None = None
         self.server_properties: Mapping[str, Any] | None = None
-        self.recoveries = 0
+        #: lost group connections counted against the connect policy (as a ConsumerIO's)
+        self._attempts = Attempts(connect_policy)
         self._stale = 0
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -134,6 +136,11 @@ class PartitionGroup:
             for p, io in list(self._ios.items())
             if p not in self._releasing and not io.ended.is_set()
         )
+
+    @property
+    def recoveries(self) -> int:
+        """Group connections got back after a loss."""
+        return self._attempts.recoveries
 
     @property
     def last_delivery(self) -> float | None:
@@ -263,8 +270,8 @@ class PartitionGroup:
             self.ended.set()
 
     def _loop(self) -> None:
-        failures = 0
-        first_failure: float | None = None
+        attempts = self._attempts
+        attempts.reset()
         index = 0
         while not self._stopping.is_set():
             params = self._params[index % len(self._params)]
@@ -295,14 +302,9 @@ class PartitionGroup:
             self._close_view()
             if self._stopping.is_set():
                 return
-            now = time.monotonic()
-            first_failure = first_failure if first_failure is not None else now
-            failures += 1
-            if not self._policy.allows(failures, now - first_failure):
-                raise ReliableAmqpError(
-                    f"consumer group {self.queue!r} gave up after {failures} attempts: {loss}"
-                )
-            delay = self._policy.delay(failures)
+            if not attempts.count(loss):
+                raise attempts.gave_up(self.queue, loss)
+            delay = attempts.delay()
             log.warning(
                 "reliable-amqp: consumer group %r lost its view of the group (%s); trying again "
                 "in %.1f s (the partitions it holds are consumed meanwhile)",
@@ -312,7 +314,6 @@ class PartitionGroup:
             )
             if self._stopping.wait(delay):
                 return
-            self.recoveries += 1
 
     def _member(self, params: pika.URLParameters) -> None:
         """Connect, declare, join, then look at the group every interval until stopped."""
@@ -326,6 +327,7 @@ class PartitionGroup:
             if not view.lock(partition):
                 self._release(partition, 0, "its lock was taken while this member was away")
         self._lifecycle.subscribed(self.node, None, 0, 0.0, self.server_properties)
+        self._attempts.recovered()  # an outage is counted on its own, not with earlier ones
         self.consuming.set()
         while not self._stopping.is_set():
             counts = view.counts()
