@@ -28,7 +28,8 @@ from reliable_amqp._core.partitions import (
     partition_queue,
     wanting_queue,
 )
-from reliable_amqp._core.refusals import QueueNotFound, refusal
+from reliable_amqp._core.refusals import QueueNotFound
+from reliable_amqp._sync._pika import refusal_at
 
 
 @dataclass(frozen=True)
@@ -194,14 +195,12 @@ class GroupView:
                 f"{partition_queue(self.name, self.partitions - 1)!r}) must exist; "
                 "declare=True declares them, the consistent-hash exchange and its bindings",
             )
-        params = self.connection._impl.params
-        better = refusal(
+        better = refusal_at(
+            self.connection._impl.params,
             exc.reply_code,
             exc.reply_text,
             operation="queue.declare",
             name=self.name,
-            vhost=params.virtual_host,
-            user=str(getattr(params.credentials, "username", "")),
         )
         return better or broker_error(exc.reply_code, exc.reply_text)
 

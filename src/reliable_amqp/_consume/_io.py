@@ -42,9 +42,8 @@ from reliable_amqp._core.delivery import Delivery, DeliveryScanner
 from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
 from reliable_amqp._core.liveness import LinkWatch
 from reliable_amqp._core.policy import RetryPolicy
-from reliable_amqp._core.refusals import refusal
 from reliable_amqp._logs import own_context, own_loop
-from reliable_amqp._sync._pika import call_threadsafe, translate_connection_error
+from reliable_amqp._sync._pika import call_threadsafe, refusal_at, translate_connection_error
 
 if TYPE_CHECKING:
     from reliable_amqp._consume._lifecycle import Lifecycle
@@ -508,13 +507,8 @@ def _refusal(reason: Any, step: str, queue: str, params: Any) -> ReliableAmqpErr
     code = getattr(reason, "reply_code", None)
     if not step or type(code) is not int:
         return None
-    return refusal(
-        code,
-        str(getattr(reason, "reply_text", "")),
-        operation=step,
-        name=queue,
-        vhost=params.virtual_host,
-        user=str(getattr(params.credentials, "username", "")),
+    return refusal_at(
+        params, code, str(getattr(reason, "reply_text", "")), operation=step, name=queue
     )
 
 

@@ -34,7 +34,7 @@ from reliable_amqp._core.redelivery import (
     delay_queue,
     retry_headers,
 )
-from reliable_amqp._core.refusals import refusal
+from reliable_amqp._sync._pika import refusal_at
 from reliable_amqp._sync.publisher import Publisher
 
 if TYPE_CHECKING:
@@ -230,13 +230,12 @@ def _refused(exc: AccessRefused, queue: str, options: ConsumerOptions) -> Reliab
     """A 403 on one of the consumer's own queues, naming the permission to grant."""
     params = pika.URLParameters(options.connection.urls[0])
     own = ", ".join(repr(name) for name in options.own_queues)
-    better = refusal(
+    better = refusal_at(
+        params,
         403,
         exc.text,
         operation="queue.declare",
         name=queue,
-        vhost=params.virtual_host,
-        user=str(getattr(params.credentials, "username", "")),
         why=(
             f"the consumer declares its own queues ({own}) at start, and publishes retries "
             "and dead letters to them, which needs 'write' on the default exchange too"

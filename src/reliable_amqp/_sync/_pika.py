@@ -26,12 +26,14 @@ from pika.adapters.utils.connection_workflow import (
 from reliable_amqp._compat import scrub_credentials
 from reliable_amqp._compat.pika import CoalescingConnection, terminate_stream
 from reliable_amqp._core.errors import (
+    BrokerError,
     ConfigurationError,
     ReliableAmqpError,
     connection_failure,
     unreachable,
 )
 from reliable_amqp._core.options import PublisherOptions, redact_url
+from reliable_amqp._core.refusals import refusal
 from reliable_amqp._logs import OWNED, install
 from reliable_amqp._tls import client_context, tls_failure, uses_tls
 
@@ -236,6 +238,22 @@ def _socket_error(error: object) -> OSError | None:
 
 
 _PEERNAME_FAILED = re.compile(r"getpeername\(\) failed: error=\w*Error\(\d+, '([^']*)'\)")
+
+
+def refusal_at(
+    params: Any, reply_code: int, reply_text: str, *, operation: str, name: str, why: str = ""
+) -> BrokerError | None:
+    """:func:`~reliable_amqp._core.refusals.refusal` on a connection with these pika
+    parameters: their virtual host and user name the remedy."""
+    return refusal(
+        reply_code,
+        reply_text,
+        operation=operation,
+        name=name,
+        vhost=str(getattr(params, "virtual_host", "")),
+        user=str(getattr(getattr(params, "credentials", None), "username", "")),
+        why=why,
+    )
 
 
 def _login(params: Any) -> tuple[str, str] | None:
