@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -27,9 +28,12 @@ from reliable_amqp import (
     RetryPolicy,
 )
 from reliable_amqp._consume._group import PartitionGroup
+from reliable_amqp._consume._group_view import GroupView
 from reliable_amqp._core.errors import PreconditionFailed
 from reliable_amqp._core.partitions import (
     config_queue,
+    lock_queue,
+    member_queue,
     partition_queues,
 )
 from reliable_amqp._core.refusals import QueueNotFound
@@ -279,6 +283,45 @@ def test_a_broker_without_the_hash_exchange_ends_run_with_the_command(
         )
 
 
+def test_a_slot_or_lock_granted_to_two_connections_ends_with_one(
+    amqp_url: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LavinMQ 2.9.1 grants a new exclusive queue to every connection whose declaration meets
+    another's (docs/brokers.md, "Partitioned consumers"): two members then held one slot (the
+    group counted too few members and never settled) or one lock. Two views on one connection
+    are granted the same exclusive queue on any broker: each must find the other's hold and
+    one of them give the queue up."""
+    caplog.set_level(logging.INFO, logger="reliable_amqp")
+    params = pika.URLParameters(amqp_url)
+    first = GroupView(params, name, N, None)
+    second = GroupView(params, name, N, None)
+    second.close()
+    second.connection = first.connection  # (as LavinMQ's second connection: granted too)
+    second._channel = first.connection.channel()
+    try:
+        first.take_slot()
+        second.take_slot()  # slot 0 is granted, held twice: given up, slot 1 taken
+        assert (first.slot, second.slot) == (0, 1)
+        first.wait(10)  # ends early: the broker deleted slot 0 under the first
+        assert first.lost == [member_queue(name, 0)]
+        assert first.regain() == []
+        assert (first.slot, second.slot) == (0, 1)  # the first took its slot back
+
+        assert first.lock(3)
+        assert not second.lock(3)
+        first.wait(10)
+        assert first.lost == [lock_queue(name, 3)]
+        assert first.regain() == [3]  # the group locks it again (or gives the partition up)
+        assert first.lock(3)
+        assert not first.lost
+        held = first.connection.channel().queue_declare(lock_queue(name, 3), passive=True)
+        assert held.method.consumer_count == 1
+    finally:
+        first.close()
+    shared = [r.levelname for r in caplog.records if "to another connection" in r.getMessage()]
+    assert shared == ["WARNING", "INFO"]  # said each time, loudly the first time
+
+
 def test_a_member_counting_other_partitions_is_refused(amqp_url: str, name: str) -> None:
     effects = Effects()
     consumer = _member(amqp_url, name)
@@ -305,6 +348,9 @@ def test_members_started_at_once_on_quorum_partitions_never_share_one(
         wait_until(lambda: sorted(len(g.held) for g in groups) == [2, 3, 3], 30, "3, 3, 2")
         held = [p for g in groups for p in g.held]
         assert sorted(held) == list(range(N))
+        # one slot each (LavinMQ had granted a slot to two members declaring it at once)
+        slots = [g._view.slot if g._view is not None else None for g in groups]
+        assert sorted(s for s in slots if s is not None) == [0, 1, 2], slots
         _publish(amqp_url, name, keys=40, per_key=15)
         wait_until(lambda: effects.count >= 600, 60, "600 handled")
     assert effects.count == 600

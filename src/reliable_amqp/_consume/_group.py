@@ -330,11 +330,35 @@ class PartitionGroup:
         self._attempts.recovered()  # an outage is counted on its own, not with earlier ones
         self.consuming.set()
         while not self._stopping.is_set():
+            self._regain(view)
             counts = view.counts()
             self._looked = True
             view.want(self._round(counts))
             pause = self._interval * self._rng.uniform(0.8, 1.2)
             view.wait(min(pause, 0.05) if self._releasing else pause)
+
+    def _regain(self, view: GroupView) -> None:
+        """Lock again what the broker deleted under this member (another connection had been
+        granted the same lock: GroupView._claim), or give it up if another member took it."""
+        if not view.lost:
+            return
+        for partition in view.regain():
+            if partition not in self.held:
+                continue  # being given up, or gone already
+            if view.lock(partition):
+                log.info(
+                    "reliable-amqp: consumer group %r locked partition %r again",
+                    self.queue,
+                    partition_queue(self.queue, partition),
+                )
+                continue
+            log.warning(
+                "reliable-amqp: consumer group %r lost the lock of partition %r to another "
+                "member (the broker had granted it to both); giving the partition up",
+                self.queue,
+                partition_queue(self.queue, partition),
+            )
+            self._release(partition, 0, "its lock went to another member")
 
     def _close_view(self) -> None:
         view, self._view = self._view, None

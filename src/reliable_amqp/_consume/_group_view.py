@@ -9,13 +9,17 @@ what it reads. See :mod:`reliable_amqp._core.partitions` for the names and the r
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pika
 import pika.exceptions
+from pika.adapters.blocking_connection import BlockingChannel
 
+from reliable_amqp._consume._lifecycle import product_of
 from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError, broker_error
 from reliable_amqp._core.partitions import (
     BINDING_WEIGHT,
@@ -30,6 +34,12 @@ from reliable_amqp._core.partitions import (
 )
 from reliable_amqp._core.refusals import QueueNotFound
 from reliable_amqp._sync._pika import refusal_at
+
+log = logging.getLogger("reliable_amqp")
+
+#: how often (s) the group's thread looks, while it waits, whether the broker took a slot or
+#: a lock from under it (see GroupView.lost)
+LOST_CHECK = 0.05
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,13 @@ class GroupView:
         #: has as many members as partitions already (this one waits as a spare)
         self.slot: int | None = None
         self._wanting = False
+        #: the slot and the locks this member holds: queue -> the channel of its *hold*, a
+        #: consumer on that queue (see :meth:`_claim`)
+        self._holds: dict[str, BlockingChannel] = {}
+        #: held queues the broker deleted under this member (another connection that had been
+        #: granted the same exclusive queue gave it up): :meth:`regain` takes them again
+        self.lost: list[str] = []
+        self._said_shared = False  # the first shared grant is a WARNING, the next ones INFO
 
     def join(self) -> None:
         """Declare (with ``declare``) the topology, check the group's number of partitions,
@@ -85,7 +102,7 @@ class GroupView:
         if self.slot is not None:
             return
         for slot in range(self.partitions):
-            if self._exclusive(member_queue(self.name, slot)):
+            if self._claim(member_queue(self.name, slot)):
                 self.slot = slot
                 return
 
@@ -118,12 +135,108 @@ class GroupView:
     def lock(self, partition: int) -> bool:
         """Take ``partition``'s lock: its exclusive lock queue (refused with 405 while another
         member's connection holds it). False: another member holds it."""
-        return self.slot is not None and self._exclusive(lock_queue(self.name, partition))
+        return self.slot is not None and self._claim(lock_queue(self.name, partition))
 
     def unlock(self, partition: int) -> None:
         """Let ``partition``'s lock go (after its consumer closed)."""
-        with contextlib.suppress(pika.exceptions.AMQPError):
-            self._channel.queue_delete(lock_queue(self.name, partition))
+        name = lock_queue(self.name, partition)
+        self._unhold(name)
+        self._delete(name)
+
+    def regain(self) -> list[int]:
+        """Take back the slot if the broker deleted it under this member (:attr:`lost`), and
+        return the partitions whose lock it deleted (the group locks those it still holds
+        again, or gives them up)."""
+        lost, self.lost = self.lost, []
+        locks = {lock_queue(self.name, i): i for i in range(self.partitions)}
+        partitions = []
+        for name in lost:
+            self._unhold(name)
+            if self.slot is not None and name == member_queue(self.name, self.slot):
+                self.want(False)
+                self.slot = None
+                self.take_slot()
+            elif name in locks:
+                partitions.append(locks[name])
+        return partitions
+
+    def _claim(self, name: str) -> bool:
+        """Hold ``name`` (a slot or a lock): declare it exclusive, then check that no other
+        connection was granted it too.
+
+        LavinMQ 2.9.1 grants a new exclusive queue to every connection whose declaration comes
+        while the first one is being created (``Client#declare_new_queue`` takes the queue the
+        other connection made as its own: docs/brokers.md). So each holder also consumes from
+        what it holds (its *hold*, on a channel of its own), then reads the queue's consumer
+        count: of two connections granted one queue, at most one counts 1 (each counts after its
+        own consumer is on), and any that counts more gives the queue up and deletes it, which
+        ends the other's claim too (its hold is cancelled: :attr:`lost`, taken back by
+        :meth:`regain`).
+        """
+        if name in self._holds:  # already ours (the group looks again after a reconnect)
+            return True
+        if not self._exclusive(name):
+            return False
+        hold = self.connection.channel()
+        hold.add_on_cancel_callback(lambda _frame: self._cancelled(name, hold))
+        try:
+            hold.basic_consume(name, _never, auto_ack=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            if exc.reply_code not in (403, 404, 405):  # deleted by the other holder already
+                raise
+            return False
+        self._holds[name] = hold
+        count = self._consumers(name)
+        if count == 1:
+            return True
+        if count > 1:
+            log.log(
+                logging.INFO if self._said_shared else logging.WARNING,
+                "reliable-amqp: consumer group %r: the broker (%s) granted the exclusive queue "
+                "%r to this member and to another connection at once (%d holders); this member "
+                "gives it up (LavinMQ 2.9.1 does so when two declarations of a new exclusive "
+                "queue meet: see docs/brokers.md)",
+                self.name,
+                product_of(self.server_properties) or "?",
+                name,
+                count,
+            )
+            self._said_shared = True
+        # (0: the other holder gave it up first, and deleted it)
+        self._unhold(name)
+        self._delete(name)
+        return False
+
+    def _cancelled(self, name: str, hold: BlockingChannel) -> None:
+        """(pika's callback) The broker cancelled a hold: its queue was deleted."""
+        if self._holds.get(name) is hold:
+            self.lost.append(name)
+
+    def _unhold(self, name: str) -> None:
+        """End the hold of ``name`` (its channel closes with its consumer)."""
+        hold = self._holds.pop(name, None)
+        if hold is not None and hold.is_open:
+            with contextlib.suppress(pika.exceptions.AMQPError):
+                hold.close()
+
+    def _delete(self, name: str) -> None:
+        """Delete ``name`` if it is this connection's (another connection's: left alone)."""
+        try:
+            self._channel.queue_delete(name)
+        except pika.exceptions.ChannelClosedByBroker:
+            self._channel = self.connection.channel()
+        except pika.exceptions.AMQPError:
+            pass  # the connection is going: the group's loop notices
+
+    def _consumers(self, name: str) -> int:
+        """The consumer count of ``name`` (0: it is gone)."""
+        try:
+            return int(self._channel.queue_declare(name, passive=True).method.consumer_count)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            self._channel = self.connection.channel()
+            if exc.reply_code in (403, 404, 405):  # gone, or another connection's now
+                return 0
+            raise
 
     def _exclusive(self, name: str) -> bool:
         """Declare ``name`` exclusive to this connection; False when another holds it."""
@@ -172,8 +285,14 @@ class GroupView:
                 raise
 
     def wait(self, seconds: float) -> None:
-        """Serve the connection (heartbeats, cancels) for ``seconds``."""
-        self.connection.process_data_events(time_limit=seconds)
+        """Serve the connection (heartbeats, cancels) for ``seconds``, or until the broker
+        takes a slot or a lock from under this member (:attr:`lost`)."""
+        deadline = time.monotonic() + seconds
+        while not self.lost:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.connection.process_data_events(time_limit=min(left, LOST_CHECK))
 
     @property
     def is_open(self) -> bool:
