@@ -29,6 +29,7 @@ from reliable_amqp import (
 )
 from reliable_amqp._consume._group import PartitionGroup
 from reliable_amqp._consume._group_view import GroupView
+from reliable_amqp._consume._lifecycle import product_of
 from reliable_amqp._core.errors import PreconditionFailed
 from reliable_amqp._core.partitions import (
     config_queue,
@@ -169,7 +170,9 @@ def test_a_partition_queue_declared_otherwise_is_refused_loudly(amqp_url: str, n
         consumer.run(lambda d: None)
 
 
-def test_one_member_takes_every_partition_and_keeps_key_order(amqp_url: str, name: str) -> None:
+def test_one_member_takes_every_partition_and_keeps_key_order(
+    amqp_url: str, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
     effects = Effects()
     consumer = _member(amqp_url, name)
     with running(consumer, effects.handler()):  # type: ignore[arg-type]
@@ -182,6 +185,10 @@ def test_one_member_takes_every_partition_and_keeps_key_order(amqp_url: str, nam
         assert len(effects.partitions[key]) == 1  # a key always lands in one partition
     used = set().union(*effects.partitions.values())
     assert len(used) >= N - 2  # 50 keys spread over the partitions (a hash: most, not all)
+    # on LavinMQ, its out-of-order hand-over after a lost connection is said once, at start
+    said = [r for r in caplog.records if "hands a single-active-consumer queue" in r.getMessage()]
+    lavinmq = product_of(_group(consumer).server_properties).startswith("LavinMQ")
+    assert [r.levelname for r in said] == (["WARNING"] if lavinmq else [])
 
 
 def test_members_share_evenly_and_a_rebalance_neither_loses_nor_reorders(
@@ -348,9 +355,10 @@ def test_members_started_at_once_on_quorum_partitions_never_share_one(
         wait_until(lambda: sorted(len(g.held) for g in groups) == [2, 3, 3], 30, "3, 3, 2")
         held = [p for g in groups for p in g.held]
         assert sorted(held) == list(range(N))
-        # one slot each (LavinMQ had granted a slot to two members declaring it at once)
-        slots = [g._view.slot if g._view is not None else None for g in groups]
-        assert sorted(s for s in slots if s is not None) == [0, 1, 2], slots
+        # a slot each (LavinMQ had granted one slot to two members declaring it at once; which
+        # slots they end in depends on who gave up which)
+        slots = {g._view.slot for g in groups if g._view is not None}
+        assert len(slots) == 3 and None not in slots, slots
         _publish(amqp_url, name, keys=40, per_key=15)
         wait_until(lambda: effects.count >= 600, 60, "600 handled")
     assert effects.count == 600

@@ -116,6 +116,7 @@ class PartitionGroup:
         self._view: GroupView | None = None
         self._rng = random.Random()
         self._looked = False  # a round saw every queue of the group (this run)
+        self._said_broker = False  # the LavinMQ hand-over warning, once per consumer
         #: partition -> monotonic time it was taken (for tests and take-over times)
         self.taken_at: dict[int, float] = {}
 
@@ -321,7 +322,19 @@ class PartitionGroup:
         self._view = view
         self.node = node_of(params.host, params.port)
         self.server_properties = view.server_properties
-        self._lifecycle.connected(self.node, product_of(self.server_properties))
+        product = product_of(self.server_properties)
+        self._lifecycle.connected(self.node, product)
+        if product.startswith("LavinMQ") and not self._said_broker:
+            self._said_broker = True
+            log.warning(
+                "reliable-amqp: consumer group %r on %s: a partition whose connection is lost "
+                "while the broker still holds it (a member cut off by the network) can reach "
+                "the next member out of order: LavinMQ hands a single-active-consumer queue to "
+                "the next consumer before it requeues what the closed one held (docs/brokers.md, "
+                '"Partitioned consumers"); members joining and leaving keep order',
+                self.queue,
+                product,
+            )
         view.join()
         for partition in self.held:  # consumed meanwhile: locked again, or given up
             if not view.lock(partition):

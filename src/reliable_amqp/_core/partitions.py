@@ -9,7 +9,9 @@ members of a group (every consumer started with the same ``NAME``) share the par
 - **who owns a partition**: the holder of the exclusive queue ``NAME.<i>.lock``. An exclusive
   queue belongs to one connection: the broker refuses it to any other (405) and deletes it
   with its connection, so a member killed -9, or whose node died, loses its slot and locks at
-  once, and nothing of the group is left on a node that went down. The partition queues
+  once, and nothing of the group is left on a node that went down. (LavinMQ 2.9.1 grants a
+  new exclusive queue to two connections whose declarations meet: a member checks each slot
+  and lock it is granted, ``_consume._group_view.GroupView._claim``.) The partition queues
   themselves have *single active consumer*: the broker's guard that one member at a time gets
   a partition's messages, whatever the members believe;
 - **the share**: every ``interval`` each member probes the slots and locks (a passive declare:
