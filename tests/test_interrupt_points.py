@@ -302,4 +302,5 @@ def test_an_interrupt_anywhere_in_the_async_publishers_code_leaks_and_delays_not
                 assert after.done() and after.exception() is None
                 assert (window.count, window.bytes) == (0, 0), where
 
-    assert asyncio.run(main()) > 10
+    # (9 points on Python 3.11: the usual case is one coroutine, AsyncPublisher.publish)
+    assert asyncio.run(main()) > 5

@@ -8,7 +8,8 @@ aio-pika's per-message path (a ``Message``, a channel lock, a confirmation futur
 socket drain per publish) is what limits its throughput; ``docs/async.md`` has the figures.
 
 This module is the caller's side: validation, the in-flight window, futures and ``flush``. The
-tasks that talk to the broker are in :mod:`._pump`. Everything runs on one event loop, so the
+tasks that talk to the broker are in :mod:`._link` (the connection's life) and :mod:`._pump`
+(the traffic). Everything runs on one event loop, so the
 engine needs no lock.
 """
 
@@ -19,7 +20,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,8 @@ import aio_pika.abc
 
 from reliable_amqp._async import _topology
 from reliable_amqp._async._connect import ConnectionSource
-from reliable_amqp._async._future import AsyncPublishFuture, future_entry, future_of
+from reliable_amqp._async._future import AsyncPublishFuture, entry_maker, future_of
+from reliable_amqp._async._link import Link
 from reliable_amqp._async._pump import Pump
 from reliable_amqp._async._spooled import AsyncSpooled
 from reliable_amqp._core.admission import NO_ROOM, Admission
@@ -134,16 +135,17 @@ class AsyncPublisher(
         self._builder: MessageBuilder[AsyncEntry] = self._init_builder(new_entry)
         self._window = Window(self.options.max_in_flight, self.options.max_in_flight_bytes)
         self._topology = Topology()
-        self._pump = Pump(
+        self._pump = Pump(self._supervisor, resolve=self._resolve)
+        self._link = Link(
             self._supervisor,
             ConnectionSource(self.options, connection),
             self._topology,
-            resolve=self._resolve,
+            self._pump,
             on_end=self._on_end,
         )
         #: publishes waiting for room in the window, first come first served
         self._room_waiters: deque[asyncio.Future[None]] = deque()
-        #: the event loop, once the pump is ready (publish() need not connect)
+        #: the event loop, once the link is ready (publish() need not connect)
         self._loop: asyncio.AbstractEventLoop | None = None
         #: whether a publish goes in now (the core's)
         #: (a KeyboardInterrupt in an admission gives the room back unless the engine took it)
@@ -157,7 +159,7 @@ class AsyncPublisher(
         urls = ", ".join(redact_url(u) for u in self.options.urls)
         self._open = _Open(f"AsyncPublisher [{urls}]", self._window, self.options.spool)
         state = self._open
-        self._pump.on_abandoned = lambda: state.report(
+        self._link.on_abandoned = lambda: state.report(
             "was not closed before its event loop stopped",
             "they failed with PublisherClosed",
         )
@@ -193,27 +195,27 @@ class AsyncPublisher(
         :class:`AuthenticationFailed` at once; other failures raise :class:`RecoveryFailed` once
         the connect policy is spent.
         """
-        pump = self._pump
+        link = self._link
         if not self._admission.accepting:
             raise PublisherClosed.refused("connect()")
-        if not pump.started:
+        if not link.started:
             self._telemetry = self._otel.decide(self.options, self._supervisor, self.stats)
             self._admission.telemetry = self._telemetry
             self._open.started = True
-            pump.start()
+            link.start()
             if self._spooled is not None:
-                self._spooled.start(pump.loop)
+                self._spooled.start(link.loop)
         if self._spooled is not None:
             return self  # connects in the background; publish() goes to the spool meanwhile
-        await pump.ready.wait()
-        loop = pump.loop
+        await link.ready.wait()
+        loop = link.loop
         if self._spooled is None and type(loop).create_future is _BASE_CREATE_FUTURE:
             # the loop makes plain asyncio futures: from now on each message's future is its
             # entry (one object a message in flight; the spool's feed needs them apart)
-            self._builder.make_with(partial(future_entry, loop))
+            self._builder.make_with(entry_maker(loop))
         self._loop = loop
-        if pump.fatal is not None:
-            raise pump.fatal
+        if link.fatal is not None:
+            raise link.fatal
         if not self._admission.accepting:
             raise PublisherClosed.refused("connect()", reason="closed while connecting")
         return self
@@ -245,23 +247,23 @@ class AsyncPublisher(
         self._admission.accepting = False
         self._open.closed = True
         self._release_room_waiters()
-        pump = self._pump
+        link = self._link
         wait = self.options.close_timeout if timeout is None else timeout
-        if not pump.started:
-            pump.ready.set()
+        if not link.started:
+            link.ready.set()
             if self._spooled is not None:
                 await self._spooled.aclose(wait)
             return 0
         left = 0
         try:
-            if not pump.stopping:
+            if not link.stopping:
                 left = await self.flush(wait)
         finally:
             # Even when aclose() itself is cancelled, nothing stays unresolved.
-            pump.accept_pending()
+            self._pump.accept_pending()
             self._resolve(self._supervisor.shutdown())
-            pump.stop()
-        await pump.join()
+            link.stop()
+        await link.join()
         if self._spooled is not None:  # what is left stays in the spool for the next publisher
             await self._spooled.aclose(wait)
         if self._telemetry is not None:
@@ -275,30 +277,30 @@ class AsyncPublisher(
     # --- topology ----------------------------------------------------------------------------
 
     async def _declare(self, op: TopologyOp, timeout: float | None) -> Any:
-        pump = self._pump
+        link = self._link
         call = f"declaring {op.describe()}"
         self._check_usable(call)
-        if not pump.ready.is_set():
+        if not link.ready.is_set():
             await self.connect()
         self._check_usable(call)
         wait = self.options.connect_timeout if timeout is None else timeout
         try:  # while the publisher recovers, the declaration waits for the next channel
-            await asyncio.wait_for(pump.opened.wait(), wait)
+            await asyncio.wait_for(link.opened.wait(), wait)
         except (asyncio.TimeoutError, TimeoutError):
             self._check_usable(call)  # closed or failed meanwhile: say that, not "timeout"
             raise OperationTimeout(
                 f"no connection to declare {op.describe()} within {wait:g} s"
             ) from None
         self._check_usable(call)
-        connection = pump.connection
+        connection = link.connection
         assert connection is not None
         name = await _topology.declare(connection, op, wait)
         self._topology.record(op)
         return name
 
     def _check_usable(self, call: str) -> None:
-        if self._pump.fatal is not None:
-            raise self._pump.fatal
+        if self._link.fatal is not None:
+            raise self._link.fatal
         if not self._admission.accepting:
             raise PublisherClosed.refused(call)
 
@@ -318,11 +320,65 @@ class AsyncPublisher(
 
     # --- publishing --------------------------------------------------------------------------
 
+    async def publish(
+        self,
+        exchange: str,
+        routing_key: str,
+        body: bytes,
+        *,
+        mandatory: bool | None = None,
+        **properties: Any,
+    ) -> Handle:
+        """Send a message; ``await`` the call for its future (an asyncio future). This waits
+        only while the in-flight window is full.
+
+        The future's result is a :class:`Confirmation`, or it raises the :class:`PublishError`
+        subclass that says what became of the message. Keyword properties are AMQP basic
+        properties (``headers``, ``message_id``, ``content_type``, ``correlation_id``,
+        ``expiration``, ``priority``, ...); ``delivery_mode`` defaults to 2 (persistent) and a
+        ``message_id`` is generated when none is given. Raises :class:`InvalidMessage` naming
+        the field for a message AMQP cannot carry (before anything is sent), and
+        :class:`PublishTimeout` when no room frees up within ``publish_timeout``. Cancelling the
+        future only means the caller stopped caring: the message stays tracked until the broker
+        settles it.
+        """
+        # PublisherSurface.publish, _publish, Admission.admit and Pump.take in one coroutine
+        # for the usual case (a coroutine and four calls less a message: docs/benchmarks.md),
+        # their twin: anything else (a spool, no loop yet, publishes waiting for room, closed,
+        # telemetry on, a full window) goes through _publish and the admission.
+        entry = self._builder.message(exchange, routing_key, body, mandatory, properties)
+        admission = self._admission
+        if (
+            type(entry) is not AsyncPublishFuture
+            or self._room_waiters
+            or admission.fatal is not None
+            or not admission.accepting
+            or admission.telemetry is not None
+        ):
+            return await self._publish(entry)
+        pump = self._pump
+        try:
+            index = self._window.try_issue(entry.size)
+            if index:
+                try:  # Admission.admit's, for an interrupt (see there)
+                    entry.index = index
+                    pump.pending.append(entry)
+                except BaseException:
+                    admission.interrupted((entry,))
+                    raise
+                if not pump.accept_due:
+                    pump.accept_soon()
+                return entry
+        except KeyboardInterrupt:
+            pump.rewake()  # it may have cut the wake-up this owed the writer
+            raise
+        return await self._publish(entry)  # no room: wait for it there
+
     async def _publish(self, entry: AsyncEntry) -> Handle:
         pump = self._pump
         admission = self._admission
         if self._spooled is not None:
-            if not pump.started:
+            if not self._link.started:
                 await self.connect()
             if admission.fatal is not None or not admission.accepting:
                 admission.check(entry)
@@ -334,10 +390,10 @@ class AsyncPublisher(
             )
         loop = self._loop
         if loop is None:  # not ready: connect (or wait for the first channel) first
-            if not pump.ready.is_set():
+            if not self._link.ready.is_set():
                 await self.connect()
             admission.check(entry)  # (closed before it ever started, say)
-            loop = pump.loop
+            loop = self._link.loop
         if type(entry) is AsyncPublishFuture:  # its own future
             future: Handle = entry
         else:  # made before the loop was known, or with a spool
@@ -359,15 +415,15 @@ class AsyncPublisher(
         if not entries:
             return []
         if self._spooled is not None:
-            if not self._pump.started:
+            if not self._link.started:
                 await self.connect()
             spooled = self._spooled
             check = self._admission.check
             queued = lambda: bool(self._room_waiters)  # noqa: E731
             return [await spooled.publish(entry, check, queued) for entry in entries]
-        if not self._pump.ready.is_set():
+        if not self._link.ready.is_set():
             await self.connect()
-        loop = self._pump.loop
+        loop = self._link.loop
         if type(entries[0]) is not AsyncPublishFuture:  # made before the loop was known
             for entry in entries:
                 entry.handle = loop.create_future()
@@ -482,9 +538,9 @@ class AsyncPublisher(
                 free -= 1
 
     def _on_end(self) -> None:
-        """The pump gave up or ended: publishes are refused with its fatal error, if any, and
+        """The link gave up or ended: publishes are refused with its fatal error, if any, and
         those waiting for room learn it now."""
-        self._admission.fatal = self._pump.fatal
+        self._admission.fatal = self._link.fatal
         self._release_room_waiters()
 
     def _release_room_waiters(self) -> None:
@@ -503,22 +559,28 @@ class AsyncPublisher(
         spool = self._spooled.spool.directory if self._spooled is not None else None
         for entry in resolved:
             future = entry.handle
-            if future is None:  # its own future (AsyncPublishFuture)
-                future = entry
             outcome = entry.raw_outcome
-            # entry.outcome, inlined (the entry is let go next): its twin is Entry.outcome,
-            # kept in step by tests/core/test_engine_properties.py (the Confirmation's
-            # fields) and every awaited Confirmation in tests/async
             if outcome is CONFIRMED:
-                # new_confirmation(), inlined: one call less per confirmed message
-                confirmation = _new(Confirmation)
-                _set_confirmed_id(confirmation, entry.message_id)
-                _set_attempts(confirmation, entry.attempts)
+                if future is None:
+                    # its own future (AsyncPublishFuture): its Confirmation is built when
+                    # asked (its result(), await, repr: _future.py)
+                    future = entry
+                    confirmation: object = CONFIRMED
+                else:
+                    # entry.outcome and new_confirmation(), inlined: its twin is
+                    # Entry.outcome, kept in step by tests/core/test_engine_properties.py (the
+                    # Confirmation's fields) and every awaited Confirmation in tests/async
+                    confirmation = _new(Confirmation)
+                    _set_confirmed_id(confirmation, entry.message_id)
+                    _set_attempts(confirmation, entry.attempts)
                 try:  # noqa: SIM105  (free until raised; contextlib.suppress is not)
                     future.set_result(confirmation)
                 except InvalidStateError:  # the caller cancelled it; the message was settled
                     pass
-            elif not future.done():  # done: the caller cancelled it; the message was settled
+                continue
+            if future is None:  # its own future (AsyncPublishFuture)
+                future = entry
+            if not future.done():  # done: the caller cancelled it; the message was settled
                 if isinstance(outcome, Confirmation):
                     future.set_result(outcome)
                 elif isinstance(outcome, BaseException):
