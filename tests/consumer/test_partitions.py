@@ -329,6 +329,37 @@ def test_a_slot_or_lock_granted_to_two_connections_ends_with_one(
     assert shared == ["WARNING", "INFO"]  # said each time, loudly the first time
 
 
+def test_a_partition_consumed_without_its_lock_waits_for_that_consumer_on_lavinmq(
+    amqp_url: str, name: str
+) -> None:
+    """LavinMQ hands a single-active-consumer queue to a consumer already waiting before it
+    requeues what the closed one held (docs/brokers.md): there a member takes no partition that
+    still has a consumer without a lock (a member cut off, its partition connection not yet
+    dropped by the broker) until that consumer is gone. RabbitMQ keeps that hand-over's order:
+    a member takes the partition at once (the other consumer stays the active one meanwhile)."""
+    first = _member(amqp_url, name)  # declares the group, then leaves it
+    with running(first, lambda d: None):
+        wait_until(lambda: len(_group(first).held) == N, 30, "all partitions held")
+    lavinmq = product_of(_group(first).server_properties).startswith("LavinMQ")
+    stray = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    try:
+        stray.channel().basic_consume(partition_queues(name, N)[3], lambda *a: None)
+        member = _member(amqp_url, name)
+        with running(member, lambda d: None):
+            group = _group(member)
+            if not lavinmq:
+                wait_until(lambda: len(group.held) == N, 30, "all partitions held")
+                return
+            wait_until(lambda: len(group.held) == N - 1, 30, "all partitions but one held")
+            time.sleep(3)  # three rounds: partition 3 is left alone
+            assert 3 not in group.held
+            stray.close()
+            wait_until(lambda: len(group.held) == N, 30, "partition 3 taken once free")
+    finally:
+        if stray.is_open:
+            stray.close()
+
+
 def test_a_member_counting_other_partitions_is_refused(amqp_url: str, name: str) -> None:
     effects = Effects()
     consumer = _member(amqp_url, name)

@@ -117,6 +117,7 @@ class PartitionGroup:
         self._rng = random.Random()
         self._looked = False  # a round saw every queue of the group (this run)
         self._said_broker = False  # the LavinMQ hand-over warning, once per consumer
+        self._wait_unsubscribed = False  # (LavinMQ) take no partition that has a consumer
         #: partition -> monotonic time it was taken (for tests and take-over times)
         self.taken_at: dict[int, float] = {}
 
@@ -324,14 +325,20 @@ class PartitionGroup:
         self.server_properties = view.server_properties
         product = product_of(self.server_properties)
         self._lifecycle.connected(self.node, product)
-        if product.startswith("LavinMQ") and not self._said_broker:
+        # LavinMQ hands a single-active-consumer queue to a consumer already waiting before
+        # it requeues what the closed one held (docs/brokers.md): a partition that still has a
+        # consumer without a lock (a member cut off, not yet noticed by the broker) is not
+        # taken until that consumer is gone. (RabbitMQ keeps that hand-over's order.)
+        self._wait_unsubscribed = product.startswith("LavinMQ")
+        if self._wait_unsubscribed and not self._said_broker:
             self._said_broker = True
             log.warning(
-                "reliable-amqp: consumer group %r on %s: a partition whose connection is lost "
-                "while the broker still holds it (a member cut off by the network) can reach "
-                "the next member out of order: LavinMQ hands a single-active-consumer queue to "
-                "the next consumer before it requeues what the closed one held (docs/brokers.md, "
-                '"Partitioned consumers"); members joining and leaving keep order',
+                "reliable-amqp: consumer group %r on %s: a partition whose connection this "
+                "member drops and opens again (two heartbeats of silence) while the broker "
+                "still holds the old one can be handled out of order: LavinMQ hands a "
+                "single-active-consumer queue to the next consumer before it requeues what the "
+                'closed one held (docs/brokers.md, "Partitioned consumers"); members joining, '
+                "leaving and cut off keep order",
                 self.queue,
                 product,
             )
@@ -393,6 +400,8 @@ class PartitionGroup:
         mine = self.held
         busy = set(self._releasing)
         free = [i for i, n in enumerate(per) if n == 0 and i not in mine and i not in busy]
+        if self._wait_unsubscribed and counts.subscribed:
+            free = [i for i in free if counts.subscribed[i] == 0]
         step = plan(self.partitions, members, mine, free, wanting, keep=self.keep(), rng=self._rng)
         for partition in step.take:
             self._take(partition, members)

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pika
@@ -49,6 +49,9 @@ class Counts:
     members: int
     wanting: int
     locked: list[int]
+    #: consumers on each partition queue (a classic queue counts every consumer subscribed, a
+    #: quorum queue on RabbitMQ the active one)
+    subscribed: list[int] = field(default_factory=list)
 
 
 class GroupView:
@@ -109,8 +112,14 @@ class GroupView:
     def counts(self) -> Counts:
         """Read the group: every partition queue must exist; members, starving members and
         partition locks are exclusive queues, held (405 to anyone else), free (404) or ours."""
-        for index in range(self.partitions):
-            self._channel.queue_declare(partition_queue(self.name, index), passive=True)
+        subscribed = [
+            int(
+                self._channel.queue_declare(
+                    partition_queue(self.name, index), passive=True
+                ).method.consumer_count
+            )
+            for index in range(self.partitions)
+        ]
         slots = [self._probe(member_queue(self.name, s)) for s in range(self.partitions)]
         locked = [self._probe(lock_queue(self.name, i)) for i in range(self.partitions)]
         members = sum(slots)
@@ -119,7 +128,7 @@ class GroupView:
             wanting = sum(
                 self._probe(wanting_queue(self.name, s)) for s in range(self.partitions) if slots[s]
             )
-        return Counts(max(1, members), wanting, [int(x) for x in locked])
+        return Counts(max(1, members), wanting, [int(x) for x in locked], subscribed)
 
     def want(self, wanting: bool) -> None:
         """Say (or stop saying) that this member starves: its exclusive wanting queue."""
