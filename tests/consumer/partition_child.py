@@ -18,8 +18,10 @@ It appends to the file ``out`` (one ``os.write`` per line on an ``O_APPEND`` des
 
 Config keys: ``url`` (one URL or a list), ``name``, ``partitions``, ``out``, ``dsn``
 (required); ``prefetch``, ``queue_arguments``, ``redelivery`` (a RetryPolicy dict),
-``connection_name``, ``interval`` (the group's look interval, seconds). The library's INFO
-lines (partitions taken, given up, lost) go to stderr with their time and pid.
+``connection_name``, ``interval`` (the group's look interval, seconds), ``gate`` (true: each
+handler takes PostgreSQL's shared advisory lock ``support.partitions.GATE`` in its transaction,
+so that a test holding it exclusively pauses every handler: ``support.partitions.Gate``). The
+library's INFO lines (partitions taken, given up, lost) go to stderr with their time and pid.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from reliable_amqp import Consumer, Delivery, RetryPolicy
 from reliable_amqp._consume._group import PartitionGroup
 from reliable_amqp.inbox import Inbox
-from support.partitions import INBOX_SCOPE
+from support.partitions import GATE, INBOX_SCOPE
 
 
 def main(config: dict[str, Any]) -> int:
@@ -62,8 +64,12 @@ def main(config: dict[str, Any]) -> int:
     conn.commit()
     inbox = Inbox(INBOX_SCOPE)
 
+    gated = bool(config.get("gate"))
+
     def handle(delivery: Delivery, conn: Any) -> None:
         key, _, seq = delivery.body.decode().rpartition(":")
+        if gated:
+            conn.execute("SELECT pg_advisory_xact_lock_shared(%s)", (GATE,))
         conn.execute(
             "INSERT INTO effects (message_id, key, seq, pid, partition, redelivered, started, at)"
             " VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",

@@ -17,13 +17,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from harness.fixtures import ProxyFactory
 from reliable_amqp import AsyncPublisher, Publisher
+from reliable_amqp._core.window import Window
 from reliable_amqp._spool import inspect
-from reliable_amqp._spool._feed import PACE_WAIT
+from reliable_amqp._spool._feed import PACE_WAIT, SpoolFeed
 from support.broker import BrokerAdmin
 from support.memory import rss
 
@@ -237,7 +239,11 @@ def test_memory_does_not_grow_with_the_backlog(kind: str, tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_a_long_outage(
-    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory, tmp_path: Path
+    amqp_url: str,
+    broker: BrokerAdmin,
+    make_proxy: ProxyFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Issue 21: 1,000,000 messages spooled with the broker unreachable, RSS flat, then all of
     them delivered in order; the spool gives its space back as it drains. The 5,000,000 x 1 KiB
@@ -247,6 +253,16 @@ def test_a_long_outage(
     count, size = 1_000_000, 100
     queue = broker.queue(x_queue_mode="lazy")
     proxy = make_proxy()
+    waits: list[float] = []  # each pace wait a publish() began (the end it was given)
+    pace_until = SpoolFeed.pace_until
+
+    def counted(feed: SpoolFeed[Any], window: Window, size: int, end: float, now: float) -> float:
+        until = pace_until(feed, window, size, end, now)
+        if until and not end:
+            waits.append(until)
+        return until
+
+    monkeypatch.setattr(SpoolFeed, "pace_until", counted)
     result = spool_outage.outage(
         proxy,
         queue,
@@ -265,11 +281,11 @@ def test_a_long_outage(
         + f" MB, after {result.spool_bytes_after / 2**20:.2f} MB; reconnected after "
         + f"{result.reconnect_seconds:.1f} s, then drained {result.drain_rate:,.0f}/s"
     )
-    # one publish() waited PACE_WAIT for the window (then the broker was taken for stalled);
-    # the others never waited for the broker (a few ms for a lock, the GC or the disk)
-    # (bounds with room for a loaded machine: what they tell apart is one pace wait or two)
+    # one publish() waited PACE_WAIT for the window, then the broker was taken for stalled and
+    # no other publish() waited for it: counted, not timed (on a loaded CI machine a publish
+    # took 1.4 s once for the GC, the disk or the CPU, which a bound on time took for a wait)
+    assert len(waits) == 1, waits
     assert result.slowest[1] < PACE_WAIT + 2, result.slowest
-    assert result.slowest[0] < PACE_WAIT, result.slowest
     assert max(grown.values()) < 60 * 2**20, grown
     assert grown[count] - grown[200_000] < 15 * 2**20, grown  # flat, not merely small
     spool_outage.verify(amqp_url, queue, count, size)  # every one, once, in order

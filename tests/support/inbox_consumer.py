@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from reliable_amqp import Publisher
-from support.consumer import QUICK_CONFIG
+from support.consumer import QUICK_CONFIG, record_lines
 
 CHILD = Path(__file__).resolve().parents[1] / "inbox_consumer" / "inbox_child.py"
 
@@ -45,7 +45,7 @@ def publish_copies(url: str, queue: str, ids: list[str], lag: int = 25) -> int:
 class Record:
     """What the child consumers wrote to their shared record file."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, lines: list[str]) -> None:
         self.started: list[tuple[str, str, int, bool]] = []
         self.handled: list[tuple[str, str, int, bool]] = []
         self.exits: list[dict[str, Any]] = []
@@ -53,7 +53,7 @@ class Record:
         self.calls: list[tuple[str, int, float, float]] = []
         self.subscribed = 0
         began: dict[tuple[str, str, int], float] = {}
-        for line in text.splitlines():
+        for line in lines:
             kind, _, rest = line.partition(" ")
             if kind in ("S", "H"):
                 message_id, body, attempt, redelivered, pid, at = rest.split(" ")
@@ -124,7 +124,7 @@ class Children:
         return proc
 
     def record(self) -> Record:
-        return Record(self.out.read_text())
+        return Record(record_lines(self.out))
 
     def errors(self) -> str:
         return self.stderr.read_text(errors="replace")[-3000:] if self.stderr.exists() else ""

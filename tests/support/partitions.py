@@ -38,11 +38,37 @@ import pika.exceptions
 import psycopg
 
 from reliable_amqp.inbox import Inbox
+from support.consumer import record_lines
 
 CHILD = Path(__file__).resolve().parents[1] / "consumer" / "partition_child.py"
 
 #: the inbox's scope in the members
 INBOX_SCOPE = "partitions"
+#: the advisory lock a gated member's handlers take shared (``partition_child.py``'s ``gate``)
+GATE = 46
+
+
+class Gate:
+    """Pauses the handlers of members started with ``gate=True``: while :meth:`close` holds
+    PostgreSQL's advisory lock :data:`GATE` exclusively, each handler waits for it in its
+    transaction. So a test decides where a run stands when it acts (all of its events published
+    before any is handled; no effect committed between counting them and a kill), whatever the
+    machine's pace: :meth:`close` returns once the transactions under way have committed."""
+
+    def __init__(self, dsn: str) -> None:
+        self._conn = psycopg.connect(dsn, autocommit=True)
+
+    def close(self) -> None:
+        self._conn.execute("SELECT pg_advisory_lock(%s)", (GATE,))
+
+    def open(self) -> None:
+        self._conn.execute("SELECT pg_advisory_unlock(%s)", (GATE,))
+
+    def release(self) -> None:
+        """Drop the connection (and with it the lock, if held)."""
+        self._conn.close()
+
+
 #: the members' effects: one row per event handled (claimed), with who, where and when
 EFFECTS_TABLE = """
 CREATE TABLE effects (
@@ -98,9 +124,9 @@ class GroupRecord:
     exits: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def parse(cls, text: str) -> GroupRecord:
+    def parse(cls, lines: list[str]) -> GroupRecord:
         record = cls()
-        for line in text.splitlines():
+        for line in lines:
             kind, _, rest = line.partition(" ")
             if kind == "MEMBER":
                 pid, at = rest.split(" ")
@@ -173,7 +199,7 @@ class Members:
         return {label: p.pid for label, p in self.procs.items() if p.poll() is None}
 
     def record(self) -> GroupRecord:
-        return GroupRecord.parse(self.out.read_text())
+        return GroupRecord.parse(record_lines(self.out))
 
     def holding(self) -> dict[int, list[int]]:
         """pid -> partitions held, for the running members."""
