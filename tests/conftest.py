@@ -24,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # `import harness` from any test
 
 from harness.fixtures import *  # noqa: F403  (fault-injection fixtures)
 from support.broker import AMQP_HOST, AMQP_PORT, AMQP_URL, BrokerAdmin
+from support.jvm import use_for_local_drivers
 from support.run_summary import summary_sections
+
+use_for_local_drivers()  # C1 and the serial collector for every Spark driver (support.jvm)
 
 
 def _broker_answers() -> bool:
@@ -96,13 +99,21 @@ def work_unit(item: pytest.Item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """A test marked ``rabbitmq_only`` says why: ``rabbitmq_only(reason="...")``. Under
+    """A test marked ``rabbitmq_only`` says why: ``rabbitmq_only(reason="...")``. A test marked
+    ``probe`` runs only with ``RELIABLE_AMQP_PROBES=1``. Under
     pytest-xdist workers (``-n`` above 0), each test is given its work unit, and the longest
     units come first; a run in one process keeps the collection order."""
     for item in items:
         for mark in item.iter_markers("rabbitmq_only"):
             if not str(mark.kwargs.get("reason", "")).strip():
                 raise pytest.UsageError(f'{item.nodeid}: rabbitmq_only needs reason="..."')
+    if os.environ.get("RELIABLE_AMQP_PROBES") != "1":
+        # a probe records a broker's behaviour, not the library's: run by hand (deselected,
+        # and counted as such in the summary line, not skipped)
+        probes = [item for item in items if item.get_closest_marker("probe") is not None]
+        if probes:
+            config.hook.pytest_deselected(items=probes)
+            items[:] = [item for item in items if item.get_closest_marker("probe") is None]
     if not hasattr(config, "workerinput"):  # not an xdist worker (which alone collects there)
         return
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}

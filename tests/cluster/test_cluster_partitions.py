@@ -1,6 +1,8 @@
 """Issue 46 on the three-node RabbitMQ 4 cluster: partitioned consumers on quorum queues, the node
 holding one partition's leader killed -9 mid-run: a node the members are not connected to, and
-(xfail, a bug) the node they are connected to.
+(a probe, xfail: the broker's behaviour) the node they are connected to. The probe runs by hand
+(``RELIABLE_AMQP_PROBES=1 bash scripts/dev.sh run python -m pytest
+tests/cluster/test_cluster_partitions.py``); the suite deselects it.
 
 Three members (``tests/consumer/partition_child.py``: ``Consumer(urls, NAME, partitions=6,
 key="routing_key", declare=True, queue_arguments={"x-queue-type": "quorum",
@@ -50,6 +52,7 @@ from support.partitions import (
     ConsumerCounts,
     ConsumerList,
     Ctl,
+    Gate,
     Members,
     broker_shares,
     check_effects,
@@ -139,6 +142,7 @@ def test_members_ride_out_the_kill_of_a_partition_leaders_node(
     _run(healthy, dsn, tmp_path, request, own_node=False)
 
 
+@pytest.mark.probe  # 64 s of the suite's 25 minutes for the broker's behaviour: run by hand
 @pytest.mark.xfail(
     strict=True,
     reason="the broker's, not the library's (RabbitMQ 4.3.6): kill -9 of the node the members "
@@ -185,6 +189,7 @@ def _run(
         prefetch=PREFETCH,
         redelivery=QUICK_CONFIG,
         queue_arguments=QUEUE_ARGUMENTS,
+        gate=True,
     )
     ctl = _ctl(ask)
     counts = ConsumerCounts(cluster.urls, name, PARTITIONS)
@@ -203,6 +208,10 @@ def _run(
     members.watchdog = watchdog
     victim: Rabbitmq4Node | None = None
     watch = psycopg.connect(dsn, autocommit=True)
+    # Closed: the members handle nothing until every event is published (else a slow machine's
+    # publishing let them handle all but 33 of 5,000 before the kill: CI, 2026-11-29)
+    gate = Gate(dsn)
+    gate.close()
     try:
         # At once: they race for the same free partitions (a quorum queue accepts a second
         # exclusive consumer, so the broker's 403 on a partition queue cannot settle the race)
@@ -228,11 +237,14 @@ def _run(
             assert publisher.flush(timeout=120) == 0, "the test's events were not all confirmed"
         failed = [f.exception() for f in futures if f.exception() is not None]
         assert not failed, f"{len(failed)} events failed: {failed[0]!r}"
+        gate.open()
         members.wait(lambda: _effects(watch) >= KILL_AT, 120, f"{KILL_AT} effects")
+        gate.close()  # the handlers under way commit; the others wait while the node dies
         before = _effects(watch)
         assert before < TOTAL - PARTITIONS * PREFETCH, f"the kill came too late ({before})"
         killed_at = time.monotonic()
         victim.kill()
+        gate.open()
         # Consuming resumes past what the members held when the node died; the node comes back.
         members.wait(
             lambda: _effects(watch) >= before + PARTITIONS * PREFETCH + 100,
@@ -262,6 +274,7 @@ def _run(
         codes = members.terminate_all()
         after = _queue_counts(ask, [*queues, f"{name}.dead"])
     finally:
+        gate.release()
         members.close()
         counts.stop()
         listing.stop()

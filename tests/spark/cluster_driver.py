@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pika
@@ -32,6 +33,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from reliable_amqp.spark import AmqpSink, register
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # support.*
+from support.jvm import SPARK_JVM_OPTIONS
 
 
 def session(master: str, name: str) -> SparkSession:
@@ -43,6 +47,8 @@ def session(master: str, name: str) -> SparkSession:
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.executor.memory", "512m")
         .config("spark.executor.cores", "1")
+        .config("spark.driver.extraJavaOptions", SPARK_JVM_OPTIONS)  # (its env has none)
+        .config("spark.executor.extraJavaOptions", SPARK_JVM_OPTIONS)
         .config("spark.cores.max", "2")
         .config("spark.pyspark.python", sys.executable)
         .config("spark.pyspark.driver.python", sys.executable)

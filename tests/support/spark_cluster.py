@@ -32,6 +32,9 @@ from typing import Any
 import psutil
 import pyspark
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: support.*
+from support.jvm import SPARK_JVM_OPTIONS
+
 SPARK_HOME = Path(pyspark.__file__).parent
 WORKERS = 2
 WORKER_CORES = 1
@@ -126,6 +129,7 @@ class SparkCluster:
             SPARK_CONF_DIR=str(conf),
             SPARK_LOCAL_IP="127.0.0.1",
             SPARK_DAEMON_MEMORY=DAEMON_MEMORY,
+            SPARK_DAEMON_JAVA_OPTS=SPARK_JVM_OPTIONS,
             SPARK_NO_DAEMONIZE="1",
             PYSPARK_PYTHON=sys.executable,
             PYSPARK_DRIVER_PYTHON=sys.executable,
