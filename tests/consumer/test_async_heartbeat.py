@@ -56,6 +56,11 @@ def _consume(
         if delivery.redelivered:
             pass
         elif blocking:
+            # a turn of the loop first, so that its due timers (the watchdog's beat) run between
+            # two blocking calls: with concurrency=1 the next handler may start in the step the
+            # last one ended in, and the watchdog then rightly sees one stall of both (the test
+            # failed 1 run in 2 that way: one stall of 7.0 s, not two)
+            await asyncio.sleep(0.05)
             time.sleep(LONG)  # blocks the event loop itself: no timer of pika's runs meanwhile
         else:
             await asyncio.sleep(LONG)

@@ -31,6 +31,7 @@ from reliable_amqp._compat.aiormq import (
     translate_connection_error,
     watch_blocked,
 )
+from reliable_amqp._compat.waits import wait_for
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
 from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
@@ -283,6 +284,6 @@ async def _close_quietly(channel: ConfirmChannel) -> None:
     if not loop_is_running():  # finalized after the loop closed: no close can run (see there)
         return
     try:
-        await asyncio.wait_for(channel.close(), CLOSE_GRACE)
+        await wait_for(channel.close(), CLOSE_GRACE)
     except Exception as exc:  # best effort, a timeout included: the broker may be gone
         log.debug("reliable-amqp: closing the channel failed: %r", exc)

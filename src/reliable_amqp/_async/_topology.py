@@ -16,6 +16,7 @@ from typing import Any
 import aiormq.abc
 import aiormq.exceptions
 
+from reliable_amqp._compat.waits import wait_for
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     BrokerError,
@@ -39,20 +40,20 @@ _CHANNEL_ERROR_CODES: dict[type[aiormq.exceptions.ChannelClosed], int] = {
 async def declare(connection: aiormq.abc.AbstractConnection, op: TopologyOp, timeout: float) -> Any:
     """Run one declaration; return the queue name for a queue; raise the broker's error."""
     try:
-        channel = await asyncio.wait_for(connection.channel(publisher_confirms=False), timeout)
+        channel = await wait_for(connection.channel(publisher_confirms=False), timeout)
     except (asyncio.TimeoutError, TimeoutError):
         raise OperationTimeout(f"opening a channel to declare {op.describe()} timed out") from None
     except Exception as exc:
         raise AmqpConnectionError(f"could not open a channel: {exc!r}") from exc
     try:
-        result = await asyncio.wait_for(getattr(channel, op.method)(**op.args), timeout)
+        result = await wait_for(getattr(channel, op.method)(**op.args), timeout)
     except (asyncio.TimeoutError, TimeoutError):
         raise OperationTimeout(f"declaring {op.describe()} took over {timeout:g} s") from None
     except aiormq.exceptions.ChannelClosed as exc:
         raise channel_error(exc) from exc
     finally:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(channel.close(), timeout)
+            await wait_for(channel.close(), timeout)
     return getattr(result, "queue", None)
 
 

@@ -31,6 +31,7 @@ from reliable_amqp._async._future import AsyncPublishFuture, entry_maker, future
 from reliable_amqp._async._link import Link
 from reliable_amqp._async._pump import Pump
 from reliable_amqp._async._spooled import AsyncSpooled
+from reliable_amqp._compat.waits import wait_for
 from reliable_amqp._core.admission import NO_ROOM, Admission
 from reliable_amqp._core.builder import MessageBuilder
 from reliable_amqp._core.entry import CONFIRMED, Entry, new_entry
@@ -285,7 +286,7 @@ class AsyncPublisher(
         self._check_usable(call)
         wait = self.options.connect_timeout if timeout is None else timeout
         try:  # while the publisher recovers, the declaration waits for the next channel
-            await asyncio.wait_for(link.opened.wait(), wait)
+            await wait_for(link.opened.wait(), wait)
         except (asyncio.TimeoutError, TimeoutError):
             self._check_usable(call)  # closed or failed meanwhile: say that, not "timeout"
             raise OperationTimeout(

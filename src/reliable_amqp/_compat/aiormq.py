@@ -53,6 +53,7 @@ from reliable_amqp._compat import (
     require_coroutine_functions,
     scrub_credentials,
 )
+from reliable_amqp._compat.waits import wait_for
 from reliable_amqp._core.errors import (
     AmqpConnectionError,
     ReliableAmqpError,
@@ -551,8 +552,8 @@ async def close_connection(connection: aio_pika.abc.AbstractConnection, timeout:
     # closed, aio-pika's close only runs its callback, and a cancellation lands in that wait.
     underlying = underlying_connection(connection)
     if underlying is not None:
-        await asyncio.wait_for(underlying.close(), timeout)
-    await asyncio.wait_for(connection.close(), timeout)
+        await wait_for(underlying.close(), timeout)
+    await wait_for(connection.close(), timeout)
 
 
 def close_called(connection: aio_pika.abc.AbstractConnection) -> bool:

@@ -37,6 +37,7 @@ import pika
 import pika.exceptions
 
 from reliable_amqp._compat.pika import LoopScanningConnection, terminate_stream
+from reliable_amqp._compat.waits import wait_for
 from reliable_amqp._consume._aio_channel import Subscription
 from reliable_amqp._consume._aio_watchdog import Watchdog
 from reliable_amqp._consume._io import REFUSED_ATTEMPTS, _gave_up, _refusal
@@ -306,7 +307,7 @@ class LoopConsumerIO:
         )
         sleep = self._sleep = asyncio.get_running_loop().create_future()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(sleep, delay)
+            await wait_for(sleep, delay)
         self._sleep = None
         return not self.stopping.is_set()
 

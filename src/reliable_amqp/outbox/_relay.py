@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from reliable_amqp._compat.waits import wait_set
 from reliable_amqp._core.errors import ConfigurationError
 from reliable_amqp._sync.publisher import Publisher
 from reliable_amqp.outbox._loop import (
@@ -379,8 +380,7 @@ class AsyncOutboxRelay:
         if isinstance(op, Wait):
             event = self._event
             assert event is not None
-            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-                await asyncio.wait_for(event.wait(), op.timeout)
+            await wait_set(event, op.timeout)  # (a cancellation is never lost: _compat.waits)
             event.clear()
             return None
         if op.name == "connect":
