@@ -40,7 +40,7 @@ import pamqp.frame
 from pamqp.body import ContentBody
 from pamqp.header import ContentHeader
 
-from reliable_amqp._async import AsyncPublisher, _pump
+from reliable_amqp._async import AsyncPublisher
 from reliable_amqp._core import engine
 
 Row = dict[str, Any]
@@ -233,12 +233,21 @@ async def aiormq_confirms(url: str, count: int, body: bytes) -> Row:
 
 
 def _pamqp_frames(
-    channel: int, message: Any, headers: Any, frame_max: int, out: list[bytes | memoryview]
+    channel: int,
+    message: Any,
+    headers: Any,
+    frame_max: int,
+    out: list[bytes | memoryview],
+    *,
+    broker: Any = None,
 ) -> None:
-    """AsyncPublisher's frames marshalled by pamqp, as aiormq marshals them."""
-    p = message.properties
+    """AsyncPublisher's frames marshalled by pamqp, as aiormq marshals them (the signature of
+    ``_core.frames.publish_frames``)."""
+    p = message.base
     props = pamqp.commands.Basic.Properties(
-        delivery_mode=p.delivery_mode, message_id=p.message_id, headers=headers or p.headers
+        delivery_mode=p.delivery_mode,
+        message_id=message.message_id or None,
+        headers=headers or p.headers,
     )
     publish = pamqp.commands.Basic.Publish(
         exchange=message.exchange, routing_key=message.routing_key, mandatory=message.mandatory
@@ -248,14 +257,27 @@ def _pamqp_frames(
     out.append(pamqp.frame.marshal(ContentBody(message.body), channel))
 
 
+class _PamqpEncoder:
+    """``_core.frames.PublishEncoder`` (the engine's fast path for runs of messages) by pamqp."""
+
+    def __init__(self, channel: int, frame_max: int, broker: Any = None) -> None:
+        self.channel, self.frame_max, self.broker = channel, frame_max, broker
+
+    def encode(self, message: Any, out: list[bytes | memoryview]) -> None:
+        _pamqp_frames(self.channel, message, None, self.frame_max, out)
+
+
 async def async_publisher_pamqp(url: str, count: int, body: bytes) -> Row:
-    """AsyncPublisher with pamqp marshalling instead of its own."""
-    original = vars(_pump)["publish_frames"]
-    setattr(_pump, "publish_frames", _pamqp_frames)  # noqa: B010 (the writer looks it up there)
+    """AsyncPublisher with pamqp marshalling instead of its own: the engine's two encoders
+    (one message, and a run of them) replaced where the engine looks them up."""
+    saved = {name: vars(engine)[name] for name in ("publish_frames", "PublishEncoder")}
+    setattr(engine, "publish_frames", _pamqp_frames)  # noqa: B010 (where the engine looks)
+    setattr(engine, "PublishEncoder", _PamqpEncoder)  # noqa: B010
     try:
         row = await async_publisher(url, count, body)
     finally:
-        setattr(_pump, "publish_frames", original)  # noqa: B010
+        for name, value in saved.items():
+            setattr(engine, name, value)
     return {**row, "name": "AsyncPublisher, frames marshalled by pamqp"}
 
 
