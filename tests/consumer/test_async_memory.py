@@ -21,7 +21,9 @@ import pytest
 
 from reliable_amqp import AsyncConsumer, Delivery
 from reliable_amqp._consume._aio_io import LoopConsumerIO
+from reliable_amqp._consume._options import DEFAULT_REDELIVERY
 from support.broker import BrokerAdmin, unique
+from support.consumer import delete_queues, side_queues
 from support.memory import MARKS, WARM_UP, check_flat, fill_numbered, run_child, sample
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -67,7 +69,10 @@ def test_async_consumer_memory_does_not_grow_with_what_it_consumed(
 ) -> None:
     queue = broker.queue(unique(f"c-async-memory-{kind}"))
     fill_numbered(amqp_url, queue, WARM_UP + MARKS[-1], delivery_mode=1)
-    grown = run_child(__file__, kind, amqp_url, queue)
+    try:
+        grown = run_child(__file__, kind, amqp_url, queue)
+    finally:  # the child's consumer declared its dead-letter and delay queues (the default policy)
+        delete_queues(amqp_url, side_queues(queue, DEFAULT_REDELIVERY))
     check_flat(f"async consumer ({kind})", grown)
     assert broker.count(queue) == 0
 

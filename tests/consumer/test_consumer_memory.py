@@ -17,7 +17,9 @@ import sys
 import pytest
 
 from reliable_amqp import AsyncConsumer, Consumer, Delivery
+from reliable_amqp._consume._options import DEFAULT_REDELIVERY
 from support.broker import BrokerAdmin, unique
+from support.consumer import delete_queues, side_queues
 from support.memory import MARKS, WARM_UP, check_flat, fill_numbered, run_child, sample
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -70,7 +72,10 @@ def test_consumer_memory_does_not_grow_with_what_it_consumed(
     queue = broker.queue(unique(f"c-memory-{kind}"))
     # transient messages: a third quicker to fill, and the consumer's side is the same
     fill_numbered(amqp_url, queue, WARM_UP + MARKS[-1], delivery_mode=1)
-    grown = run_child(__file__, kind, amqp_url, queue)
+    try:
+        grown = run_child(__file__, kind, amqp_url, queue)
+    finally:  # the child's consumer declared its dead-letter and delay queues (the default policy)
+        delete_queues(amqp_url, side_queues(queue, DEFAULT_REDELIVERY))
     check_flat(f"{kind} consumer", grown)
     assert broker.count(queue) == 0
 
