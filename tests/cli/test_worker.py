@@ -390,7 +390,13 @@ def test_processes_share_the_partitions_of_a_group(
         "--key", "routing_key", "--processes", "2", "--health-port", "0", *QUICK,
     )  # fmt: skip
     try:
-        w.wait_health(200, what="both children in the group")
+        w.wait_health(
+            200,
+            lambda body: (
+                sorted(len(p["health"]["partitions"] or ()) for p in body["processes"]) == [2, 2]
+            ),
+            what="both children in the group, 2 partitions each",
+        )
         ids = _ids("p", 200)
         with Publisher(amqp_url) as publisher:
             for i, message_id in enumerate(ids):

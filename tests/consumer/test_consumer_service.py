@@ -57,6 +57,7 @@ def test_one_consumers_life_at_info_and_its_health(
         assert health.connected and health.subscribed and health.node is not None
         assert health.last_delivery_age is not None and health.handler_age is None
         assert health.as_dict()["healthy"] is True
+        assert health.partitions is None  # one queue, not a member of a group
         proxy.cut()
         wait_until(lambda: not consumer.health().healthy, 30, "unhealthy while cut")
         wait_until(lambda: consumer.health().healthy, 30, "healthy again after recovery")

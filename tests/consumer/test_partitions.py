@@ -218,6 +218,10 @@ def test_members_share_evenly_and_a_rebalance_neither_loses_nor_reorders(
                 )
                 held = [p for g in groups for p in g.held]
                 assert sorted(held) == list(range(N))  # each partition held once
+                # health() tells an operator which partitions each member holds
+                healths = [c.health() for c in (first, second, third)]
+                assert sorted(p for h in healths for p in h.partitions or ()) == list(range(N))
+                assert all(h.healthy for h in healths)
                 _one_consumer_each(amqp_url, name)
                 sender.join(60)
                 wait_until(lambda: effects.count >= 1200, 60, "1,200 handled")

@@ -19,8 +19,11 @@ class ConsumerHealth:
     the ``host:port`` it is open to). ``subscribed``: the broker is delivering to it (cleared
     while it recovers). ``last_delivery_age``: seconds since the last delivery arrived (None
     before the first). ``handler_age``: seconds the longest-running handler has run (None when
-    none runs). ``healthy``: running, connected, subscribed, and no handler past
-    ``handler_timeout``; an idle consumer is healthy (an empty queue is no fault).
+    none runs). ``partitions``: the partitions this member of a group holds now, in order
+    (``partitions=N`` consumers; None for a consumer of one queue): a member that holds none
+    is still healthy (a group with more members than partitions leaves some idle).
+    ``healthy``: running, connected, subscribed, and no handler past ``handler_timeout``; an
+    idle consumer is healthy (an empty queue is no fault).
     """
 
     running: bool
@@ -30,6 +33,7 @@ class ConsumerHealth:
     last_delivery_age: float | None
     handler_age: float | None
     handler_timeout: float | None
+    partitions: tuple[int, ...] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -57,6 +61,7 @@ def snapshot(
     last_delivery: float | None,
     handler_started: float | None,
     handler_timeout: float | None,
+    partitions: tuple[int, ...] | None = None,
 ) -> ConsumerHealth:
     """A :class:`ConsumerHealth` from monotonic timestamps (None where nothing happened)."""
     now = time.monotonic()
@@ -68,4 +73,5 @@ def snapshot(
         last_delivery_age=None if last_delivery is None else round(now - last_delivery, 3),
         handler_age=None if handler_started is None else round(now - handler_started, 3),
         handler_timeout=handler_timeout,
+        partitions=partitions,
     )

@@ -138,6 +138,7 @@ class ConsumerCore:
     def health(self, running: bool, handler_started: float | None) -> ConsumerHealth:
         """A snapshot for :meth:`Consumer.health` (any thread)."""
         io = self.io
+        held = tuple(io.held) if isinstance(io, PartitionGroup) else None
         return snapshot(
             running=running,
             connected=io.connected,
@@ -146,6 +147,7 @@ class ConsumerCore:
             last_delivery=io.last_delivery,
             handler_started=handler_started,
             handler_timeout=self.options.handler_timeout,
+            partitions=held,
         )
 
     def finish(self, graceful: bool, running: int = 0, waiting: int = 0) -> None:
