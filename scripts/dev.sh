@@ -216,13 +216,18 @@ case "$cmd" in
         set +e
         # No test may skip here (tests/conftest.py turns a skip into a failure): a broker that
         # does not answer, a missing tool or interpreter must fail CI, not thin it out quietly.
-        # RELIABLE_AMQP_TEST_WORKERS=N runs the suite on N pytest-xdist workers, each test module
-        # one unit of work (Spark's directory one), the longest first (tests/conftest.py). The
-        # default is 0, one process: on a loaded 2-core machine two workers failed two tests
-        # (the long outage over its 300 s timeout, a rabbitmqctl crash) and saved little.
+        # RELIABLE_AMQP_TEST_WORKERS=N runs the suite on N pytest-xdist workers (default 2; 0 is
+        # one process), each test module one unit of work, and Spark, the clusters and the
+        # version matrix one unit together, handed out first (tests/conftest.py LANE): a lone
+        # process leaves a core idle about 40% of the run.
         # --durations: the 30 longest steps end the log, where the suite's budget is watched.
+        # Byte-code: an environment with PYTHONDONTWRITEBYTECODE=1 (this machine's) has every
+        # Python the suite starts (the CLI, children, the matrix's legs: hundreds) compile the
+        # library again; the compiled files go to the cache directory instead, not the tree.
+        export PYTHONPYCACHEPREFIX="${PYTHONPYCACHEPREFIX:-$MATRIX_DIR/pycache}"
+        unset PYTHONDONTWRITEBYTECODE
         RELIABLE_AMQP_NO_SKIP=1 "$VENV/bin/python" -m pytest --durations=30 \
-            -n "${RELIABLE_AMQP_TEST_WORKERS:-0}" --dist loadgroup --no-loadscope-reorder "$@"
+            -n "${RELIABLE_AMQP_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"
         rc=$?
         set -e
         # pytest exits 5 when no test ran: that is a failure here.

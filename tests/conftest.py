@@ -61,48 +61,56 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
         report.outcome = "failed"
 
 
-#: Work units for pytest-xdist (``RELIABLE_AMQP_TEST_WORKERS=2 scripts/dev.sh test`` runs
-#: ``-n 2 --dist loadgroup``): a test module is one unit (its module fixtures are set up once),
-#: but these directories are one unit each, for what their tests share (spark: one SparkSession
-#: and one Spark cluster; cluster: one three-node RabbitMQ 4 cluster; rabbitmq4: one RabbitMQ 4
-#: node).
-SHARED_SESSION = {"spark": "spark", "cluster": "cluster", "rabbitmq4": "rabbitmq4"}
-#: The longest units, handed out first so that no worker is left with a long one at the end
-#: (longest first; --durations of one run in a single process on a loaded machine, 2,496 s of
-#: tests in all). Every other unit follows in collection order.
-LONGEST_FIRST = (
-    "spark",  # 677 s
-    "cluster",  # 310 s before its consumer and stream-read modules (one cluster for all)
-    "faults/test_spool_faults.py",  # 229 s
-    "matrix/test_versions.py",  # 196 s
-    "rabbitmq4",  # 114 s (its leg 93 s before it ran only the subset's broker tests)
-    "async/test_async_faults.py",  # 81 s
-    "outbox/test_relay.py",  # 77 s
-    "spool/test_spool_publisher.py",  # 65 s
-    "consumer/test_consumer_faults.py",  # 60 s (its own disposable node: 12 s of it)
-    "test_benchmarks.py",  # 57 s
-    "test_publish_inputs_broker.py",  # 42 s
-    "cli/test_worker.py",  # 40 s
-    "faults/test_sync_faults.py",  # 38 s
-    "cli/test_cli_interrupt.py",  # 32 s
-    "spool/test_spool_crash.py",  # 31 s
-    "outbox/test_relay_faults.py",  # 29 s
-)
+#: Work units for pytest-xdist (``scripts/dev.sh test`` runs ``-n 2 --dist loadgroup``): a test
+#: module is one unit (its module fixtures are set up once), except :data:`LANE`, one unit in all.
+#: The suite spends about 40% of a lone run's time with a core idle (vmstat, 2026-11-29: waits on
+#: heartbeats, node restarts, JVM timers); two workers fill it. One of them runs the lane: Spark
+#: (one SparkSession, one Spark cluster), the three-node RabbitMQ 4 cluster, the RabbitMQ 4 node
+#: and the version matrix, one after another (never a JVM and a cluster start at once, and the
+#: matrix's legs start beside the cluster: ``pytest_runtest_setup``), while the other worker runs
+#: everything else in collection order; the first to finish takes what is left.
+LANE = "lane:spark+cluster+rabbitmq4+matrix"
+SHARED_SESSION = {"spark": LANE, "cluster": LANE, "rabbitmq4": LANE, "matrix": LANE}
+#: Units handed out first, longest first (the lane: 750 s of a 1,750 s run of tests on a quiet
+#: machine); every other unit follows in collection order.
+LONGEST_FIRST = (LANE, "faults/test_spool_faults.py")
 TESTS = Path(__file__).parent
 
 
 def work_unit(item: pytest.Item) -> str:
-    """The pytest-xdist group of ``item``: its module, or its directory's shared session."""
-    relative = item.path.relative_to(TESTS).as_posix()
+    """The pytest-xdist unit of ``item``: its module, or :data:`LANE`."""
+    return unit_of(item.path.relative_to(TESTS).as_posix())
+
+
+def unit_of(relative: str) -> str:
+    """The unit of a test file's path under tests/ (``spark/test_sink.py``)."""
     return SHARED_SESSION.get(relative.split("/", 1)[0], relative)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: the units of :func:`unit_of`, handed out in the workers' collection
+    order (:data:`LONGEST_FIRST` first). Not xdist's own loadgroup, which groups by an
+    ``@group`` suffix it writes into ``item._nodeid``: pytest 9.2 no longer reads that attribute,
+    so with pytest 9.2 and xdist 3.8 every test was a unit of its own (pytest-dev/pytest-xdist
+    issue 1386, open), and two workers ran Spark, the clusters and the matrix at once."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return unit_of(path.removeprefix("tests/"))
+
+    return Units(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test marked ``rabbitmq_only`` says why: ``rabbitmq_only(reason="...")``. A test marked
-    ``probe`` runs only with ``RELIABLE_AMQP_PROBES=1``. Under
-    pytest-xdist workers (``-n`` above 0), each test is given its work unit, and the longest
-    units come first; a run in one process keeps the collection order."""
+    ``probe`` runs only with ``RELIABLE_AMQP_PROBES=1``. In a pytest-xdist worker, the units of
+    :data:`LONGEST_FIRST` come first (the order the controller hands units out in); a run in one
+    process keeps the collection order."""
     for item in items:
         for mark in item.iter_markers("rabbitmq_only"):
             if not str(mark.kwargs.get("reason", "")).strip():
@@ -114,13 +122,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if probes:
             config.hook.pytest_deselected(items=probes)
             items[:] = [item for item in items if item.get_closest_marker("probe") is None]
-    if not hasattr(config, "workerinput"):  # not an xdist worker (which alone collects there)
-        return
-    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
-    units = {item: work_unit(item) for item in items}
-    items.sort(key=lambda item: rank.get(units[item], len(rank)))  # stable: collection order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(units[item]))
+    if hasattr(config, "workerinput"):  # an xdist worker (which alone collects there)
+        rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+        items.sort(key=lambda item: rank.get(work_unit(item), len(rank)))  # stable
 
 
 def _early_hooks(session: pytest.Session) -> Any:
@@ -134,10 +138,28 @@ def _early_hooks(session: pytest.Session) -> Any:
     return None
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Under pytest-xdist, the version matrix's legs start with the first test of :data:`LANE`
+    in the worker that runs the lane (the worker whose tests read their results), beside the
+    cluster's tests, which mostly wait."""
+    config = item.config
+    if not hasattr(config, "workerinput") or config.stash.get(_LEGS_STARTED, False):
+        return
+    if work_unit(item) != LANE:
+        return
+    config.stash[_LEGS_STARTED] = True
+    module = _early_hooks(item.session)
+    if module is not None:
+        module.start_early(item.session.items)
+
+
+_LEGS_STARTED = pytest.StashKey[bool]()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """In a one-process run, start the version matrix's legs now: they run beside the rest of
     the suite (tests/matrix/test_versions.py ``start_early``). Not under ``--collect-only``,
-    nor in xdist workers (there the legs start when their tests do)."""
+    nor in xdist workers (there they start with the lane: ``pytest_runtest_setup``)."""
     config = session.config
     if config.option.collectonly or hasattr(config, "workerinput"):
         return

@@ -238,6 +238,7 @@ def test_memory_does_not_grow_with_the_backlog(kind: str, tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 94 s alone in CI, 171 s on a slow machine; beside the other worker more
 def test_a_long_outage(
     amqp_url: str,
     broker: BrokerAdmin,
