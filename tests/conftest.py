@@ -95,7 +95,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     issue 1386, open), and two workers ran Spark, the clusters and the matrix at once."""
     if config.getvalue("dist") != "loadgroup":
         return None
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
     class Units(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from reliable_amqp._compat.waits import wait_for, wait_set
+from reliable_amqp._compat.waits import cancel_requested, wait_for, wait_set
 
 
 async def _turns(n: int = 3) -> None:
@@ -81,3 +81,32 @@ def test_a_cancelled_caller_cancels_what_it_waited_for() -> None:
         assert inner.cancelled()
 
     asyncio.run(main())
+
+
+def test_cancel_requested_tells_a_raised_cancelled_error_from_a_cancellation() -> None:
+    """aiormq fails the RPCs of a connection it closed with a raised CancelledError; the
+    publisher's link treats that as a lost connection only when its task was not cancelled."""
+    import sys
+
+    seen: list[bool | None] = []
+
+    async def body() -> None:
+        try:
+            raise asyncio.CancelledError  # raised as an error, as aiormq does
+        except asyncio.CancelledError:
+            seen.append(cancel_requested())
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:  # this task's own cancellation
+            seen.append(cancel_requested())
+            raise
+
+    async def main() -> None:
+        task = asyncio.create_task(body())
+        await _turns()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert seen == ([None, None] if sys.version_info < (3, 11) else [False, True])

@@ -31,7 +31,7 @@ from reliable_amqp._compat.aiormq import (
     translate_connection_error,
     watch_blocked,
 )
-from reliable_amqp._compat.waits import wait_for
+from reliable_amqp._compat.waits import cancel_requested, wait_for
 from reliable_amqp._core.entry import Entry
 from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
 from reliable_amqp._core.supervisor import CLOSE_GRACE, GiveUp, Supervisor
@@ -197,7 +197,15 @@ class Link(Generic[E]):
                     connection, self.pump, supervisor.generation, self.options.connect_timeout
                 )
             except asyncio.CancelledError:
-                raise
+                # aiormq fails the RPCs of a connection it closed with CancelledError: that one
+                # is a lost connection, not this task's cancellation (which goes on up). Where
+                # Python cannot tell them apart (3.10), only while closing.
+                requested = cancel_requested()
+                if requested or (requested is None and not self.stopping):
+                    raise
+                if not (connection.is_closed or self.stopping):
+                    raise
+                return AmqpConnectionError("connection lost while a channel opened")
             except Exception as exc:
                 if connection.is_closed or self.stopping:
                     return translate_connection_error(exc)

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Awaitable
 from typing import TypeVar
 
-__all__ = ["wait_for", "wait_set"]
+__all__ = ["cancel_requested", "wait_for", "wait_set"]
 
 T = TypeVar("T")
 
@@ -55,3 +55,15 @@ async def wait_set(event: asyncio.Event, timeout: float) -> bool:
     except asyncio.TimeoutError:
         return False
     return True
+
+
+def cancel_requested() -> bool | None:
+    """Whether the running task was asked to cancel: ``Task.cancelling()`` on 3.11 and later;
+    None on 3.10, which cannot tell.
+
+    aiormq fails the RPCs of a connection it closes (a watchdog's drop, a close) with
+    ``asyncio.CancelledError`` raised as an error, not as a cancellation of the awaiting task:
+    this tells the two apart where Python can."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return None if cancelling is None else cancelling() > 0
