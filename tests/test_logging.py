@@ -460,10 +460,12 @@ def test_a_spooled_message_the_close_fails_says_it_stays_in_the_spool(
     kind = Publisher if side == "sync" else SpooledAsync
     publisher = kind(proxy.url(), spool=tmp_path / "s")
     publisher.connect()
+    # stalled before the publish: the message never reaches the broker, whose answer (a return,
+    # no queue being bound) would otherwise settle it before the close when the stall came late
+    proxy.stall()
     future = publisher.publish("", unique("q"), b"x", message_id="kept")
     assert publisher.persist(30) == 0
-    proxy.stall()  # in flight, no confirm: the close fails it
-    publisher.close(timeout=0.2)
+    publisher.close(timeout=0.2)  # in flight, no confirm: the close fails it
     proxy.resume()
     error = future.exception(10)
     assert isinstance(error, PublisherClosed)
