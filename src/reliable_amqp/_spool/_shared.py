@@ -131,5 +131,9 @@ class Shared:
     def nudge(self) -> None:
         """Under the lock: have the writer go now (it is idle, or letting a batch pile up)."""
         if self.writer_idle or self.lingering:
-            self.writer_idle = self.lingering = False
+            # notify first: a KeyboardInterrupt inside notify() (Condition's Python code) must
+            # leave the flags saying "idle", so that the next nudge notifies again; cleared
+            # first, they said "awake" while the writer slept on, and every later nudge, the
+            # close's too, skipped it (the interrupt sweep's point 30: the spool never closed)
             self.work.notify()
+            self.writer_idle = self.lingering = False
