@@ -138,6 +138,10 @@ def _early_hooks(session: pytest.Session) -> Any:
     return None
 
 
+#: set in a worker once the matrix's legs were started there
+_LEGS_STARTED = pytest.StashKey[bool]()
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under pytest-xdist, the version matrix's legs start with the first test of :data:`LANE`
     in the worker that runs the lane (the worker whose tests read their results), beside the
@@ -151,9 +155,6 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     module = _early_hooks(item.session)
     if module is not None:
         module.start_early(item.session.items)
-
-
-_LEGS_STARTED = pytest.StashKey[bool]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

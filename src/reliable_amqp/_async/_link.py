@@ -201,9 +201,8 @@ class Link(Generic[E]):
                 # is a lost connection, not this task's cancellation (which goes on up). Where
                 # Python cannot tell them apart (3.10), only while closing.
                 requested = cancel_requested()
-                if requested or (requested is None and not self.stopping):
-                    raise
-                if not (connection.is_closed or self.stopping):
+                ours = requested if requested is not None else not self.stopping
+                if ours or not (connection.is_closed or self.stopping):
                     raise
                 return AmqpConnectionError("connection lost while a channel opened")
             except Exception as exc:
