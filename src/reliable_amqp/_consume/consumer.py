@@ -41,6 +41,7 @@ from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import ConfigurationError, ReliableAmqpError
 from reliable_amqp._core.policy import RetryPolicy
 from reliable_amqp._otel import otel_in_use
+from reliable_amqp._sync._events import SignalSafeEvent
 from reliable_amqp._sync._pika import connection_parameters
 
 if TYPE_CHECKING:
@@ -264,7 +265,10 @@ class Consumer:
         self._queue: deque[Delivery] = deque()
         self._cond = threading.Condition()
         self._waiting = False
-        self._stop = threading.Event()
+        self._stop = SignalSafeEvent()  # set by stop(), which the signal handlers call
+        # stop() was asked: what the loop reads before each delivery (the event's is_set() is
+        # a Python call a message); the event is what waits are woken by
+        self._stop_asked = False
         self._running = False
         self._core = ConsumerCore(url, queue, own, options, self._on_deliveries)
         self.options = self._core.options
@@ -300,6 +304,7 @@ class Consumer:
 
     def stop(self) -> None:
         """Ask :meth:`run` to return (any thread, a signal handler, or the handler itself)."""
+        self._stop_asked = True
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
@@ -350,6 +355,7 @@ class Consumer:
                 if watchdog is not None:
                     watchdog.join(1.0)
                 self._stop.clear()  # run() may be called again; a stop() before it is kept
+                self._stop_asked = False
                 self._running = False
         if self._wrong_kind is not None:
             raise self._wrong_kind
@@ -364,6 +370,7 @@ class Consumer:
         io = self._core.io
         counter = self.options.attempts
         key_of = dispatch.key_of
+        max_attempts = self.options.max_attempts  # (dead_before's own test, in line)
         clock = time.monotonic
         while True:
             try:
@@ -379,7 +386,7 @@ class Consumer:
                         self._cond.wait(1.0)
                     self._waiting = False
                 continue
-            if stop.is_set():
+            if self._stop_asked:
                 return  # unstarted: given back to the queue by the drain
             if not dispatch.fresh(delivery):
                 continue
@@ -389,7 +396,9 @@ class Consumer:
                 except Exception as exc:  # the count is unknown: try again later
                     dispatch.failed(delivery, exc)
                     continue
-            if dispatch.dead_before(delivery):
+            if (
+                delivery.header_error is not None or delivery.attempt > max_attempts
+            ) and dispatch.dead_before(delivery):
                 continue
             key = None
             if key_of is not None:

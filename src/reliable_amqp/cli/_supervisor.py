@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Protocol
 
+from reliable_amqp._sync._events import SignalSafeEvent
 from reliable_amqp.cli._parse import (
     EXIT_INTERRUPTED,
     EXIT_NOT_CONFIRMED,
@@ -189,7 +190,8 @@ class _Signals:
 
     stop: int | None = None
     presses: int = 0
-    wake: threading.Event = field(default_factory=threading.Event)
+    #: set by the handlers; reentrant, as the main thread is inside its wait() or clear() then
+    wake: threading.Event = field(default_factory=SignalSafeEvent)
 
 
 def describe(status: int) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from reliable_amqp._compat.waits import wait_set
 from reliable_amqp._core.errors import ConfigurationError
+from reliable_amqp._sync._events import SignalSafeEvent
 from reliable_amqp._sync.publisher import Publisher
 from reliable_amqp.outbox._loop import (
     Op,
@@ -157,7 +158,7 @@ class OutboxRelay:
         publisher_options.setdefault("max_in_flight", DEFAULT_RELAY_WINDOW)
         self._config = config
         self._publisher = Publisher(url, **publisher_options)
-        self._wake = threading.Event()
+        self._wake = SignalSafeEvent()  # set by stop(), which a signal handler may call
         self._loop = config.loop(
             self._publisher.options.max_in_flight,
             publisher_options.get("meter_provider"),
