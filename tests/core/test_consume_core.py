@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import struct
+from collections import deque
 from typing import Any
 
 import pytest
@@ -86,6 +87,75 @@ def test_a_delivery_is_decoded_from_its_three_frames() -> None:
     assert d.properties.message_id == "m-1"
 
 
+#: the 14 basic properties in flag order (0x8000 first): the kind of each, as the spec says
+_PROPERTY_KINDS = ("s", "s", "table", "octet", "octet") + ("s",) * 4 + ("u64",) + ("s",) * 4
+_SHORT_BYTES = st.binary(max_size=12) | st.sampled_from([b"\xff\xfe", b"caf\xc3\xa9", b"\xc3"])
+
+
+@st.composite
+def _properties(draw: st.DrawFn) -> tuple[int, bytes, list[Any]]:
+    """A random set of properties: (flags, encoded, the values a decoder must give)."""
+    flags, encoded = 0, b""
+    values: list[Any] = [None] * 14
+    values[2] = {}
+    for index, kind in enumerate(_PROPERTY_KINDS):
+        if not draw(st.booleans()):
+            continue
+        flags |= 0x8000 >> index
+        if kind == "s":
+            raw = draw(_SHORT_BYTES)
+            encoded += bytes([len(raw)]) + raw
+            values[index] = raw.decode("utf-8", "surrogateescape")
+        elif kind == "octet":
+            values[index] = draw(st.integers(0, 255))
+            encoded += bytes([values[index]])
+        elif kind == "u64":
+            values[index] = draw(st.integers(0, 2**64 - 1))
+            encoded += struct.pack(">Q", values[index])
+        else:
+            table = draw(st.dictionaries(st.text(max_size=5), st.integers(-5, 5), max_size=3))
+            encoded += encode_table(table)
+            values[index] = table
+    return flags, encoded, values
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    props=st.lists(_properties(), min_size=1, max_size=4),
+    names=st.tuples(_SHORT_BYTES, _SHORT_BYTES, _SHORT_BYTES),
+)
+def test_every_set_of_properties_and_any_bytes_decode_as_the_spec_says(
+    props: list[tuple[int, bytes, list[Any]]], names: tuple[bytes, bytes, bytes]
+) -> None:
+    """Each set of properties has a decoder made for it (``_make_decoder``), and names are
+    decoded with a fast path that falls back for bytes that are not UTF-8: whatever the
+    set and the bytes, the values are the spec's, undecodable bytes kept (surrogateescape)."""
+    tag, exchange, routing_key = names
+    data = b""
+    for n, (flags, encoded, _) in enumerate(props, 1):
+        method = (
+            struct.pack(">HH", 60, 60)
+            + bytes([len(tag)])
+            + tag
+            + struct.pack(">QB", n, 0)
+            + bytes([len(exchange)])
+            + exchange
+            + bytes([len(routing_key)])
+            + routing_key
+        )
+        header = struct.pack(">HHQH", 60, 0, 1, flags) + encoded
+        data += _frame(1, 1, method) + _frame(2, 1, header) + _frame(3, 1, b"b")
+    scanner = DeliveryScanner(1, 1, "q")
+    assert scanner.scan(data, 0) == (len(data), len(data))
+    assert len(scanner.ready) == len(props)
+    for d, (_, _, values) in zip(scanner.ready, props, strict=True):
+        assert d.consumer_tag == tag.decode("utf-8", "surrogateescape")
+        assert d.exchange == exchange.decode("utf-8", "surrogateescape")
+        assert d.routing_key == routing_key.decode("utf-8", "surrogateescape")
+        assert list(d._fields) == values
+        assert d.header_error is None and d.body == b"b"
+
+
 def test_bodies_split_over_frames_and_bytes_split_over_reads_are_joined() -> None:
     body = bytes(range(256)) * 100
     data = deliver_frames(1, 1, body, frame_max=1000) + deliver_frames(1, 2, b"")
@@ -110,6 +180,84 @@ def test_other_frames_are_left_to_the_library_in_order() -> None:
     assert data[pos:end] == heartbeat
     pos2, end2 = scanner.scan(data, end)
     assert pos2 == end and data[pos2:end2] == other_channel[: end2 - pos2]
+
+
+_OTHER_FRAMES = (
+    _frame(8, 0, b""),  # a heartbeat
+    _frame(1, 2, struct.pack(">HH", 60, 80) + struct.pack(">QB", 9, 0)),  # another channel's
+    _frame(1, 1, struct.pack(">HH", 60, 80) + struct.pack(">QB", 9, 0)),  # ours, not a delivery
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.integers(0, 700),  # body size
+                st.sampled_from([30, 100, 4096]),  # frame_max: one body frame or several
+                st.booleans(),  # headers
+                st.booleans(),  # message id
+                st.booleans(),  # redelivered
+            ),
+            st.integers(0, len(_OTHER_FRAMES) - 1),
+        ),
+        max_size=25,
+    ),
+    st.lists(st.integers(1, 600), min_size=1, max_size=40),
+)
+def test_any_stream_cut_anywhere_gives_each_delivery_and_other_frame_once_in_order(
+    items: list[tuple[int, int, bool, bool, bool] | int], reads: list[int]
+) -> None:
+    """Deliveries whose frames arrive whole, split over reads or over body frames, between
+    frames that are not the scanner's, read in pieces of any size: each delivery comes out
+    once, whole and in order, and every other frame is handed back, in order."""
+    data = b""
+    expected: list[tuple[int, bytes, str | None, bool, dict[str, Any]]] = []
+    others: list[bytes] = []
+    for tag, item in enumerate(items, 1):
+        if isinstance(item, int):
+            data += _OTHER_FRAMES[item]
+            others.append(_OTHER_FRAMES[item])
+            continue
+        size, frame_max, with_headers, with_id, redelivered = item
+        body = bytes((tag + i) % 256 for i in range(size))
+        headers = {"n": tag} if with_headers else {}
+        message_id = f"m-{tag}" if with_id else None
+        data += deliver_frames(
+            1,
+            tag,
+            body,
+            headers=encode_table(headers) if with_headers else None,
+            message_id=message_id,
+            redelivered=redelivered,
+            frame_max=frame_max,
+        )
+        expected.append((tag, body, message_id, redelivered, headers))
+    scanner = DeliveryScanner(1, 1, "q")
+    handed_back: list[bytes] = []
+    buffer = b""
+    offset = 0
+    cuts = iter(reads * (len(data) // sum(reads) + 1))
+    while offset < len(data):  # reads as the connection sees them
+        step = next(cuts)
+        buffer += data[offset : offset + step]
+        offset += step
+        pos = 0
+        while pos < len(buffer):
+            pos, end = scanner.scan(buffer, pos)
+            if end == pos:
+                break
+            handed_back.append(buffer[pos:end])
+            pos = end
+        buffer = buffer[pos:]
+    assert buffer == b""
+    got = [(d.delivery_tag, d.body, d.message_id, d.redelivered, d.headers) for d in scanner.ready]
+    assert got == expected
+    assert handed_back == others
+    for d in scanner.ready:
+        assert d.attempt == (2 if d.redelivered else 1)
+        assert (d.exchange, d.routing_key, d.queue, d.consumer_tag) == ("ex", "rk", "q", "ctag")
 
 
 def test_a_frame_without_its_end_octet_breaks_the_connection() -> None:
@@ -197,6 +345,33 @@ def test_acks_wait_for_a_batch_unless_forced() -> None:
     book.settle(1, 3, REQUEUE)
     assert book.take(force=True) == [("nack", 3, False)]
     assert len(book) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 3), st.integers(0, 12), st.sampled_from([ACK, REQUEUE])),
+        max_size=40,
+    )
+)
+def test_settle_all_is_settle_for_each_in_turn(settlements: list[tuple[int, int, int]]) -> None:
+    """The I/O thread's batch call decides each settlement as one settle() call would (another
+    generation's, unknown and repeated tags refused), empties the deque, and counts refusals."""
+    one, batched = AckBook(2, batch=2), AckBook(2, batch=2)
+    for book in (one, batched):
+        book.delivered_all([_Tagged(tag) for tag in range(1, 11)])
+    refused = sum(not one.settle(*settlement) for settlement in settlements)
+    queue = deque(settlements)
+    assert batched.settle_all(queue) == refused
+    assert not queue
+    assert batched.due == one.due
+    assert batched.take(force=True) == one.take(force=True)
+    assert batched.requeue_rest() == one.requeue_rest()
+
+
+class _Tagged:
+    def __init__(self, tag: int) -> None:
+        self.delivery_tag = tag
 
 
 @settings(max_examples=300, deadline=None)

@@ -176,14 +176,28 @@ class _FrameScanning:
         conn._frame_buffer = data[pos:] if pos < size else b""
 
 
+#: what one read of the sync consumer's socket asks for. pika's transports ask 4 KiB: about 25
+#: small deliveries, each read's batch a hand-off to the handler thread (asyncio's transports,
+#: the async consumer's, ask 256 KiB). A prefetch of 200 small messages is about 30 KiB.
+RECV_BYTES = 64 * 1024
+
+
 class ScanningConnection(_FrameScanning, SelectConnection):  # type: ignore[misc]
     """A SelectConnection whose consuming channel's deliveries bypass pika's frame decoding
-    (:class:`_FrameScanning`): the sync consumer's, on its I/O thread."""
+    (:class:`_FrameScanning`): the sync consumer's, on its I/O thread. Its socket is read
+    :data:`RECV_BYTES` at a time."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.scanner = None
         self.on_deliveries = _no_deliveries
         super().__init__(*args, **kwargs)
+
+    def _proto_connection_made(self, transport: Any) -> None:
+        # pika's stream transports (plain and TLS, pika 1.3 to 1.4) read _MAX_RECV_BYTES at a
+        # time, up to _MAX_CONSUME_BYTES (100 KiB) an event
+        if isinstance(getattr(transport, "_MAX_RECV_BYTES", None), int):
+            transport._MAX_RECV_BYTES = RECV_BYTES
+        super()._proto_connection_made(transport)
 
 
 def _no_deliveries(batch: list[Delivery]) -> None:

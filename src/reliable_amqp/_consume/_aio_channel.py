@@ -22,7 +22,7 @@ from typing import Any
 from pika.channel import Channel
 
 from reliable_amqp._compat.pika import LoopScanningConnection, scanner_takes_deliveries
-from reliable_amqp._core.acks import AckBook, encode_ack_frames
+from reliable_amqp._core.acks import AckBook, ack_batch, encode_ack_frames
 from reliable_amqp._core.delivery import Delivery, DeliveryScanner
 
 log = logging.getLogger("reliable_amqp")
@@ -51,7 +51,7 @@ class Subscription:
         self._consumer_arguments = consumer_arguments
         self._on_ready = on_ready
         self._on_closed = on_closed
-        self.book = AckBook(generation, max(1, prefetch // 10))
+        self.book = AckBook(generation, ack_batch(prefetch))
         self.channel: Channel | None = None
         self._consumer_tag: str | None = None
         self._careful = prefetch > 1

@@ -42,7 +42,7 @@ from reliable_amqp._consume._aio_channel import Subscription
 from reliable_amqp._consume._aio_watchdog import Watchdog
 from reliable_amqp._consume._io import REFUSED_ATTEMPTS, _gave_up, _refusal
 from reliable_amqp._consume._lifecycle import node_of, product_of
-from reliable_amqp._core.acks import ACK
+from reliable_amqp._core.acks import ACK, ack_batch
 from reliable_amqp._core.delivery import Delivery
 from reliable_amqp._core.errors import AmqpConnectionError, ReliableAmqpError
 from reliable_amqp._core.policy import RetryPolicy
@@ -80,7 +80,7 @@ class LoopConsumerIO:
         self._params = params
         self.queue = queue
         self.prefetch = prefetch
-        self._batch = max(1, prefetch // 10)
+        self._batch = ack_batch(prefetch)
         self._policy = connect_policy
         self._on_deliveries = on_deliveries
         self._declare = declare

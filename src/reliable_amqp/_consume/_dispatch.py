@@ -52,6 +52,7 @@ class Dispatch:
         "_max_attempts",
         "_options",
         "_redeliver",
+        "_settle",
         "_unparked",
         "fences",
         "key_of",
@@ -68,6 +69,7 @@ class Dispatch:
     ) -> None:
         self._options = options
         self._io = io
+        self._settle = io.settle  # (bound once: called for every delivery)
         self._redeliver = redeliver
         self._max_attempts = options.max_attempts
         self.stats = stats
@@ -154,7 +156,7 @@ class Dispatch:
         if key is not None and len(self.fences):
             self.fences.settled(key, parked_seq(delivery.headers))
         self.stats.handled += 1
-        self._io.settle(delivery.generation, delivery.delivery_tag, ACK)
+        self._settle(delivery.generation, delivery.delivery_tag, ACK)
         if self.telemetry is not None:
             self.telemetry.count("handled")
 

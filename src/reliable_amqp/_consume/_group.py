@@ -116,7 +116,6 @@ class PartitionGroup:
         self._view: GroupView | None = None
         self._rng = random.Random()
         self._looked = False  # a round saw every queue of the group (this run)
-        self._said_broker = False  # the LavinMQ hand-over warning, once per consumer
         self._wait_unsubscribed = False  # (LavinMQ) take no partition that has a consumer
         #: partition -> monotonic time it was taken (for tests and take-over times)
         self.taken_at: dict[int, float] = {}
@@ -327,21 +326,11 @@ class PartitionGroup:
         self._lifecycle.connected(self.node, product)
         # LavinMQ hands a single-active-consumer queue to a consumer already waiting before
         # it requeues what the closed one held (docs/brokers.md): a partition that still has a
-        # consumer without a lock (a member cut off, not yet noticed by the broker) is not
-        # taken until that consumer is gone. (RabbitMQ keeps that hand-over's order.)
+        # consumer without a lock (a member cut off, not yet noticed by the broker, or this
+        # member's own lost partition connection) is not taken until that consumer is gone, and
+        # a partition whose connection is lost ends rather than subscribing again behind the
+        # old consumer (_take). (RabbitMQ keeps that hand-over's order.)
         self._wait_unsubscribed = product.startswith("LavinMQ")
-        if self._wait_unsubscribed and not self._said_broker:
-            self._said_broker = True
-            log.warning(
-                "reliable-amqp: consumer group %r on %s: a partition whose connection this "
-                "member drops and opens again (two heartbeats of silence) while the broker "
-                "still holds the old one can be handled out of order: LavinMQ hands a "
-                "single-active-consumer queue to the next consumer before it requeues what the "
-                'closed one held (docs/brokers.md, "Partitioned consumers"); members joining, '
-                "leaving and cut off keep order",
-                self.queue,
-                product,
-            )
         view.join()
         for partition in self.held:  # consumed meanwhile: locked again, or given up
             if not view.lock(partition):
@@ -423,6 +412,10 @@ class PartitionGroup:
             consumer_arguments=self._consumer_arguments,
             generations=lambda p=partition: self._generation_for(p),  # type: ignore[misc]
             careful_start=False,  # single active consumer: a cancel would hand it over
+            # LavinMQ: a lost connection ends the partition here, and a later round takes it
+            # again only once the broker has let the old consumer go (its unacked requeued
+            # first), not a new connection subscribing beside the old one (docs/brokers.md)
+            reconnect=not self._wait_unsubscribed,
         )
         self._ios[partition] = io
         self.taken_at[partition] = time.monotonic()
@@ -478,6 +471,14 @@ class PartitionGroup:
             if not io.ended.is_set() or partition in self._releasing:
                 continue
             self._forget(partition)
+            if io.fatal is None and not self._stopping.is_set():
+                log.info(
+                    "reliable-amqp: consumer group %r lost partition %r with its connection "
+                    "(%s); taking it again once the broker has no consumer on it",
+                    self.queue,
+                    io.queue,
+                    io.attempts.last_loss,
+                )
             if io.fatal is not None and not self._stopping.is_set():
                 # a refusal (permissions), a queue gone for good, a spent connect policy: the
                 # member cannot consume its share, so it ends (loud), rather than retake and

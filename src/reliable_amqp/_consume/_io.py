@@ -73,6 +73,7 @@ class ConsumerIO:
         lifecycle: Lifecycle | None = None,
         generations: Callable[[], int] | None = None,
         careful_start: bool = True,
+        reconnect: bool = True,
     ) -> None:
         self._params = params
         self.queue = queue
@@ -87,6 +88,10 @@ class ConsumerIO:
         # single active consumer, where a cancel hands the queue to another consumer (and
         # LavinMQ requeues what the cancelled one holds)
         self._careful_start = careful_start
+        # False: once subscribed, a lost connection ends the thread (``ended`` set, no
+        # ``fatal``) instead of connecting again: the owner decides when to subscribe anew
+        # (a partition on LavinMQ: PartitionGroup waits until the broker let the old consumer go)
+        self._reconnect = reconnect
         self.stopping = threading.Event()
         #: set when a subscription is live (cleared while recovering)
         self.consuming = threading.Event()
@@ -261,6 +266,9 @@ class ConsumerIO:
             if self.stopping.is_set() or self._draining:
                 return
             loss = self._loss or ReliableAmqpError("the connection closed")
+            if not self._reconnect and self.attempts.subscribed_once and loss.retriable:
+                self.attempts.last_loss = str(loss)  # (the owner says it, and what it does)
+                return
             if not self._backoff(loss):
                 return
 
@@ -434,8 +442,7 @@ class ConsumerIO:
         self.last_delivery = time.monotonic()
         book = self._book
         if book is not None:
-            for d in batch:
-                book.delivered(d.delivery_tag)
+            book.delivered_all(batch)
         if self._careful and any(not d.redelivered for d in batch):
             self._leave_careful()
         self._on_deliveries(batch)

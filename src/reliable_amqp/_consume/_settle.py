@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from reliable_amqp._core.acks import AckBook
+from reliable_amqp._core.acks import AckBook, ack_batch
 from reliable_amqp._sync._pika import call_threadsafe
 
 
@@ -23,7 +23,7 @@ class Settlements:
 
     def __init__(self, prefetch: int, on_wake: Callable[[], None]) -> None:
         #: a batch: how many settlements wake the I/O thread (a tenth of the prefetch)
-        self.batch = max(1, prefetch // 10)
+        self.batch = ack_batch(prefetch)
         self._on_wake = on_wake
         self._queue: deque[tuple[int, int, int]] = deque()  # (generation, tag, kind)
         self._pending = False  # a wake-up is on its way
@@ -53,7 +53,7 @@ class Settlements:
             # idle (its flush saw nothing): this ack must not wait for a batch
             self.force = True
             self.wake()
-        elif len(self._queue) >= self.batch:
+        elif len(self._queue) >= self.batch and not self._pending:
             self.wake()
 
     def flush(self, book: AckBook | None) -> None:
@@ -85,11 +85,13 @@ class Settlements:
         queue = self._queue
         force = self.force
         self.force = False
-        while queue:
-            generation, tag, kind = queue.popleft()
-            if book is None or not book.settle(generation, tag, kind):
+        if book is None:
+            while queue:
+                queue.popleft()
                 self.stale += 1
-        if book is None or channel is None or not channel.is_open:
+            return
+        self.stale += book.settle_all(queue)
+        if channel is None or not channel.is_open:
             return
         _write(channel, book.take(force))
 

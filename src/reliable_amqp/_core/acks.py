@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Protocol
 
-__all__ = ["ACK", "REQUEUE", "AckBook", "AckFrame", "encode_ack_frames"]
+__all__ = ["ACK", "REQUEUE", "AckBook", "AckFrame", "ack_batch", "encode_ack_frames"]
 
 #: settlement kinds
 ACK = 1
@@ -48,6 +48,13 @@ def encode_ack_frames(channel: int, frames: Iterable[AckFrame]) -> bytes:
         else _method_frame(1, channel, 13, 60, 120, tag, 3 if multiple else 2, 0xCE)
         for method, tag, multiple in frames
     )
+
+
+def ack_batch(prefetch: int) -> int:
+    """How many finished deliveries make an ack frame worth sending (and wake a consumer's I/O
+    thread) while the handler side is busy: a tenth of the prefetch. An idle handler side
+    sends what is finished at once, whatever the count."""
+    return max(1, prefetch // 10)
 
 
 class _Tagged(Protocol):
@@ -112,6 +119,26 @@ class AckBook:
         self._state[tag] = _ACK_DUE if kind == ACK else _REQUEUE_DUE
         self._due += 1
         return True
+
+    def settle_all(self, settlements: deque[tuple[int, int, int]]) -> int:
+        """:meth:`settle` each ``(generation, tag, kind)`` taken from the left of
+        ``settlements`` until it is empty (another thread may append meanwhile); returns how
+        many were refused. One call a batch, not one a message."""
+        state = self._state
+        generation = self.generation
+        refused = 0
+        due = 0
+        try:
+            while settlements:
+                gen, tag, kind = settlements.popleft()
+                if gen != generation or state.get(tag) != _PENDING:
+                    refused += 1
+                    continue
+                state[tag] = _ACK_DUE if kind == ACK else _REQUEUE_DUE
+                due += 1
+        finally:
+            self._due += due
+        return refused
 
     def ready(self) -> bool:
         """Whether :meth:`take` without ``force`` would return frames now."""

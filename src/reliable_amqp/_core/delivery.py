@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as _dt
 import decimal
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from reliable_amqp._core.errors import ReliableAmqpError
@@ -48,6 +49,9 @@ _u16 = struct.Struct(">H").unpack_from
 _u32 = struct.Struct(">I").unpack_from
 _u64 = struct.Struct(">Q").unpack_from
 _header_head = struct.Struct(">HHQH").unpack_from  # class, weight, body size, first flags
+#: a content header frame's head and the start of its payload: kind, channel, size, then
+#: class, weight, body size and the first property flags
+_header_frame = struct.Struct(">BHIHHQH").unpack_from
 
 _BASIC = 60
 _DELIVER = 60
@@ -284,68 +288,108 @@ _SHORTSTR, _OCTET, _TIMESTAMP, _TABLE = 0, 1, 2, 3
 #: each of the 14 properties' kind, in flag order (0x8000 first)
 _KINDS: tuple[int, ...] = (_SHORTSTR, _SHORTSTR, _TABLE, _OCTET, _OCTET) + (_SHORTSTR,) * 4
 _KINDS += (_TIMESTAMP,) + (_SHORTSTR,) * 4
-#: property flags -> the (index, kind) of each property they say is present (a message stream
-#: has a handful of flag sets: the 14-bit walk is made once per set, not once per message)
-_PLANS: dict[int, tuple[tuple[int, int], ...]] = {}
+#: a decoder made for one set of properties: (data, pos) -> (the 14 values, pos after, error)
+_Decoder = Callable[[bytes, int], tuple[tuple[Any, ...], int, "str | None"]]
+#: property flags -> its decoder (a message stream has a handful of flag sets: each decoder is
+#: made once per set, not once per message)
+_DECODERS: dict[int, _Decoder] = {}
+#: the values when no property is present
+_NO_PROPERTIES: tuple[Any, ...] = (None, None, _EMPTY) + (None,) * 11
 
 
-def _plan(flags: int) -> tuple[tuple[int, int], ...]:
-    key = flags & 0xFFFC
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = tuple((i, _KINDS[i]) for i in range(14) if key & (0x8000 >> i))
-        if len(_PLANS) < 1024:
-            _PLANS[key] = plan
-    return plan
+def _decoder(key: int) -> _Decoder:
+    decoder = _DECODERS.get(key)
+    if decoder is None:
+        decoder = _make_decoder(key)
+        if len(_DECODERS) < 1024:
+            _DECODERS[key] = decoder
+    return decoder
 
 
-def decode_properties(data: bytes, pos: int, end: int) -> tuple[tuple[Any, ...], str | None]:
-    """The 14 basic properties of a content header payload (``pos`` at the property flags).
+def _make_decoder(key: int) -> _Decoder:
+    """Straight-line code reading exactly the properties ``key`` says are present, in flag
+    order. A walk over the 14 flags with a test of each one's kind, once per message, took
+    two and a half times as long; the consumer's I/O thread spends most of its time decoding
+    (docs/benchmarks.md). The source is made of this module's constants only."""
+    lines = ["def decode(data, pos):", "    error = None"]
+    values = ["None"] * 14
+    values[2] = "_EMPTY"
+    for index in range(14):
+        if not key & (0x8000 >> index):
+            continue
+        name = values[index] = f"v{index}"
+        kind = _KINDS[index]
+        if kind == _SHORTSTR:
+            lines += [
+                "    size = data[pos]",
+                "    raw = data[pos + 1 : pos + 1 + size]",
+                "    try:",
+                f"        {name} = raw.decode()",
+                "    except UnicodeDecodeError:",
+                f"        {name} = raw.decode('utf-8', 'surrogateescape')",
+                "    pos += 1 + size",
+            ]
+        elif kind == _OCTET:  # delivery_mode, priority
+            lines += [f"    {name} = data[pos]", "    pos += 1"]
+        elif kind == _TIMESTAMP:
+            lines += [f"    ({name},) = _u64(data, pos)", "    pos += 8"]
+        else:  # headers
+            lines += [
+                "    (size,) = _u32(data, pos)",
+                "    table_end = pos + 4 + size",
+                "    try:",
+                f"        {name} = decode_table(data[pos + 4 : table_end])",
+                "    except HeaderDecodeError as exc:",
+                f"        {name} = {{}}",
+                "        error = f'undecodable headers: {exc}'",
+                "    pos = table_end",
+            ]
+    lines.append(f"    return ({', '.join(values)}), pos, error")
+    namespace: dict[str, Any] = {
+        "_u32": _u32,
+        "_u64": _u64,
+        "_EMPTY": _EMPTY,
+        "decode_table": decode_table,
+        "HeaderDecodeError": HeaderDecodeError,
+    }
+    exec("\n".join(lines), namespace)
+    decoder: _Decoder = namespace["decode"]
+    return decoder
+
+
+def _properties_after(
+    word: int, data: bytes, pos: int, end: int
+) -> tuple[tuple[Any, ...], str | None]:
+    """The 14 basic properties of a content header payload, its first flag word (``word``)
+    read and ``pos`` just after it.
 
     Returns the values in :data:`~reliable_amqp._core.message.PROPERTY_ORDER` order, then
     ``cluster_id`` (headers decoded), and an error text when the header table could not be
     decoded (the table is then ``{}``).
     """
-    flags = 0
-    shift = 0
-    while True:
-        (word,) = _u16(data, pos)
-        pos += 2
-        flags |= (word & 0xFFFE) << shift
-        if not word & 1:
-            break
-        shift += 16
-    values: list[Any] = [None] * 14
-    error: str | None = None
+    flags = word & 0xFFFE
+    if word & 1:  # more flag words: no basic property is there, but they are read past
+        shift = 16
+        while True:
+            (word,) = _u16(data, pos)
+            pos += 2
+            flags |= (word & 0xFFFE) << shift
+            if not word & 1:
+                break
+            shift += 16
     if not flags:
-        values[2] = _EMPTY
-        return tuple(values), None
-    for index, kind in _plan(flags):
-        if kind == _SHORTSTR:
-            size = data[pos]
-            next_pos = pos + 1 + size
-            values[index] = data[pos + 1 : next_pos].decode("utf-8", "surrogateescape")
-            pos = next_pos
-        elif kind == _OCTET:  # delivery_mode, priority
-            values[index] = data[pos]
-            pos += 1
-        elif kind == _TIMESTAMP:
-            (values[9],) = _u64(data, pos)
-            pos += 8
-        else:  # headers
-            (size,) = _u32(data, pos)
-            table_end = pos + 4 + size
-            try:
-                values[2] = decode_table(data[pos + 4 : table_end])
-            except HeaderDecodeError as exc:
-                values[2] = {}
-                error = f"undecodable headers: {exc}"
-            pos = table_end
-    if values[2] is None:
-        values[2] = _EMPTY
+        return _NO_PROPERTIES, None
+    key = flags & 0xFFFC
+    decoder = _DECODERS.get(key) or _decoder(key)
+    values, pos, error = decoder(data, pos)
     if pos > end:
         raise HeaderDecodeError("the content header's properties run past its frame")
-    return tuple(values), error
+    return values, error
+
+
+def _unended(channel: int) -> HeaderDecodeError:
+    """The error for a frame whose end octet is missing: the connection cannot go on."""
+    return HeaderDecodeError(f"frame on channel {channel} lacks its end octet")
 
 
 class DeliveryScanner:
@@ -389,7 +433,7 @@ class DeliveryScanner:
                 return pos, end
             start = pos + 7
             if data[end - 1] != _FRAME_END:
-                raise HeaderDecodeError(f"frame on channel {chan} lacks its end octet")
+                raise _unended(chan)
             if kind == FRAME_BODY:
                 current = self._current
                 if current is None:
@@ -405,8 +449,45 @@ class DeliveryScanner:
                     return pos, end
                 if self._current is not None:
                     return pos, end  # a new method mid-content: the library reports it
-                self._current = self._deliver(data, start + 4)
+                d = self._deliver(data, start + 4)
                 pos = end
+                # The usual delivery: its content header and its whole body in one frame
+                # follow in this read. Taken in one pass, not in two more turns of the loop
+                # (a tenth of a consumed message's instructions, docs/benchmarks.md);
+                # anything else is left to the loop, from the state it expects.
+                if size_all - pos >= 21:  # a content header frame is 22 bytes or more
+                    # its head, class, weight, body size and first flags in one unpack
+                    kind, chan, size, _cls, _weight, body_size, word = _header_frame(data, pos)
+                    end = pos + 8 + size
+                    if kind == FRAME_HEADER and chan == channel and size >= 14 and end <= size_all:
+                        if data[end - 1] != _FRAME_END:
+                            raise _unended(chan)
+                        self._properties(d, word, data, pos + 21, end - 1)
+                        pos = end
+                        d.body = b""  # marks "header seen"; replaced by the body
+                        if body_size and size_all - pos >= 8:
+                            kind, chan, size = _frame_head(data, pos)
+                            end = pos + 8 + size
+                            if (
+                                kind == FRAME_BODY
+                                and chan == channel
+                                and size == body_size
+                                and end <= size_all
+                            ):
+                                if data[end - 1] != _FRAME_END:
+                                    raise _unended(chan)
+                                d.body = data[pos + 7 : end - 1]
+                                pos = end
+                                body_size = 0
+                        if not body_size:
+                            if d.headers or d.redelivered:
+                                self._complete(d)
+                            else:
+                                self.ready.append(d)
+                            continue
+                        self._remaining = body_size
+                        self._body = []
+                self._current = d
                 continue
             if kind == FRAME_HEADER:
                 current = self._current
@@ -430,14 +511,22 @@ class DeliveryScanner:
         # the consumer tag, exchange and routing key: short strings (a length octet, then
         # UTF-8), read inline (three calls a delivery were a tenth of the scan)
         end = pos + 1 + data[pos]
-        d.consumer_tag = data[pos + 1 : end].decode("utf-8", "surrogateescape")
+        tag = data[pos + 1 : end]
         (d.delivery_tag,) = _u64(data, end)
-        d.redelivered = bool(data[end + 8] & 1)
+        d.redelivered = data[end + 8] & 1 == 1
         pos = end + 9
         end = pos + 1 + data[pos]
-        d.exchange = data[pos + 1 : end].decode("utf-8", "surrogateescape")
+        exchange = data[pos + 1 : end]
         pos = end + 1 + data[end]
-        d.routing_key = data[end + 1 : pos].decode("utf-8", "surrogateescape")
+        routing_key = data[end + 1 : pos]
+        try:  # bare decode(): the codec's fast path, without looking up a name and a handler
+            d.consumer_tag = tag.decode()
+            d.exchange = exchange.decode()
+            d.routing_key = routing_key.decode()
+        except UnicodeDecodeError:  # not UTF-8: kept byte for byte, as everywhere else
+            d.consumer_tag = tag.decode("utf-8", "surrogateescape")
+            d.exchange = exchange.decode("utf-8", "surrogateescape")
+            d.routing_key = routing_key.decode("utf-8", "surrogateescape")
         d.queue = self.queue
         d.generation = self.generation
         d.body = None  # type: ignore[assignment]  # until the content header
@@ -446,17 +535,22 @@ class DeliveryScanner:
         return d
 
     def _header(self, d: Delivery, data: bytes, start: int, end: int) -> int:
-        _cls, _weight, body_size, _flags = _header_head(data, start)
+        _cls, _weight, body_size, word = _header_head(data, start)
+        self._properties(d, word, data, start + 14, end)
+        return int(body_size)
+
+    @staticmethod
+    def _properties(d: Delivery, word: int, data: bytes, pos: int, end: int) -> None:
+        """``d``'s properties, from just after the first flag word (``word``) to ``end``."""
         try:
-            fields, error = decode_properties(data, start + 12, end)
+            fields, error = _properties_after(word, data, pos, end)
         except (IndexError, struct.error, HeaderDecodeError) as exc:
-            fields = (None, None, _EMPTY) + (None,) * 11
+            fields = _NO_PROPERTIES
             error = f"undecodable properties: {exc}"
         d._fields = fields
         d.headers = fields[2]
         d.message_id = fields[8]
         d.header_error = error
-        return int(body_size)
 
     def _finish(self, d: Delivery) -> None:
         body = self._body
@@ -465,6 +559,10 @@ class DeliveryScanner:
             self._body = []
         self._current = None
         self._remaining = 0
+        self._complete(d)
+
+    def _complete(self, d: Delivery) -> None:
+        """``d`` is whole: its attempt (and a retried copy's origin) read, then it is ready."""
         headers = d.headers
         if headers:
             d.attempt = attempt_of(headers, d.redelivered)
