@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aio_pika
 import pytest
@@ -24,7 +25,7 @@ from reliable_amqp import (
     RetryPolicy,
     State,
 )
-from reliable_amqp._async import AsyncPublisher
+from reliable_amqp._async import AsyncPublisher, _topology
 from support.aio import aio, in_thread, outcomes
 from support.broker import BrokerAdmin, unique
 
@@ -239,6 +240,44 @@ async def test_declared_topology_is_replayed_after_a_restart(
         assert bodies == [b"after %d" % i for i in range(100)]  # "before" died with the node
     finally:
         admin.close()
+
+
+@aio
+async def test_a_connection_closed_under_the_topology_replay_is_only_a_lost_connection(
+    amqp_url: str, broker: BrokerAdmin, make_proxy: ProxyFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiormq fails the RPCs of a connection it closed with asyncio.CancelledError. One that
+    comes out of the replay of declared topology on a new connection (the broker dropped it
+    there) is a lost connection: the publisher tries the next one and goes on. It ended the
+    connection task as if cancelled, and the publisher confirmed nothing more. The replay here
+    closes its connection and raises as aiormq does, once."""
+    queue = unique("replay-cut")
+    proxy = make_proxy()
+    replays: list[bool] = []
+
+    async def replay(connection: Any, ops: Any, timeout: float) -> None:
+        replays.append(True)
+        if len(replays) == 1:
+            await connection.close()
+            raise asyncio.CancelledError  # (what aiormq raises into a closed connection's RPC)
+        await real_replay(connection, ops, timeout)
+
+    real_replay = _topology.replay
+    monkeypatch.setattr(_topology, "replay", replay)
+    try:
+        async with AsyncPublisher(proxy.url(), connect_policy=QUICK_RECONNECT) as publisher:
+            await publisher.declare_queue(queue, durable=False)
+            assert (await publisher.publish_and_wait("", queue, b"before")).attempts == 1
+            proxy.cut()
+            confirmation = await asyncio.wait_for(
+                publisher.publish_and_wait("", queue, b"after"), 30
+            )
+            assert confirmation.attempts >= 1
+            assert publisher.state is State.OPEN
+        assert len(replays) == 2  # the one that failed, then the next connection's
+        assert sorted(body for _, body in broker.drain(queue)) == [b"after", b"before"]
+    finally:
+        broker._queues.append(queue)  # deleted with the broker fixture
 
 
 @aio

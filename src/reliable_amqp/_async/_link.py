@@ -137,13 +137,17 @@ class Link(Generic[E]):
         while not self.stopping:
             established = False
             reply = None
+            connection = None
+            loss: ReliableAmqpError
             try:
                 connection = await source.obtain(supervisor.next_attempt(), self._stop_signal())
                 if len(self.topology):
                     # A restarted broker lost non-durable topology: declare it again first.
                     await _topology.replay(connection, self.topology, self.options.connect_timeout)
             except asyncio.CancelledError:
-                raise
+                if not self._lost_not_cancelled(connection):
+                    raise
+                loss = AmqpConnectionError("connection lost while it was being set up")
             except Exception as exc:
                 loss = translate_connection_error(exc)
             else:
@@ -160,6 +164,18 @@ class Link(Generic[E]):
                 self._gave_up()
                 return
             await self._sleep(plan.delay)
+
+    def _lost_not_cancelled(self, connection: aiormq.abc.AbstractConnection | None) -> bool:
+        """Whether a CancelledError caught in the connection task is aiormq failing an RPC of a
+        connection it closed (it does so with CancelledError), to be taken as a lost connection,
+        rather than this task's own cancellation, which goes on up. Python 3.11+ tells
+        (``Task.cancelling()``); where it cannot (3.10), only while closing. ``connection`` is
+        None while it is being opened (then only Python's word counts)."""
+        requested = cancel_requested()
+        ours = requested if requested is not None else not self.stopping
+        if ours:
+            return False
+        return connection is None or connection.is_closed or self.stopping
 
     async def _serve(self, connection: aiormq.abc.AbstractConnection) -> ReliableAmqpError:
         """Open channels on ``connection`` until it is lost; returns the loss."""
@@ -197,12 +213,7 @@ class Link(Generic[E]):
                     connection, self.pump, supervisor.generation, self.options.connect_timeout
                 )
             except asyncio.CancelledError:
-                # aiormq fails the RPCs of a connection it closed with CancelledError: that one
-                # is a lost connection, not this task's cancellation (which goes on up). Where
-                # Python cannot tell them apart (3.10), only while closing.
-                requested = cancel_requested()
-                ours = requested if requested is not None else not self.stopping
-                if ours or not (connection.is_closed or self.stopping):
+                if not self._lost_not_cancelled(connection):
                     raise
                 return AmqpConnectionError("connection lost while a channel opened")
             except Exception as exc:
