@@ -20,11 +20,13 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from reliable_amqp.cli._interrupt import Interrupts
 from support.broker import BrokerAdmin
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -138,3 +140,56 @@ def test_ctrl_c_at_any_moment_exits_130_with_every_message_accounted_for(
             outcomes.append("before")
     # the sweep did reach the runs that had sent messages
     assert outcomes[steps // 2 :] == ["accounted"] * (steps // 2), outcomes
+
+
+def test_a_ctrl_c_python_drops_in_a_weakref_callback_is_delivered_again(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Python drops a KeyboardInterrupt raised in a weakref callback ("Exception ignored in"),
+    as it did to a Ctrl-C that came during a lazy import (the import system's module-lock
+    callback): the publish command then ran on for 30 s. Inside ``Interrupts`` the dropped
+    interrupt comes again, as the same press, and nothing is printed."""
+
+    class Thing:
+        pass
+
+    def callback(_ref: object) -> None:
+        signal.raise_signal(signal.SIGINT)  # the handler runs in here, and raises in here
+        for _ in range(10_000):  # (bytecode for the handler to run on)
+            pass
+
+    before = sys.unraisablehook
+    with Interrupts() as interrupts:
+        thing = Thing()
+        ref = weakref.ref(thing, callback)
+        with pytest.raises(KeyboardInterrupt):
+            del thing  # the callback runs now; its KeyboardInterrupt is dropped by Python
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert ref() is None
+        assert interrupts.presses == 1
+    assert "Exception ignored" not in capsys.readouterr().err
+    assert sys.unraisablehook is before  # given back
+
+
+def test_other_unraisable_exceptions_still_reach_the_hook_there_was() -> None:
+    seen: list[BaseException | None] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: seen.append(unraisable.exc_value)
+    try:
+        with Interrupts():
+
+            class Thing:
+                pass
+
+            def callback(_ref: object) -> None:
+                raise ValueError("a callback's own error")
+
+            thing = Thing()
+            ref = weakref.ref(thing, callback)
+            del thing
+            assert ref() is None
+    finally:
+        sys.unraisablehook = previous
+    assert [type(e) for e in seen] == [ValueError]

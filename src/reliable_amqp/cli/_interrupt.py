@@ -11,11 +11,18 @@ blocked in one of the publisher's waits (``publish()`` into a full window), wher
 safe. In case the main thread enters such a wait after the signal was noted and before a check,
 the signal is sent to it again shortly (:data:`REDELIVER`) until it is acted on. A second
 Ctrl-C is never deferred.
+
+Python itself can drop a Ctrl-C: a ``KeyboardInterrupt`` raised while the main thread runs a
+callback that cannot raise (a weakref callback, such as the import system's module-lock
+cleanup during a lazy import) is printed as "Exception ignored in ..." and the program goes
+on, so the command ran on as if nobody had pressed anything. Inside the block such a dropped
+interrupt is delivered again (``sys.unraisablehook``), as the same press, and not printed.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from types import FrameType, TracebackType
 
@@ -38,11 +45,14 @@ class Interrupts:
         self.presses = 0
         self._redelivering = False
         self._previous: object = None
+        self._previous_hook: object = None
         self._installed = False
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._on_signal)
+            self._previous_hook = sys.unraisablehook
+            sys.unraisablehook = self._on_unraisable
             self._installed = True
         return self
 
@@ -55,6 +65,8 @@ class Interrupts:
         if self._installed:
             self._installed = False
             signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+            if sys.unraisablehook == self._on_unraisable:  # (nobody replaced it meanwhile)
+                sys.unraisablehook = self._previous_hook  # type: ignore[assignment]
 
     def check(self) -> None:
         """Raise ``KeyboardInterrupt`` for a Ctrl-C noted meanwhile."""
@@ -70,10 +82,26 @@ class Interrupts:
         if not self.deferring or self.presses > 1 or safe_to_interrupt(frame):
             self.pending = False
             raise KeyboardInterrupt
+        self._note()
+
+    def _note(self) -> None:
+        """A Ctrl-C to act on: pending, and sent to the main thread again shortly if nothing
+        acted on it by then."""
         self.pending = True
         timer = threading.Timer(REDELIVER, self._redeliver)
         timer.daemon = True
         timer.start()
+
+    def _on_unraisable(self, unraisable: sys.UnraisableHookArgs) -> None:
+        """A Ctrl-C that Python dropped (raised where nothing can raise): the same press again,
+        to the main thread; anything else goes to the hook there was before."""
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and self._installed:
+            # sent again from another thread once this hook has returned (sent from here, the
+            # handler would raise in the hook, and Python would drop it again)
+            self._note()
+            return
+        previous = self._previous_hook
+        (previous if callable(previous) else sys.__unraisablehook__)(unraisable)
 
     def _redeliver(self) -> None:
         if self.pending and self._installed:
