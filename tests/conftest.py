@@ -23,11 +23,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # `import harness` from any test module
 
 from harness.fixtures import *  # noqa: F403  (fault-injection fixtures)
+from support import timeline
 from support.broker import AMQP_HOST, AMQP_PORT, AMQP_URL, BrokerAdmin
 from support.jvm import use_for_local_drivers
 from support.run_summary import summary_sections
 
 use_for_local_drivers()  # C1 and the serial collector for every Spark driver (support.jvm)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """RELIABLE_AMQP_TIMELINE=DIR: where the suite's time goes (support.timeline)."""
+    config.pluginmanager.register(timeline, "reliable-amqp-timeline")
 
 
 def _broker_answers() -> bool:

@@ -19,7 +19,7 @@ import pytest
 from pika.adapters.utils.connection_workflow import AMQPConnectorException
 from pika.exceptions import AMQPConnectionError, ChannelClosedByBroker
 
-from harness.node import DEFAULT_MEMORY_HIGH_WATERMARK, DisposableBroker
+from harness.node import DEFAULT_MEMORY_HIGH_WATERMARK, BrokerCommandError, DisposableBroker
 from harness.proxy import TcpProxy
 from support.broker import AMQP_DEFAULT_PORT, AMQP_PORT, AMQP_URL
 
@@ -227,6 +227,27 @@ def test_proxy_close_drops_connections_and_leaves_no_thread(
         connection.channel()
     with pytest.raises(AMQPConnectionError):
         _connect(proxy.url())
+
+
+def test_erl_evaluates_on_the_node_and_raises_what_failed(
+    disposable_broker: DisposableBroker,
+) -> None:
+    """``erl`` is what the tests' node commands go through (the memory alarm, the kill's
+    metadata flush, the consumer tests' evals): it must reach this node, not the shared one,
+    and a failed evaluation must raise, never read as a value."""
+    node = disposable_broker
+    assert node.erl("A = 20, A + 22.") == "42"
+    assert node.erl("atom_to_list(node()).") == f'"{node.nodename}"'
+    node.ctl("set_vm_memory_high_watermark", "0.25")  # rabbitmqctl's name, the same function
+    try:
+        assert float(node.erl("vm_memory_monitor:get_vm_memory_high_watermark().")) == 0.25
+    finally:
+        node.reset_limits()
+    assert node.erl("vm_memory_monitor:get_vm_memory_high_watermark().").startswith("0.4")
+    with pytest.raises(BrokerCommandError, match="badarg"):
+        node.erl("erlang:error(badarg).")
+    with pytest.raises(BrokerCommandError, match="syntax error"):
+        node.erl("1 +.")
 
 
 def test_memory_alarm_blocks_publishers_until_cleared(

@@ -22,7 +22,6 @@ test, plus the cluster's start.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,11 +86,7 @@ def _declare(node: Rabbitmq4Node, queue: str) -> None:
 
 def _clients(nodes: list[Rabbitmq4Node]) -> list[int]:
     """Client connections on each node's AMQP port (listed by the node itself)."""
-    counts = []
-    for node in nodes:
-        rows = json.loads(node.ctl("list_connections", "--formatter", "json", "port"))
-        counts.append(sum(1 for row in rows if row["port"] == node.port))
-    return counts
+    return [node.client_connections() for node in nodes]
 
 
 class Effects:

@@ -25,7 +25,6 @@ about two and a half minutes.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -116,12 +115,6 @@ def _delete(url: str, queue: str) -> None:
         connection.close()
 
 
-def _clients_on(node: Rabbitmq4Node) -> int:
-    """Client connections to ``node``'s AMQP port (listed by the node itself)."""
-    rows = json.loads(node.ctl("list_connections", "--formatter", "json", "port"))
-    return sum(1 for row in rows if row["port"] == node.port)
-
-
 def _during(case: Case, before: float, fault: Callable[[], None], after: float) -> float:
     """Publish ``before`` s, run ``fault`` (publishing goes on), publish ``after`` s more.
 
@@ -145,7 +138,7 @@ def test_kill_of_the_connected_node(
     case = Case(healthy, leader=1)  # the publishers are on node 0 (first URL)
 
     def fault() -> None:
-        assert _clients_on(nodes[0]) == 2  # both publishers
+        assert nodes[0].client_connections() == 2  # both publishers
         nodes[0].kill()
         time.sleep(3)
         nodes[0].start()
@@ -164,7 +157,7 @@ def test_kill_of_the_leader_node_while_publishing_through_another(
     case = Case(healthy, leader=1)
 
     def fault() -> None:
-        assert (_clients_on(nodes[0]), _clients_on(nodes[1])) == (2, 0)
+        assert (nodes[0].client_connections(), nodes[1].client_connections()) == (2, 0)
         nodes[1].kill()
         time.sleep(3)
 
@@ -240,7 +233,7 @@ def test_frozen_connected_node_is_left_within_20_s_with_default_options(
     frozen: list[Rabbitmq4Node] = []
 
     def fault() -> None:
-        assert _clients_on(nodes[0]) == 2
+        assert nodes[0].client_connections() == 2
         nodes[0].freeze()
         frozen.append(nodes[0])
         time.sleep(24)

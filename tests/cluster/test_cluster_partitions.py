@@ -18,9 +18,9 @@ on, and waits for every effect.
 
 Checked: every event's effect exactly once, each key's in publish order and from one partition,
 a partition's turns never overlapping; no partition queue with two active consumers whenever
-the broker was asked (``rabbitmqctl list_consumers`` over and over; a passive declare's
-consumer count, sampled every 50 ms for the timings, proves nothing here: a quorum queue counts
-a consumer cancelled with messages unacknowledged until they are settled); the shares within
+the broker was asked (its consumer list, every 0.1 s; a passive declare's consumer count,
+sampled every 50 ms for the timings, proves nothing here: a quorum queue counts a consumer
+cancelled with messages unacknowledged until they are settled); the shares within
 floor/ceil of 6/3 before and after, by the members and by the broker; nothing unacknowledged
 while the members still run, nothing ready once they stopped, no dead letters; and last, a
 second exclusive subscription to a held partition refused or left inactive. (A quorum queue
@@ -51,7 +51,6 @@ from support.outbox import pg_database
 from support.partitions import (
     ConsumerCounts,
     ConsumerList,
-    Ctl,
     Gate,
     Members,
     broker_shares,
@@ -83,13 +82,6 @@ def dsn() -> Iterator[str]:
     with pg_database() as made:
         prepare_database(made)
         yield made
-
-
-def _ctl(node: Rabbitmq4Node) -> Ctl:
-    def ctl(*args: str) -> str:
-        return node.ctl("-q", *args, timeout=30)
-
-    return ctl
 
 
 def _queue_counts(node: Rabbitmq4Node, names: list[str]) -> dict[str, tuple[int, int]]:
@@ -191,9 +183,9 @@ def _run(
         queue_arguments=QUEUE_ARGUMENTS,
         gate=True,
     )
-    ctl = _ctl(ask)
+    erl = ask.erl
     counts = ConsumerCounts(cluster.urls, name, PARTITIONS)
-    listing = ConsumerList(ctl, name, PARTITIONS)
+    listing = ConsumerList(erl, name, PARTITIONS)
 
     def watchdog() -> str | None:
         """Two channels consuming one partition, by the broker's list: fail at once, with who
@@ -202,7 +194,7 @@ def _run(
         found = listing.violation()
         if found is not None:
             with contextlib.suppress(Exception):
-                found += f"; by the broker now: {broker_shares(ctl, name, PARTITIONS)}"
+                found += f"; by the broker now: {broker_shares(erl, name, PARTITIONS)}"
         return found
 
     members.watchdog = watchdog
@@ -221,7 +213,7 @@ def _run(
         counts.start()
         listing.start()
         members.wait_settled(90, "three members sharing the 6 partitions")
-        first_shares = broker_shares(ctl, name, PARTITIONS)
+        first_shares = broker_shares(erl, name, PARTITIONS)
         # The victim: a node holding a partition's leader, the members' own or another.
         leaders = {i: cluster.leader(q) for i, q in enumerate(queues)}
         on_victim = [i for i, node in leaders.items() if (node is nodes[CONNECTED]) == own_node]
@@ -266,9 +258,9 @@ def _run(
             assert time.monotonic() < deadline, f"(ready, unacked) left: {state}"
             time.sleep(0.2)
         members.wait_settled(30, "the shares after the kill")
-        final = broker_shares(ctl, name, PARTITIONS)
+        final = broker_shares(erl, name, PARTITIONS)
         # What ownership rests on: the broker refuses a second exclusive subscription.
-        intruder = second_subscription(ask.url, queues[partition], ctl)
+        intruder = second_subscription(ask.url, queues[partition], erl)
         listing.stop()
         counts.stop()
         codes = members.terminate_all()

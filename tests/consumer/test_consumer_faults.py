@@ -150,7 +150,7 @@ CLOSE_GATES = (4000, 9000, 14000)
 def close_connections(node: DisposableBroker, name: str) -> int:
     """Have the broker close every connection whose client-given name contains ``name`` (the
     consumer's and its redelivery publisher's), as ``rabbitmqctl close_connection`` does; only
-    this test's connections, found by name in one CLI call. Returns how many."""
+    this test's connections, found by name in one call. Returns how many."""
     expr = (
         f'Name = <<"{name}">>, '
         "Pids = [P || P <- rabbit_networking:connections(), begin "
@@ -161,7 +161,7 @@ def close_connections(node: DisposableBroker, name: str) -> int:
         '[rabbit_networking:close_connection(P, "closed by the consumer fault test") '
         "|| P <- Pids], length(Pids)."
     )
-    return int(node.ctl("eval", expr).strip())
+    return int(node.erl(expr))
 
 
 @pytest.mark.slow
@@ -368,7 +368,7 @@ TIMEOUT_MS, TICK_MS = 2000, 500
 
 
 @pytest.mark.faults
-@pytest.mark.rabbitmq_only(reason="sets consumer_timeout on the node with rabbitmqctl eval")
+@pytest.mark.rabbitmq_only(reason="sets consumer_timeout on the node through DisposableBroker.erl")
 def test_consumer_timeout_closes_the_channel_and_the_consumer_recovers(
     disposable_broker: DisposableBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -377,8 +377,7 @@ def test_consumer_timeout_closes_the_channel_and_the_consumer_recovers(
     url = node.url
     admin = BrokerAdmin(url)
     queue = admin.queue(unique("c-timeout"))
-    node.ctl(
-        "eval",
+    node.erl(
         f"application:set_env(rabbit, consumer_timeout, {TIMEOUT_MS}), "
         f"application:set_env(rabbit, channel_tick_interval, {TICK_MS}).",
     )
@@ -409,8 +408,7 @@ def test_consumer_timeout_closes_the_channel_and_the_consumer_recovers(
         assert len([w for w in warnings if "handler_timeout" in w]) == 1, warnings
         assert admin.count(queue) == 0
     finally:
-        node.ctl(
-            "eval",
+        node.erl(
             "application:set_env(rabbit, consumer_timeout, 1800000), "
             "application:set_env(rabbit, channel_tick_interval, 60000).",
         )

@@ -62,7 +62,9 @@ def test_one_consumers_life_at_info_and_its_health(
         wait_until(lambda: not consumer.health().healthy, 30, "unhealthy while cut")
         wait_until(lambda: consumer.health().healthy, 30, "healthy again after recovery")
         fill(amqp_url, queue, [f"b{i}" for i in range(50)])
-        wait_until(lambda: len(seen) == 100, 30, "the next 50 handled")
+        # (what the cut caught handled and not yet acked comes again: at least once, so the
+        # messages are counted by id; in a two-worker run 9 came again and len(seen) was 109)
+        wait_until(lambda: len(set(seen)) == 100, 30, "the next 50 handled")
     after = consumer.health()
     assert not after.running and not after.healthy
     lines = lifecycle(caplog)
@@ -78,7 +80,7 @@ def test_one_consumers_life_at_info_and_its_health(
         assert len(found) == 1, (kind, lines)
     assert len(lines) == len(kinds), lines  # nothing per message
     assert "RabbitMQ" in next(line for line in lines if "connected to" in line)
-    assert "100 handled" in lines[-1], lines[-1]
+    assert f"{len(seen)} handled" in lines[-1], lines[-1]  # every run of the handler
 
 
 def test_health_names_a_handler_running_too_long(amqp_url: str, queue: str) -> None:

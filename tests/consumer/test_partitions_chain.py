@@ -14,7 +14,7 @@ then a fourth joins.
 Checked: every event's effect exactly once; each key's effects in commit order (seq ascending by
 effect row id) and from one partition; a partition's turns (one member after another) never
 overlap in time; throughout the run, no partition queue ever has two consumers (the broker's
-consumer counts every 50 ms, and ``rabbitmqctl list_consumers`` over and over); after each
+consumer counts every 50 ms, and its consumer list every 0.1 s); after each
 change the members' shares settle within floor/ceil of 8/members, and at the end the broker's
 own list (consumer -> channel -> connection name) shows the four members with two partitions
 each, and a second exclusive subscription to a held partition is refused; nothing left in the
@@ -48,7 +48,7 @@ from support.partitions import (
     Members,
     broker_shares,
     check_effects,
-    local_ctl,
+    local_erl,
     prepare_database,
     second_subscription,
 )
@@ -146,7 +146,7 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
             redelivery=QUICK_CONFIG,
         )
         counts = ConsumerCounts([amqp_url], name, PARTITIONS)
-        listing = ConsumerList(local_ctl, name, PARTITIONS)
+        listing = ConsumerList(local_erl, name, PARTITIONS)
         members.watchdog = listing.violation
         relay: RelayThread | None = None
         failures: list[BaseException] = []
@@ -196,10 +196,10 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
             members.wait(lambda: _effects(dsn) >= TOTAL, 180, f"{TOTAL} effects")
             relay.stop()
             relay = None
-            final = broker_shares(local_ctl, name, PARTITIONS)
+            final = broker_shares(local_erl, name, PARTITIONS)
             held_by_children = members.holding()
             # What ownership rests on: the broker refuses a second exclusive subscription.
-            intruder = second_subscription(amqp_url, f"{name}.0", local_ctl)
+            intruder = second_subscription(amqp_url, f"{name}.0", local_erl)
             listing.stop()
             counts.stop()
             codes = members.terminate_all()
@@ -272,3 +272,33 @@ def test_three_members_a_kill_and_a_join_keep_each_keys_effects_once_and_in_orde
         f"first settle {joined:.1f} s; test {time.monotonic() - began:.1f} s",
     )
     assert takeover < TAKEOVER_LIMIT, f"take-over took {takeover:.1f} s"
+
+
+def test_the_consumer_list_sees_two_active_channels_on_one_queue(amqp_url: str) -> None:
+    """The list the test above trusts can fail: two channels consuming one plain queue are
+    both active, and ConsumerList reports the double; the owner is each channel's connection."""
+    name = unique("c-list")
+    params = pika.URLParameters(amqp_url)
+    params.client_properties = {"connection_name": f"{name} owner"}
+    connection = pika.BlockingConnection(params)
+    listing = ConsumerList(local_erl, name, 2, every=0.01)
+    try:
+        first, second = connection.channel(), connection.channel()
+        first.queue_declare(f"{name}.0", auto_delete=True)
+        first.queue_declare(f"{name}.1", auto_delete=True)
+        first.basic_consume(f"{name}.0", lambda *_: None)
+        second.basic_consume(f"{name}.0", lambda *_: None)
+        first.basic_consume(f"{name}.1", lambda *_: None)
+        listing.start()
+        deadline = time.monotonic() + 30
+        while listing.listings < 3 and time.monotonic() < deadline:
+            connection.process_data_events(0.05)
+        listing.stop()
+        assert listing.listings >= 3, listing.failures[:3]
+        assert listing.most == [2, 1] and listing.most_listed == 2
+        found = listing.violation()
+        assert found is not None and f"'{name}.0'" in found, found
+        assert broker_shares(local_erl, name, 2) == {f"{name} owner": [0, 0, 1]}
+    finally:
+        listing.stop()
+        connection.close()

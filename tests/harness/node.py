@@ -41,6 +41,7 @@ from types import TracebackType
 import psutil
 
 from support.broker import AMQP_DEFAULT_PORT
+from support.timeline import record_command
 
 __all__ = [
     "DEFAULT_DISK_FREE_LIMIT",
@@ -50,6 +51,8 @@ __all__ = [
     "BrokerStartError",
     "DisposableBroker",
     "TlsListener",
+    "run_erl_call",
+    "run_node_command",
 ]
 
 # The relative memory watermark the node is configured with; the fixtures restore it after a test
@@ -98,15 +101,78 @@ class BrokerStartError(RuntimeError):
 
 
 class BrokerCommandError(RuntimeError):
-    """A rabbitmqctl command against the node failed."""
+    """A command against the node (rabbitmqctl, erl_call) failed; ``command`` names the tool."""
 
-    def __init__(self, args: tuple[str, ...], returncode: int, stdout: str, stderr: str) -> None:
-        super().__init__(
-            f"rabbitmqctl {' '.join(args)} exited {returncode}:\n{stdout}{stderr}".rstrip()
-        )
+    def __init__(self, command: tuple[str, ...], returncode: int, stdout: str, stderr: str) -> None:
+        super().__init__(f"{' '.join(command)} exited {returncode}:\n{stdout}{stderr}".rstrip())
         self.returncode = returncode
         self.stdout = stdout
         self.stderr = stderr
+
+
+def run_node_command(
+    command: list[str],
+    label: tuple[str, ...],
+    *,
+    env: Mapping[str, str],
+    timeout: float,
+    input: str | None = None,
+    cwd: Path | None = None,
+    identity: tuple[int | None, int | None, list[int] | None] = (None, None, None),
+) -> subprocess.CompletedProcess[str]:
+    """Run a command against a node (rabbitmqctl, erl_call) as ``identity`` (user, group, extra
+    groups; None keeps ours), its output captured; recorded for the timeline as ``label``."""
+    user, group, extra_groups = identity
+    began = time.time()
+    try:
+        return subprocess.run(
+            command,
+            input=input,
+            env=dict(env),
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            user=user,
+            group=group,
+            extra_groups=extra_groups,
+        )
+    finally:
+        record_command(label, began)
+
+
+def run_erl_call(
+    erl_call: list[str],
+    node: str,
+    expressions: str,
+    *,
+    env: Mapping[str, str],
+    timeout: float,
+    cwd: Path | None = None,
+    identity: tuple[int | None, int | None, list[int] | None] = (None, None, None),
+) -> str:
+    """Evaluate ``expressions`` on ``node`` with ``erl_call`` (the command that runs it); the
+    value's text (what follows ``{ok, ``). Raises BrokerCommandError on a non-zero exit or an
+    ``{error, ...}`` answer (an exception, a syntax error)."""
+    # -R: a name for erl_call's own hidden node from the peer. Without it every erl_call is
+    # c17@host, and two at once on one node (a listing thread beside the test) refuse each other.
+    command = [*erl_call, "-R", "-sname", node, "-e"]
+    result = run_node_command(
+        command,
+        ("erl_call", expressions[:40]),
+        input=expressions + "\n",  # a form ends with a full stop and a newline
+        env=env,
+        cwd=cwd,
+        timeout=timeout,
+        identity=identity,
+    )
+    out = result.stdout.strip()
+    if result.returncode != 0 or not (out.startswith("{ok, ") and out.endswith("}")):
+        raise BrokerCommandError(
+            ("erl_call -e", expressions), result.returncode, result.stdout, result.stderr
+        )
+    return out[len("{ok, ") : -1]
 
 
 class DisposableBroker:
@@ -152,6 +218,7 @@ class DisposableBroker:
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = threading.RLock()
         self._created = False
+        self._log_read = 0  # how far _logged_startup() has read the log
         self._changed_limits: set[str] = set()
         self.last_start_seconds: float | None = None
 
@@ -239,11 +306,21 @@ class DisposableBroker:
             if not self.is_running():
                 return
             if sync_metadata:
-                # Best effort: a node too sick to answer is killed all the same.
-                with contextlib.suppress(BrokerCommandError, subprocess.TimeoutExpired):
-                    self.ctl("eval", "mnesia:sync_log().", timeout=min(timeout, 15.0))
+                self.sync_metadata(min(timeout, 15.0))
             self._kill_process(timeout)
             _wait_until(lambda: not _port_open(self._port), timeout, "AMQP port to close")
+
+    def sync_metadata(self, timeout: float = 15.0) -> None:
+        """Write the node's Mnesia transaction log to disk (``mnesia:sync_log()``): the
+        declarations made so far survive a kill -9. Best effort: a node too sick to answer is
+        left as it is.
+
+        A test whose kill must strike mid-stream calls this before the stream and then
+        ``kill(sync_metadata=False)``: the CLI call takes seconds on a loaded machine, long
+        enough for a stream to end before the kill lands.
+        """
+        with contextlib.suppress(BrokerCommandError, subprocess.TimeoutExpired):
+            self.erl("mnesia:sync_log().", timeout=timeout)
 
     def restart(self, timeout: float = 60.0) -> None:
         """Start the node again on the same ports and data (stopping it cleanly first if needed)."""
@@ -277,6 +354,8 @@ class DisposableBroker:
 
         Raises BrokerCommandError on a non-zero exit. Example:
         ``broker.ctl("set_vm_memory_high_watermark", "0.0000001")`` raises a memory alarm.
+        That one goes through :meth:`erl` (the function rabbitmqctl calls, without a BEAM of its
+        own) when ``erl_call`` is installed.
         """
         if args and args[0] in _LIMIT_DEFAULTS:
             # Remembered so that `reset_limits()` undoes only what was changed: a CLI call costs
@@ -285,22 +364,54 @@ class DisposableBroker:
                 self._changed_limits.discard(args[0])
             else:
                 self._changed_limits.add(args[0])
+            if args[0] == "set_vm_memory_high_watermark" and len(args) == 2 and self._erl_call():
+                fraction = format(float(args[1]), ".12f")  # Erlang wants digits both sides
+                self.erl(f"vm_memory_monitor:set_vm_memory_high_watermark({fraction}).", timeout)
+                return ""
+        return self._rabbitmqctl(args, timeout)
+
+    def erl(self, expressions: str, timeout: float = 30.0) -> str:
+        """Evaluate Erlang ``expressions`` (ending in a full stop) on the node; the value's text.
+
+        Through ``erl_call`` (a C node of Erlang's own: some milliseconds) where it is
+        installed, else ``rabbitmqctl eval`` (a BEAM started for the call: 1 s of CPU, 3-5 s on
+        a loaded machine; the suite made about 150 such calls). The text is the value as the
+        tool prints it: ``ok``, ``3``, ``"a string"``; lists and tuples differ in spacing
+        between the two. Raises BrokerCommandError if the node cannot be reached or the
+        evaluation raised.
+        """
+        erl_call = self._erl_call()
+        if not erl_call:
+            return self._rabbitmqctl(("eval", expressions), timeout).strip()
+        return run_erl_call(
+            erl_call,
+            self.nodename,
+            expressions,
+            env=self._env(),  # its HOME holds the node's cookie, which erl_call reads
+            cwd=self.dir,
+            timeout=timeout,
+            identity=self._identity(),
+        )
+
+    def _erl_call(self) -> list[str]:
+        """The command that runs ``erl_call`` beside this node's Erlang; empty if there is none."""
+        found = shutil.which("erl_call")
+        return [found] if found else []
+
+    def _rabbitmqctl(self, args: tuple[str, ...], timeout: float) -> str:
         cmd = [str(self._scripts_dir / "rabbitmqctl"), "-n", self.nodename, *args]
-        user, group, extra_groups = self._identity()
-        result = subprocess.run(
+        result = run_node_command(
             cmd,
+            ("rabbitmqctl", *args),
             env=self._env(),
             cwd=self.dir,
-            capture_output=True,
-            text=True,
             timeout=timeout,
-            check=False,
-            user=user,
-            group=group,
-            extra_groups=extra_groups,
+            identity=self._identity(),
         )
         if result.returncode != 0:
-            raise BrokerCommandError(args, result.returncode, result.stdout, result.stderr)
+            raise BrokerCommandError(
+                ("rabbitmqctl", *args), result.returncode, result.stdout, result.stderr
+            )
         return result.stdout
 
     def reset_limits(self) -> None:
@@ -412,8 +523,10 @@ class DisposableBroker:
             "RABBITMQ_CONFIG_FILE": str(self.dir / "rabbitmq.conf"),
             "RABBITMQ_ADVANCED_CONFIG_FILE": str(self.dir / "advanced.config"),
             "RABBITMQ_CONF_ENV_FILE": str(self.dir / "rabbitmq-env.conf"),
-            # Distribution only on loopback, like the shared node.
-            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+            # Distribution only on loopback, like the shared node; schedulers that sleep when
+            # idle rather than spin (2 cores shared with the suite, its JVMs and other nodes)
+            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}"
+            " +sbwt none +sbwtdcpu none +sbwtdio none",
         }
         return env
 
@@ -424,7 +537,29 @@ class DisposableBroker:
         uid, gid = self._user
         return uid, gid, []
 
+    def _mark_log(self) -> None:
+        """Remember where the log ends before the node starts (it is appended to on restart):
+        :meth:`_await_startup` looks for the startup line after that."""
+        try:
+            self._log_read = self.log_file.stat().st_size
+        except FileNotFoundError:
+            self._log_read = 0
+
+    def _logged_startup(self) -> bool:
+        """Whether the node logged ``Server startup complete`` since :meth:`_mark_log` (read on
+        from where the last look stopped)."""
+        start = max(0, self._log_read - len(_STARTED))  # (a line the last look cut in two)
+        try:
+            with open(self.log_file, "rb") as log:
+                log.seek(start)
+                text = log.read()
+        except FileNotFoundError:
+            return False
+        self._log_read = start + len(text)
+        return _STARTED in text
+
     def _spawn(self) -> None:
+        self._mark_log()
         cmd = [str(self._scripts_dir / "rabbitmq-server")]
         setpriv = shutil.which("setpriv")
         if setpriv and threading.current_thread() is threading.main_thread():
@@ -451,19 +586,23 @@ class DisposableBroker:
     def _await_startup(self, deadline: float) -> None:
         proc = self._proc
         assert proc is not None
-        while not _port_open(self._port):
-            if proc.poll() is not None:
-                raise BrokerStartError(
-                    f"{self.nodename} exited with {proc.returncode} while starting\n{self._tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise BrokerStartError(f"{self.nodename} did not open its port\n{self._tail()}")
-            time.sleep(0.1)
-        remaining = max(1.0, deadline - time.monotonic())
-        try:
-            self.ctl("await_startup", "--timeout", str(int(remaining)), timeout=remaining + 10)
-        except (BrokerCommandError, subprocess.TimeoutExpired) as exc:
-            raise BrokerStartError(f"{self.nodename}: await_startup failed: {exc}") from exc
+        # Its AMQP port, then the node's own line that its boot ended (what ``rabbitmqctl
+        # await_startup`` waits for), read from its log: a CLI call boots a BEAM of its own,
+        # about a second of CPU each.
+        steps: tuple[tuple[str, Callable[[], bool]], ...] = (
+            ("open its port", lambda: _port_open(self._port)),
+            (f"log {_STARTED.decode()!r}", self._logged_startup),
+        )
+        for what, done in steps:
+            while not done():
+                if proc.poll() is not None:
+                    raise BrokerStartError(
+                        f"{self.nodename} exited with {proc.returncode} while starting\n"
+                        f"{self._tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise BrokerStartError(f"{self.nodename} did not {what}\n{self._tail()}")
+                time.sleep(0.05)
 
     def _tail(self, lines: int = 30) -> str:
         parts = []
@@ -511,6 +650,10 @@ class DisposableBroker:
 
 
 # -- module helpers ---------------------------------------------------------------------------
+
+
+#: what a RabbitMQ node (3.x and 4.x) logs once its boot is over
+_STARTED = b"Server startup complete"
 
 
 def _find_scripts_dir() -> Path:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import json
 import os
 import secrets
 import shutil
@@ -36,8 +35,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
+import psutil
+
 from .node import (
-    _LIMIT_DEFAULTS,
     DEFAULT_PLUGINS,
     BrokerCommandError,
     BrokerStartError,
@@ -47,9 +47,17 @@ from .node import (
     _port_open,
     _reap_stale_nodes,
     _wait_until,
+    run_node_command,
 )
 
-__all__ = ["ROOT_ENV", "Rabbitmq4Cluster", "Rabbitmq4Node", "ensure_root", "versions"]
+__all__ = [
+    "ROOT_ENV",
+    "Rabbitmq4Cluster",
+    "Rabbitmq4Node",
+    "ensure_root",
+    "process_state",
+    "versions",
+]
 
 _REPO = Path(__file__).resolve().parents[2]
 #: a prepared root to use instead of running ``scripts/rabbitmq4.sh ensure``
@@ -57,6 +65,11 @@ ROOT_ENV = "RELIABLE_AMQP_RABBITMQ4_ROOT"
 #: where node directories live, inside the root (the chroot sees them at the same path minus it)
 _NODES = Path("var/lib/reliable-amqp-nodes")
 _SCRIPTS = Path("/usr/lib/rabbitmq/bin")
+# The names of the cluster's nodes running RabbitMQ as one node sees them (cluster_status's
+# running_nodes), comma-separated, for DisposableBroker.erl.
+_RUNNING_NODES = (
+    'lists:flatten(lists:join(",", [atom_to_list(N) || N <- rabbit_nodes:list_running()])).'
+)
 _root_lock = threading.Lock()
 _epmds: weakref.WeakSet[_Epmd] = weakref.WeakSet()
 
@@ -172,7 +185,11 @@ class Rabbitmq4Node(DisposableBroker):
         self._own_epmd: _Epmd | None = None
         self._epmd_port = epmd_port or 0
         self.frozen = False
+        self._frozen_pid: int | None = None  # the process freeze() stopped
         self._began = 0.0
+        #: bumped by every start, kill, freeze, thaw and stop: a cluster whose nodes' counts are
+        #: those it last saw converge needs no look (Rabbitmq4Cluster.await_members)
+        self.changes = 0
 
     @property
     def epmd_port(self) -> int:
@@ -224,30 +241,53 @@ class Rabbitmq4Node(DisposableBroker):
         accepted for the 3.10 node's signature and ignored."""
         with self._lock:
             self.thaw()
+            self.changes += 1
             super().kill(timeout, sync_metadata=False)
 
-    def freeze(self) -> None:
-        """SIGSTOP the beam process: its sockets stay open and nothing answers."""
+    def freeze(self, timeout: float = 10.0) -> None:
+        """SIGSTOP the beam process: its sockets stay open and nothing answers.
+
+        The process stopped is the one listening on the node's AMQP port: the pid file's,
+        or, should the two differ, the listener when it is a beam process this node's launcher
+        started (anything else raises, and nothing is stopped). Returns once every thread of it
+        is stopped (a thread in an uninterruptible wait stops when it leaves it).
+        """
         with self._lock:
             pid = self.pid
             if pid is None:
                 raise BrokerStartError(f"{self.nodename} is not running")
+            listeners = _listeners(self.port)
+            if listeners and pid not in listeners:
+                launcher = self._proc.pid if self._proc is not None else -1
+                ours = [p for p in listeners if _beam_under(p, launcher)]
+                if len(ours) != 1:
+                    raise BrokerStartError(
+                        f"{self.nodename}: port {self.port} is served by {sorted(listeners)}, "
+                        f"not by its beam process {pid} (pid file)"
+                    )
+                pid = ours[0]
             os.kill(pid, signal.SIGSTOP)
+            self._frozen_pid = pid
             self.frozen = True
+            self.changes += 1
+            _wait_until(lambda: _all_threads_stopped(pid), timeout, f"{self.nodename} to stop")
 
     def thaw(self) -> None:
         """SIGCONT a frozen node (nothing when it is not frozen)."""
         with self._lock:
-            pid = self.pid
+            pid = self._frozen_pid
             if self.frozen and pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
+                self.changes += 1
             self.frozen = False
+            self._frozen_pid = None
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the node (thawed first), delete its directory, stop its own epmd."""
         with self._lock:
             self.thaw()
+            self.changes += 1
             try:
                 super().stop(timeout)
             finally:
@@ -256,22 +296,31 @@ class Rabbitmq4Node(DisposableBroker):
                     self._own_epmd = None
                     self._epmd_port = 0
 
-    def ctl(self, *args: str, timeout: float = 60.0) -> str:
-        """``rabbitmqctl -n NODE *args`` inside the root; see :meth:`DisposableBroker.ctl`."""
-        if args and args[0] in _LIMIT_DEFAULTS:  # what reset_limits() undoes, as the base does
-            if tuple(args[1:]) == _LIMIT_DEFAULTS[args[0]]:
-                self._changed_limits.discard(args[0])
-            else:
-                self._changed_limits.add(args[0])
+    def _rabbitmqctl(self, args: tuple[str, ...], timeout: float) -> str:
         return self.tool("rabbitmqctl", *args, timeout=timeout)
+
+    def _erl_call(self) -> list[str]:
+        # The root's own, as its Erlang (OTP 27+) may refuse a handshake from the host's older one.
+        inner = "/usr/bin/erl_call"
+        return ["chroot", str(self.root), inner] if (self.root / inner[1:]).exists() else []
+
+    def client_connections(self) -> int:
+        """Client connections on this node's AMQP port, as the node lists them (what
+        ``rabbitmqctl list_connections port`` shows, counted; a connection closing meanwhile is
+        not counted)."""
+        return int(
+            self.erl(
+                "length([P || P <- rabbit_networking:connections(), "
+                "case catch rabbit_networking:connection_info(P, [port]) of "
+                f"[{{port, {self.port}}}] -> true; _ -> false end])."
+            )
+        )
 
     def tool(self, name: str, *args: str, timeout: float = 60.0) -> str:
         """Run one of the root's CLI tools (``rabbitmqctl``, ``rabbitmq-queues``, ...) against
         the node; its stdout. Raises :class:`BrokerCommandError` on a non-zero exit."""
         cmd = ["chroot", str(self.root), str(_SCRIPTS / name), "-n", self.nodename, *args]
-        result = subprocess.run(
-            cmd, env=self._env(), capture_output=True, text=True, timeout=timeout, check=False
-        )
+        result = run_node_command(cmd, (name, *args), env=self._env(), timeout=timeout)
         if result.returncode != 0:
             raise BrokerCommandError((name, *args), result.returncode, result.stdout, result.stderr)
         return result.stdout
@@ -295,11 +344,11 @@ class Rabbitmq4Node(DisposableBroker):
         }
         env["PATH"] = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
         env["ERL_EPMD_PORT"] = str(self._epmd_port)
-        # A quiet scheduler: no busy-waiting (2 cores shared with the suite and other nodes).
-        env["RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS"] += " +sbwt none +sbwtdcpu none +sbwtdio none"
         return env
 
     def _spawn(self) -> None:
+        self.changes += 1
+        self._mark_log()
         cmd = _in_root(self.root, [str(_SCRIPTS / "rabbitmq-server")])
         setpriv = shutil.which("setpriv")
         if setpriv and threading.current_thread() is threading.main_thread():
@@ -324,6 +373,53 @@ class Rabbitmq4Node(DisposableBroker):
         return f"<Rabbitmq4Node {self.nodename} port={self.port} {state}>"
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T``) in /proc."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        raise BrokerStartError(f"process {pid} ended while being frozen") from None
+    for task in tasks:
+        try:
+            state = process_state(pid, task)
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        if state not in ("T", "t"):
+            return False
+    return True
+
+
+def process_state(pid: int, task: str | None = None) -> str:
+    """The state letter /proc gives process ``pid`` (or its thread ``task``): ``T`` stopped."""
+    path = f"/proc/{pid}/stat" if task is None else f"/proc/{pid}/task/{task}/stat"
+    with open(path) as stat:
+        # "pid (comm) S ...": the state follows the last ')' (comm may hold one).
+        return stat.read().rpartition(")")[2].split()[0]
+
+
+def _beam_under(pid: int, launcher: int) -> bool:
+    """Whether ``pid`` is a beam process started (at any depth) by the process ``launcher``."""
+    try:
+        process = psutil.Process(pid)
+        return process.name() == "beam.smp" and launcher in {p.pid for p in process.parents()}
+    except psutil.Error:
+        return False
+
+
+def _listeners(port: int) -> set[int]:
+    """The processes with a TCP socket listening on ``port`` (empty when /proc tells nothing)."""
+    with contextlib.suppress(psutil.Error, OSError):
+        return {
+            conn.pid
+            for conn in psutil.net_connections(kind="tcp")
+            if conn.status == psutil.CONN_LISTEN
+            and conn.pid
+            and conn.laddr
+            and conn.laddr.port == port
+        }
+    return set()
+
+
 class Rabbitmq4Cluster:
     """``size`` RabbitMQ 4 nodes forming one cluster (classic peer discovery), one epmd.
 
@@ -345,6 +441,7 @@ class Rabbitmq4Cluster:
         self._extra_config = dict(extra_config or {})
         self.nodes: list[Rabbitmq4Node] = []
         self.last_start_seconds: float | None = None
+        self._converged: list[int] | None = None  # the nodes' changes when last converged
 
     @property
     def urls(self) -> list[str]:
@@ -384,7 +481,12 @@ class Rabbitmq4Cluster:
         self.last_start_seconds = time.monotonic() - began
 
     def await_members(self, timeout: float = 60.0) -> None:
-        """Wait until every running node sees all running nodes as cluster members."""
+        """Wait until every running node sees all running nodes as cluster members. Nothing to
+        ask when no node was started, killed, frozen, thawed or stopped since the last time they
+        did (each look is an erl_call per node; it was a rabbitmqctl call, a BEAM of its own)."""
+        changes = [node.changes for node in self.nodes]
+        if changes == self._converged:
+            return
         want = {n.nodename for n in self.nodes if n.is_running() and not n.frozen}
 
         def converged() -> bool:
@@ -392,30 +494,34 @@ class Rabbitmq4Cluster:
                 if node.nodename not in want:
                     continue
                 try:
-                    status = json.loads(
-                        node.ctl("cluster_status", "--formatter", "json", timeout=30)
-                    )
-                except (BrokerCommandError, subprocess.TimeoutExpired, ValueError):
+                    running = node.erl(_RUNNING_NODES, timeout=30)
+                except (BrokerCommandError, subprocess.TimeoutExpired):
                     return False
-                if not want <= set(status.get("running_nodes", [])):
+                if not want <= set(running.strip('"').split(",")):
                     return False
             return True
 
         _wait_until(converged, timeout, f"cluster members {sorted(want)}")
+        self._converged = changes
 
     def leader(self, queue: str) -> Rabbitmq4Node:
         """The node holding the leader of quorum queue ``queue`` (asked of any running node)."""
         for node in self.nodes:
             if not node.is_running() or node.frozen:
                 continue
-            rows = json.loads(node.ctl("list_queues", "--formatter", "json", "name", "leader"))
-            for row in rows:
-                if row["name"] == queue:
-                    for candidate in self.nodes:
-                        if candidate.nodename == row["leader"]:
-                            return candidate
-                    raise BrokerStartError(f"{queue}: leader {row['leader']} is no cluster node")
-            raise BrokerStartError(f"no queue {queue} on {node.nodename}")
+            # What list_queues' leader column shows (rabbit_amqqueue:info/2), for one queue
+            name = queue.replace("\\", "\\\\").replace('"', '\\"')
+            leader = node.erl(
+                f'case rabbit_amqqueue:lookup(rabbit_misc:r(<<"/">>, queue, <<"{name}"/utf8>>)) of '
+                "{ok, Q} -> [{leader, L}] = rabbit_amqqueue:info(Q, [leader]), atom_to_list(L); "
+                "_ -> none end."
+            ).strip('"')
+            if leader == "none":
+                raise BrokerStartError(f"no queue {queue} on {node.nodename}")
+            for candidate in self.nodes:
+                if candidate.nodename == leader:
+                    return candidate
+            raise BrokerStartError(f"{queue}: leader {leader} is no cluster node")
         raise BrokerStartError("no running node to ask")
 
     def stop(self) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pika
 import pytest
 
-from harness.rabbitmq4 import Rabbitmq4Node, versions
+from harness.rabbitmq4 import Rabbitmq4Node, process_state, versions
 from support.broker import AMQP_DEFAULT_PORT
 
 pytestmark = [pytest.mark.broker, pytest.mark.faults]
@@ -68,8 +68,14 @@ def test_a_rabbitmq4_node_has_ports_and_epmd_of_its_own(amqp_url: str, rmq4: Rab
         with socket.create_connection(("127.0.0.1", node.port), timeout=2) as sock:
             sock.sendall(b"AMQP\x00\x00\x09\x01")
             sock.settimeout(1.0)
-            with pytest.raises(TimeoutError):
-                sock.recv(1)  # the kernel accepted the connection; the frozen node says nothing
+            try:  # the kernel accepted the connection; the frozen node says nothing
+                answer = sock.recv(1)
+            except TimeoutError:
+                pass
+            else:
+                pid = node.pid
+                state = Path(f"/proc/{pid}/status").read_text() if pid else "no process"
+                pytest.fail(f"the frozen node answered {answer!r}; beam {pid}:\n{state}")
         node.thaw()
         connection = pika.BlockingConnection(pika.URLParameters(node.url))
         connection.close()
@@ -79,3 +85,31 @@ def test_a_rabbitmq4_node_has_ports_and_epmd_of_its_own(amqp_url: str, rmq4: Rab
         connection = pika.BlockingConnection(pika.URLParameters(node.url))
         connection.channel().queue_delete("kept")
         connection.close()
+
+
+def test_a_freeze_stops_the_process_on_the_port_even_when_the_pid_file_names_another(
+    rmq4: Rabbitmq4Node,
+) -> None:
+    """A pid file that names a live process other than the listener (the launcher, here) must
+    not have that process stopped, nor pass for a freeze: the beam on the port is stopped."""
+    node = rmq4
+    pid_file = node.dir / "rabbit.pid"
+    beam = node.pid
+    assert beam is not None and node._proc is not None
+    launcher = node._proc.pid
+    pid_file.write_text(f"{launcher}\n")
+    try:
+        node.freeze()
+        assert process_state(beam) == "T" and process_state(launcher) != "T"
+        with socket.create_connection(("127.0.0.1", node.port), timeout=2) as sock:
+            sock.sendall(b"AMQP\x00\x00\x09\x01")
+            sock.settimeout(1.0)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)
+        node.thaw()
+        assert process_state(beam) != "T"
+    finally:
+        node.thaw()
+        pid_file.write_text(f"{beam}\n")
+    connection = pika.BlockingConnection(pika.URLParameters(node.url))
+    connection.close()

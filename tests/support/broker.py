@@ -7,6 +7,7 @@ Kept out of conftest.py so test modules can import it by a name no other conftes
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from urllib.parse import urlsplit
 
@@ -96,10 +97,16 @@ class BrokerAdmin:
             return out
         # basic.consume (not basic.get) so that draining 50,000 messages takes seconds. Manual
         # acks: what the consumer buffered beyond what we took is requeued on cancel, not lost.
+        # A second without a delivery ends the drain only once the count at the start was
+        # reached (or after a minute): on a loaded machine the broker pauses longer than that
+        # (a full run on 2026-11-30: two matrix legs each read hundreds of messages short).
         last_tag = 0
+        deadline = time.monotonic() + 60
         for method, props, body in ch.consume(queue, auto_ack=False, inactivity_timeout=1.0):
             if method is None:
-                break
+                if len(out) >= expected or time.monotonic() > deadline:
+                    break
+                continue
             out.append((props, body))
             last_tag = method.delivery_tag
             if len(out) >= expected and self.count(queue) == 0:

@@ -6,8 +6,9 @@ they run, and the effects they committed, checked.
   change of the partitions each holds), started, killed -9, stopped;
 - :class:`ConsumerCounts`: a thread that asks the broker for every partition queue's consumer
   count (passive declares, every 50 ms) and the number of members;
-- :class:`ConsumerList`: a thread that runs ``rabbitmqctl list_consumers`` over and over (the
-  broker's own list of subscriptions, one per channel);
+- :class:`ConsumerList`: a thread that lists the broker's consumers over and over (its own list of
+  subscriptions, one per channel: what ``rabbitmqctl list_consumers`` shows, asked through
+  ``erl_call``);
 - :func:`broker_shares`: which member holds which partition, by the broker (consumer, channel,
   connection, its ``connection_name``);
 - :func:`check_effects`: every event's effect exactly once, each key's in commit order.
@@ -18,10 +19,13 @@ Waits are on conditions (a record line, a sample, a count), each bounded; no fix
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import math
 import os
+import pwd
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +41,7 @@ import pika
 import pika.exceptions
 import psycopg
 
+from harness.node import run_erl_call
 from reliable_amqp.inbox import Inbox
 from support.consumer import record_lines
 
@@ -84,18 +89,47 @@ CREATE TABLE effects (
 )
 """
 
-#: runs rabbitmqctl with the given arguments against the broker, returns its stdout
-Ctl = Callable[..., str]
+#: evaluates Erlang expressions on a node of the broker and returns the value's text:
+#: DisposableBroker.erl (a disposable or RabbitMQ 4 node), or :func:`local_erl`
+Erl = Callable[[str], str]
 
 
-def local_ctl(*args: str) -> str:
-    """``rabbitmqctl -q ARGS`` against the machine's broker."""
+@functools.cache
+def _local_node() -> tuple[str, str] | None:
+    """The machine's broker: its node name and the home holding its cookie (the ``rabbitmq``
+    user's), for erl_call; None without erl_call or a readable cookie."""
+    try:
+        home = pwd.getpwnam("rabbitmq").pw_dir
+    except KeyError:
+        return None
+    if shutil.which("erl_call") is None or not os.access(Path(home, ".erlang.cookie"), os.R_OK):
+        return None
+    name = _rabbitmqctl_eval("atom_to_list(node()).").strip('"')
+    return name, home
+
+
+def _rabbitmqctl_eval(expressions: str) -> str:
     result = subprocess.run(
-        ["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60, check=False
+        ["rabbitmqctl", "-q", "eval", expressions],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     if result.returncode != 0:
-        raise AssertionError(f"rabbitmqctl {' '.join(args)}: {result.stderr or result.stdout}")
-    return result.stdout
+        raise AssertionError(f"rabbitmqctl eval {expressions}: {result.stderr or result.stdout}")
+    return result.stdout.strip()
+
+
+def local_erl(expressions: str) -> str:
+    """``expressions`` evaluated on the machine's broker: through ``erl_call`` (milliseconds)
+    with the node's own cookie, else ``rabbitmqctl eval`` (a BEAM of its own: seconds)."""
+    node = _local_node()
+    if node is None:
+        return _rabbitmqctl_eval(expressions)
+    name, home = node
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home}
+    return run_erl_call(["erl_call"], name, expressions, env=env, timeout=30)
 
 
 def shares(partitions: int, members: int) -> tuple[int, int]:
@@ -406,15 +440,18 @@ class ConsumerCounts:
 
 
 class ConsumerList:
-    """A thread running ``rabbitmqctl list_consumers`` over and over: for each partition queue,
+    """A thread listing the broker's consumers (:func:`list_consumers`) every ``every`` seconds:
+    for each partition queue,
     the most channels the broker ever listed as its *active* consumers at once (a consumer
     waiting behind a single active consumer is listed, inactive: it gets nothing), and how many
     listings it took. (On a quorum queue a passive declare's consumer count also counts a
     consumer cancelled with messages still unacknowledged, until they are settled; this list
     does not.)"""
 
-    def __init__(self, ctl: Ctl, name: str, partitions: int) -> None:
-        self.ctl = ctl
+    def __init__(self, erl: Erl, name: str, partitions: int, every: float = 0.1) -> None:
+        self.erl = erl
+        self.prefix = f"{name}."
+        self.every = every
         self.queues = {f"{name}.{i}": i for i in range(partitions)}
         self.most = [0] * partitions
         #: the most consumers listed on one partition queue, active or not
@@ -442,14 +479,14 @@ class ConsumerList:
             return None
         at, queue, channels = self.doubles[0]
         return (
-            f"rabbitmqctl list_consumers at {at:.3f}: {queue!r} actively consumed on channels "
+            f"the broker's consumer list at {at:.3f}: {queue!r} actively consumed on channels "
             f"{channels}"
         )
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                rows = list_consumers(self.ctl)
+                rows = list_consumers(self.erl, self.prefix, attempts=1)
             except Exception as exc:  # a node down (the cluster test): the next listing
                 self.failures.append(repr(exc)[:200])
                 self._stop.wait(0.5)
@@ -458,10 +495,10 @@ class ConsumerList:
             active: dict[str, set[str]] = defaultdict(set)
             listed: Counter[str] = Counter()
             for row in rows:
-                if row["queue_name"] in self.queues:
-                    listed[row["queue_name"]] += 1
-                    if row["active"]:
-                        active[row["queue_name"]].add(row["channel_pid"])
+                if row.queue in self.queues:
+                    listed[row.queue] += 1
+                    if row.active:
+                        active[row.queue].add(row.channel)
             self.most_listed = max(self.most_listed, *listed.values(), 0)
             for queue, channels in active.items():
                 index = self.queues[queue]
@@ -469,28 +506,69 @@ class ConsumerList:
                 if len(channels) > 1:
                     self.doubles.append((at, queue, sorted(channels)))
             self.listings += 1
+            self._stop.wait(self.every)
 
 
-def ctl_json(ctl: Ctl, *args: str, attempts: int = 5) -> list[dict[str, Any]]:
-    """``rabbitmqctl ARGS --formatter json``, parsed; tried again when it fails (a listing
-    fails when a queue or channel of the shared broker goes while it is read: ``noproc``)."""
+#: the broker's consumers on the queues whose names start with ``Prefix`` (bound before it),
+#: one row each, ``;`` between rows: queue name, channel (its node and pid), whether active,
+#: and with ``Owners`` true the ``connection_name`` of the channel's connection ("?" if it
+#: has none or closed meanwhile). rabbit_amqqueue:consumers/1 gives the tuples
+#: ``rabbitmqctl list_consumers`` lists (channel first, active fifth), from any node of a
+#: cluster; a queue that cannot answer (its leader's node down) fails the whole listing.
+_CONSUMERS = (
+    "Owner = fun(Ch) -> try "
+    "[{connection, Conn}] = rabbit_channel:info(Ch, [connection]), "
+    "[{client_properties, Props}] = rabbit_networking:connection_info(Conn, [client_properties]), "
+    '{_, longstr, V} = lists:keyfind(<<"connection_name">>, 1, Props), binary_to_list(V) '
+    'catch _:_ -> "?" end end, '
+    'lists:flatten(lists:join(";", ['
+    '[N, " ", atom_to_list(node(element(1, C))), pid_to_list(element(1, C)), " ", '
+    'atom_to_list(element(5, C)), case Owners of true -> [" ", Owner(element(1, C))]; '
+    "false -> [] end] "
+    '|| Q <- rabbit_amqqueue:list(<<"/">>), '
+    "N <- [binary_to_list(element(4, amqqueue:get_name(Q)))], lists:prefix(Prefix, N), "
+    "C <- rabbit_amqqueue:consumers(Q)]))."
+)
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One consumer as the broker lists it."""
+
+    queue: str
+    channel: str
+    active: bool
+    #: the ``connection_name`` of the channel's connection (with ``owners=True``), else None
+    owner: str | None = None
+
+
+def list_consumers(
+    erl: Erl, prefix: str, *, owners: bool = False, attempts: int = 5
+) -> list[Listed]:
+    """The broker's consumers on the queues named ``prefix...``; see :data:`_CONSUMERS`.
+    Tried again when it fails (a queue going or moving while it is read)."""
+    quoted = prefix.replace("\\", "\\\\").replace('"', '\\"')
+    expressions = f'Prefix = "{quoted}", Owners = {str(owners).lower()}, ' + _CONSUMERS
     for attempt in range(attempts):
         try:
-            rows: list[dict[str, Any]] = json.loads(ctl(*args, "--formatter", "json"))
-            return rows
+            text = erl(expressions)
+            break
         except Exception:
             if attempt == attempts - 1:
                 raise
             time.sleep(0.2)
-    raise AssertionError("unreachable")
+    if text == "[]":  # erl_call prints an empty string as the empty list
+        return []
+    if not (text.startswith('"') and text.endswith('"')):
+        raise AssertionError(f"unexpected consumer listing: {text[:300]}")
+    rows: list[Listed] = []
+    for row in text[1:-1].split(";"):
+        parts = row.split(" ", 3)
+        rows.append(Listed(parts[0], parts[1], parts[2] == "true", parts[3] if owners else None))
+    return rows
 
 
-def list_consumers(ctl: Ctl) -> list[dict[str, Any]]:
-    """The broker's consumers: queue_name, channel_pid, active (a list of dicts)."""
-    return ctl_json(ctl, "list_consumers", "-p", "/", "queue_name", "channel_pid", "active")
-
-
-def second_subscription(url: str, queue: str, ctl: Ctl) -> str | None:
+def second_subscription(url: str, queue: str, erl: Erl) -> str | None:
     """Subscribe to ``queue`` once more (exclusive, as a member takes a partition) while its
     holder runs: None when the broker refuses (403) or lists the new subscription inactive
     (behind a single active consumer), else what it did instead."""
@@ -503,8 +581,8 @@ def second_subscription(url: str, queue: str, ctl: Ctl) -> str | None:
             if exc.reply_code == 403:
                 return None
             return f"refused with {exc.reply_code} {exc.reply_text}"
-        rows = [row for row in list_consumers(ctl) if row["queue_name"] == queue]
-        if sum(1 for row in rows if row["active"]) <= 1:
+        rows = [row for row in list_consumers(erl, queue) if row.queue == queue]
+        if sum(1 for row in rows if row.active) <= 1:
             return None
         return (
             f"a second exclusive basic.consume on {queue!r} accepted and active: the broker "
@@ -515,30 +593,15 @@ def second_subscription(url: str, queue: str, ctl: Ctl) -> str | None:
             connection.close()
 
 
-def _connection_name(properties: Any) -> str:
-    """The ``connection_name`` of a connection's listed client properties (``[name, type,
-    value]`` triples; anything else, a connection still opening say, gives ``?``)."""
-    for item in properties if isinstance(properties, list) else ():
-        if isinstance(item, list) and len(item) == 3 and item[0] == "connection_name":
-            return str(item[2])
-    return "?"
-
-
-def broker_shares(ctl: Ctl, name: str, partitions: int) -> dict[str, list[int]]:
+def broker_shares(erl: Erl, name: str, partitions: int) -> dict[str, list[int]]:
     """By the broker: ``connection_name`` -> the partitions whose queue it has an active
     subscription on (consumers, their channels, the channels' connections and those
     connections' names)."""
     queues = {f"{name}.{i}": i for i in range(partitions)}
-    consumers = [row for row in list_consumers(ctl) if row["active"]]
-    channels = ctl_json(ctl, "list_channels", "pid", "connection")
-    connections = ctl_json(ctl, "list_connections", "pid", "client_properties")
-    of_channel = {row["pid"]: row["connection"] for row in channels}
-    names = {row["pid"]: _connection_name(row["client_properties"]) for row in connections}
     held: dict[str, list[int]] = defaultdict(list)
-    for row in consumers:
-        if row["queue_name"] in queues:
-            owner = names.get(of_channel.get(row["channel_pid"], ""), "?")
-            held[owner].append(queues[row["queue_name"]])
+    for row in list_consumers(erl, f"{name}.", owners=True):
+        if row.active and row.queue in queues:
+            held[row.owner or "?"].append(queues[row.queue])
     return {owner: sorted(parts) for owner, parts in held.items()}
 
 
