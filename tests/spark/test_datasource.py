@@ -13,7 +13,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from reliable_amqp.spark import AmqpSink
-from support.spark import read_all, unique_name
+from support.spark import read_all, start_query, unique_name
 
 pytestmark = [pytest.mark.spark, pytest.mark.broker]
 
@@ -82,7 +82,7 @@ def _run_stream(spark: SparkSession, source: Path, checkpoint: Path, sink: Any) 
         spark.readStream.schema("body string").option("maxFilesPerTrigger", 1).json(str(source))
     )
     writer = stream.writeStream.option("checkpointLocation", str(checkpoint))
-    query = sink(writer).trigger(availableNow=True).start()
+    query = start_query(sink(writer).trigger(availableNow=True).start)
     query.awaitTermination(120)
     assert query.exception() is None
     return query

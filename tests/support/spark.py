@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,32 @@ CONNECT_ENV = (
     "SPARK_REMOTE",
     "SPARK_CONNECT_AUTHENTICATE_TOKEN",
 )
+
+
+#: what a Spark Connect server says at a query's start when the foreachBatch worker it started
+#: did not connect back within the 10 s Spark waits, hard-coded in
+#: PythonWorkerFactory.createSimpleWorker (Spark 4.0 to 4.3). The worker imports pyspark from
+#: SPARK_HOME/python/lib/pyspark.zip, compiling it (1.8 s of CPU here): with the suite's two
+#: workers and the matrix legs on two cores it once took longer (CI, 2026-11-30), and under 14
+#: busy loops it always does. Nothing ran; the query did not start.
+WORKER_DID_NOT_CONNECT_BACK = "Python worker failed to connect back"
+
+#: how many times :func:`start_query` starts a query Spark's worker start failed
+START_ATTEMPTS = 3
+
+
+def start_query(start: Callable[[], Any]) -> Any:
+    """``start()`` (a ``DataStreamWriter.start`` call), again when Spark's driver could not start
+    its Python worker in time (:data:`WORKER_DID_NOT_CONNECT_BACK`), up to
+    :data:`START_ATTEMPTS` times. Any other error, and the last, goes on up."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            return start()
+        except Exception as exc:
+            if attempt == START_ATTEMPTS or WORKER_DID_NOT_CONNECT_BACK not in str(exc):
+                raise
+            print(f"start_query: attempt {attempt}: {WORKER_DID_NOT_CONNECT_BACK}", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 def unique_name(prefix: str) -> str:
