@@ -1,8 +1,6 @@
 """``python -m reliable_amqp``: the ``reliable-amqp`` command line."""
 
-import sys
-
-from reliable_amqp.cli import main
+from reliable_amqp.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

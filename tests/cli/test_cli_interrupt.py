@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from reliable_amqp.cli._interrupt import Interrupts
+from reliable_amqp.cli._interrupt import REDELIVER, Interrupts
 from support.broker import BrokerAdmin
 
 pytestmark = [pytest.mark.broker, pytest.mark.slow]
@@ -193,3 +193,76 @@ def test_other_unraisable_exceptions_still_reach_the_hook_there_was() -> None:
     finally:
         sys.unraisablehook = previous
     assert [type(e) for e in seen] == [ValueError]
+
+
+def test_a_press_noted_and_not_acted_on_is_raised_leaving_the_block() -> None:
+    """A Ctrl-C deferred and never checked is raised by the block's end, and no redelivery of
+    it reaches the handler there was before (it met Python's default handler after the command
+    had returned, and the process died of SIGINT instead of exiting 130)."""
+    after: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: after.append(signum))
+    try:
+        with pytest.raises(KeyboardInterrupt), Interrupts() as interrupts:
+            interrupts.deferring = True
+            signal.raise_signal(signal.SIGINT)  # noted, not raised: nothing checks it
+            assert interrupts.pending
+        deadline = time.monotonic() + 10 * REDELIVER  # when a redelivery would have come
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert after == []
+    assert interrupts.presses == 1
+
+
+def test_a_redelivery_of_a_press_already_acted_on_is_dropped() -> None:
+    """The redelivery was on its way when the main thread acted on the press: it is no press."""
+    with Interrupts() as interrupts:
+        interrupts.deferring = True
+        signal.raise_signal(signal.SIGINT)
+        interrupts._redelivering = True  # as _redeliver sets it before it sends
+        with pytest.raises(KeyboardInterrupt):
+            interrupts.check()
+        signal.raise_signal(signal.SIGINT)  # ... and here it comes
+        for _ in range(10_000):  # (bytecode for the handler to run on)
+            pass
+        assert not interrupts.pending
+        assert interrupts.presses == 1
+
+
+#: a program whose command has decided its outcome (exit 3, a line on stdout not yet flushed)
+#: and then gets Ctrl-C while it exits; argv[1] is how many presses
+_LATE = """
+import atexit, os, signal, sys, time
+import reliable_amqp.cli as cli
+
+def decided(argv=None):
+    sys.stdout.write("outcome said")
+    return 3
+
+def presses():
+    for _ in range(int(sys.argv[1])):
+        signal.raise_signal(signal.SIGINT)
+        for _ in range(10_000):  # (bytecode for the handler to run on)
+            pass
+    time.sleep(60 if sys.argv[1] == "2" else 0)  # a shutdown that hangs
+
+cli.main = decided
+atexit.register(presses)
+cli.run()
+"""
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_a_ctrl_c_after_the_outcome_changes_neither_code_nor_output(presses: int) -> None:
+    """Once main() returned, a press while the process exits is ignored (Python's default
+    handler printed a KeyboardInterrupt traceback from the shutdown and died of SIGINT); a
+    second one ends a shutdown that hangs, with the same code and the output flushed."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LATE, str(presses)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (3, "outcome said", "")

@@ -9,9 +9,14 @@ not be reached or the connection was lost for good, 130 interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
+from typing import NoReturn
 
 from reliable_amqp._core.errors import ConfigurationError, SpoolError
 from reliable_amqp.cli._bench import add_bench_arguments, run_bench
@@ -40,7 +45,49 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "main",
+    "run",
 ]
+
+
+def run() -> NoReturn:
+    """The ``reliable-amqp`` program (its console script and ``python -m reliable_amqp``):
+    :func:`main`, then exit with its code.
+
+    Once :func:`main` has returned, the outcome is decided and said: a Ctrl-C that arrives while
+    the process exits (a second press a moment after the first, say) changes neither the exit
+    code nor the output, where Python's default handler would print a ``KeyboardInterrupt``
+    traceback from the interpreter's shutdown and die of SIGINT. A second such press ends the
+    process at once (streams flushed), with the same code, in case the shutdown hangs.
+    """
+    code: int | None = None
+    while True:  # (a press between main() and the handler below: main's outcome stands)
+        try:
+            if code is None:
+                code = main()
+            signal.signal(signal.SIGINT, _LatePresses(code))
+            break
+        except KeyboardInterrupt:
+            if code is None:  # main() itself did not catch it: interrupted while starting
+                code = EXIT_INTERRUPTED
+    sys.exit(code)
+
+
+class _LatePresses:
+    """SIGINT once the program's outcome is decided: the first press is ignored; the second
+    flushes the standard streams and exits with the decided code at once."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+        self.presses = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.presses += 1
+        if self.presses > 1:
+            for stream in (sys.stdout, sys.stderr):
+                # closed or broken: nothing more to say there
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+            os._exit(self.code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,11 @@ callback that cannot raise (a weakref callback, such as the import system's modu
 cleanup during a lazy import) is printed as "Exception ignored in ..." and the program goes
 on, so the command ran on as if nobody had pressed anything. Inside the block such a dropped
 interrupt is delivered again (``sys.unraisablehook``), as the same press, and not printed.
+
+Leaving the block, a Ctrl-C noted and not acted on yet is raised there (``KeyboardInterrupt``
+out of the ``with``), and a redelivery is never sent once the handler is gone: sent a moment
+later, it met Python's default handler after the command had returned, and the process died of
+SIGINT with a traceback instead of exiting 130.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class Interrupts:
         self._previous: object = None
         self._previous_hook: object = None
         self._installed = False
+        # held while a redelivery decides and sends, and while the block's exit uninstalls
+        self._lock = threading.Lock()
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
@@ -62,11 +69,24 @@ class Interrupts:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._installed:
-            self._installed = False
-            signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
-            if sys.unraisablehook == self._on_unraisable:  # (nobody replaced it meanwhile)
-                sys.unraisablehook = self._previous_hook  # type: ignore[assignment]
+        if not self._installed:
+            return
+        interrupted = False
+        while True:  # (a press raised in here is noted, and raised once all is restored)
+            try:
+                with self._lock:  # no redelivery from now on; one already sent has arrived
+                    self._installed = False
+                # signal.signal() first runs the handler of a signal that has arrived (this
+                # one: it raises for a press acted on at once, and notes a deferred one)
+                signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+        if sys.unraisablehook == self._on_unraisable:  # (nobody replaced it meanwhile)
+            sys.unraisablehook = self._previous_hook  # type: ignore[assignment]
+        if (interrupted or self.pending) and exc_type is None:
+            self.pending = False
+            raise KeyboardInterrupt
 
     def check(self) -> None:
         """Raise ``KeyboardInterrupt`` for a Ctrl-C noted meanwhile."""
@@ -77,6 +97,8 @@ class Interrupts:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._redelivering:
             self._redelivering = False
+            if not self.pending:  # the press was acted on while this one was on its way
+                return
         else:
             self.presses += 1
         if not self.deferring or self.presses > 1 or safe_to_interrupt(frame):
@@ -104,8 +126,9 @@ class Interrupts:
         (previous if callable(previous) else sys.__unraisablehook__)(unraisable)
 
     def _redeliver(self) -> None:
-        if self.pending and self._installed:
-            self._redelivering = True
-            main = threading.main_thread().ident
-            if main is not None:
-                signal.pthread_kill(main, signal.SIGINT)
+        with self._lock:
+            if self.pending and self._installed:
+                self._redelivering = True
+                main = threading.main_thread().ident
+                if main is not None:
+                    signal.pthread_kill(main, signal.SIGINT)
