@@ -504,25 +504,38 @@ class Rabbitmq4Cluster:
         _wait_until(converged, timeout, f"cluster members {sorted(want)}")
         self._converged = changes
 
-    def leader(self, queue: str) -> Rabbitmq4Node:
-        """The node holding the leader of quorum queue ``queue`` (asked of any running node)."""
-        for node in self.nodes:
-            if not node.is_running() or node.frozen:
-                continue
-            # What list_queues' leader column shows (rabbit_amqqueue:info/2), for one queue
-            name = queue.replace("\\", "\\\\").replace('"', '\\"')
-            leader = node.erl(
-                f'case rabbit_amqqueue:lookup(rabbit_misc:r(<<"/">>, queue, <<"{name}"/utf8>>)) of '
-                "{ok, Q} -> [{leader, L}] = rabbit_amqqueue:info(Q, [leader]), atom_to_list(L); "
-                "_ -> none end."
-            ).strip('"')
-            if leader == "none":
-                raise BrokerStartError(f"no queue {queue} on {node.nodename}")
-            for candidate in self.nodes:
-                if candidate.nodename == leader:
-                    return candidate
-            raise BrokerStartError(f"{queue}: leader {leader} is no cluster node")
-        raise BrokerStartError("no running node to ask")
+    def leader(self, queue: str, timeout: float = 30.0) -> Rabbitmq4Node:
+        """The node holding the leader of quorum queue ``queue``, as the first running node that
+        knows says. Through an election (the leader's node was just killed: RabbitMQ answers an
+        empty name) or a node still booting (launched again, its commands fail or it knows no
+        queue yet), it asks again until ``timeout``, then raises with every node's answer."""
+        name = queue.replace("\\", "\\\\").replace('"', '\\"')
+        # What list_queues' leader column shows (rabbit_amqqueue:info/2), for one queue
+        expression = (
+            f'case rabbit_amqqueue:lookup(rabbit_misc:r(<<"/">>, queue, <<"{name}"/utf8>>)) of '
+            "{ok, Q} -> [{leader, L}] = rabbit_amqqueue:info(Q, [leader]), atom_to_list(L); "
+            "_ -> none end."
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            answers = []
+            for node in self.nodes:
+                if not node.is_running() or node.frozen:
+                    continue
+                try:
+                    leader = node.erl(expression).strip('"')
+                except BrokerCommandError as exc:
+                    answers.append(f"{node.nodename}: {str(exc).splitlines()[-1]}")
+                    continue
+                for candidate in self.nodes:
+                    if candidate.nodename == leader:
+                        return candidate
+                said = {"none": "no such queue", "[]": "no leader known"}.get(leader, leader)
+                answers.append(f"{node.nodename}: {said}")
+            if time.monotonic() >= deadline:
+                asked = "; ".join(answers) or "no running node to ask"
+                raise BrokerStartError(f"{queue}: no leader within {timeout} s ({asked})")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         """Stop every node (thawed first), delete their directories, stop the epmd."""
