@@ -516,9 +516,11 @@ class Rabbitmq4Cluster:
             "{ok, Q} -> [{leader, L}] = rabbit_amqqueue:info(Q, [leader]), atom_to_list(L); "
             "_ -> none end."
         )
-        deadline = time.monotonic() + timeout
-        while True:
-            answers = []
+        found: list[Rabbitmq4Node] = []
+        answers: list[str] = []  # each running node's answer, in the last round
+
+        def known() -> bool:
+            answers.clear()
             for node in self.nodes:
                 if not node.is_running() or node.frozen:
                     continue
@@ -527,15 +529,19 @@ class Rabbitmq4Cluster:
                 except BrokerCommandError as exc:
                     answers.append(f"{node.nodename}: {str(exc).splitlines()[-1]}")
                     continue
-                for candidate in self.nodes:
-                    if candidate.nodename == leader:
-                        return candidate
+                found.extend(n for n in self.nodes if n.nodename == leader)
+                if found:
+                    return True
                 said = {"none": "no such queue", "[]": "no leader known"}.get(leader, leader)
                 answers.append(f"{node.nodename}: {said}")
-            if time.monotonic() >= deadline:
-                asked = "; ".join(answers) or "no running node to ask"
-                raise BrokerStartError(f"{queue}: no leader within {timeout} s ({asked})")
-            time.sleep(0.1)
+            return False
+
+        try:
+            _wait_until(known, timeout, f"a leader of {queue}")
+        except TimeoutError as exc:
+            asked = "; ".join(answers) or "no running node to ask"
+            raise BrokerStartError(f"{exc} ({asked})") from None
+        return found[0]
 
     def stop(self) -> None:
         """Stop every node (thawed first), delete their directories, stop the epmd."""
